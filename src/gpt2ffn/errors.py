@@ -1,0 +1,21 @@
+"""The errors gpt2ffn raises on bad input. The CLI prints any of them as one line and exits 2."""
+
+
+class Gpt2ffnError(Exception):
+    """Base class: a message that names the thing, what was expected and what was found."""
+
+
+class ConfigError(Gpt2ffnError, ValueError):
+    """A config value or name that gpt2ffn does not accept."""
+
+
+class ShapeError(Gpt2ffnError, ValueError):
+    """A tensor whose shape does not fit the config."""
+
+
+class InputError(Gpt2ffnError, TypeError):
+    """An input of the wrong kind: integer or bool dtype, numpy where torch is needed, wrong device."""
+
+
+class CheckpointError(Gpt2ffnError, ValueError):
+    """A checkpoint that is missing, empty, corrupt, or lacks a tensor."""

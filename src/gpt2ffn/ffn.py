@@ -1,0 +1,77 @@
+"""The GPT-2 feed-forward network as a PyTorch module, state-dict compatible with HF's GPT2MLP."""
+
+import torch
+import torch.nn as nn
+
+from .config import Config
+from .errors import InputError, ShapeError
+from .gelu import activation
+
+
+class Conv1D(nn.Module):
+    """GPT-2's linear layer: weight stored [in, out] (HF/OpenAI layout), y = x @ W + b."""
+
+    def __init__(self, n_in: int, n_out: int, std: float = 0.02):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(n_in, n_out))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+        nn.init.normal_(self.weight, std=std)
+
+    def forward(self, x):
+        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # (N, in) -> (N, out)
+        return y.view(*x.shape[:-1], y.shape[-1])
+
+    def extra_repr(self):
+        return f"n_in={self.weight.shape[0]}, n_out={self.weight.shape[1]}"
+
+
+class FeedForward(nn.Module):
+    """c_fc (d -> hidden) -> GELU -> c_proj (hidden -> d) -> dropout, on each token alone.
+
+    Keys and shapes equal HF GPT2MLP's (c_fc.weight is [d, hidden]), so state dicts move both ways.
+    Takes a Config, a dict (HF or book-style keys) or a preset name."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg = Config.coerce(cfg)
+        self.c_fc = Conv1D(cfg.n_embd, cfg.hidden, cfg.initializer_range)
+        self.act = activation(cfg.gelu_approximate)
+        self.c_proj = Conv1D(cfg.hidden, cfg.n_embd, cfg.initializer_range)
+        self.dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def forward(self, x):
+        """x: (..., n_embd) float tensor -> (..., n_embd)."""
+        self.check_input(x)
+        h = self.act(self.c_fc(x))            # (..., d) -> (..., hidden)
+        return self.dropout(self.c_proj(h))   # (..., hidden) -> (..., d)
+
+    def check_input(self, x):
+        """Raise a clear error for input that would give a wrong answer or a deep traceback."""
+        if not isinstance(x, torch.Tensor):
+            raise InputError(f"FeedForward input must be a torch.Tensor, got {type(x).__name__} "
+                             "(gpt2ffn.reference runs numpy arrays)")
+        if not x.is_floating_point():
+            raise InputError(f"FeedForward input must be a float tensor, got dtype {x.dtype}")
+        d = self.config.n_embd
+        if x.dim() == 0 or x.shape[-1] != d:
+            raise ShapeError(f"FeedForward input has shape {tuple(x.shape)}; expected (..., {d}) "
+                             f"(last dim = n_embd = {d})")
+        w = self.c_fc.weight
+        if x.dtype != w.dtype:
+            raise InputError(f"FeedForward input has dtype {x.dtype} but its weights are {w.dtype}; "
+                             f"convert one of them (x.to({w.dtype}) or ffn.to({x.dtype}))")
+        if x.device != w.device:
+            raise InputError(f"FeedForward input is on {x.device} but its weights are on {w.device}")
+
+    @classmethod
+    def from_pretrained(cls, path, layer: int = 0, config=None, dtype=torch.float32) -> "FeedForward":
+        """Block `layer`'s FFN from an HF GPT-2 checkpoint (a directory or a file); reads only its 4 tensors."""
+        from .weights import load_ffn_state
+        cfg, state = load_ffn_state(path, layer, config)
+        ffn = cls(cfg)
+        ffn.load_state_dict(state)
+        return ffn.to(dtype).eval()
+
+    def extra_repr(self):
+        c = self.config
+        return f"n_embd={c.n_embd}, hidden={c.hidden}, activation_function={c.activation_function!r}"

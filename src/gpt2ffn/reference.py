@@ -1,0 +1,90 @@
+"""The GPT-2 feed-forward network in plain numpy: the seed's "ndarray only" FFN, to read top to bottom.
+
+Every fast path in gpt2ffn is checked against this file. It keeps HF's layout: Conv1D weights are
+[in, out], so a layer is `x @ W + b` with no transpose.
+
+    c_fc:   (..., d)      @ (d, hidden) + (hidden,) -> (..., hidden)     hidden = 4d in GPT-2
+    GELU:   elementwise, tanh form (GPT-2's gelu_new) or exact (erf)
+    c_proj: (..., hidden) @ (hidden, d) + (d,)      -> (..., d)
+"""
+
+import math
+
+import numpy as np
+
+from .errors import InputError, ShapeError
+
+
+def _float(x):
+    """x as a float array; float16 is computed in float32 so x**3 cannot overflow."""
+    x = np.asarray(x)
+    if x.dtype.kind != "f":
+        raise InputError(f"GELU input must be a float array, got dtype {x.dtype}")
+    return x.astype(np.float32) if x.dtype == np.float16 else x
+
+
+def gelu_tanh(x):
+    """GPT-2's GELU: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))."""
+    xf = _float(x)
+    y = 0.5 * xf * (1.0 + np.tanh(math.sqrt(2.0 / math.pi) * (xf + 0.044715 * xf**3)))
+    return y.astype(np.asarray(x).dtype, copy=False)
+
+
+_erf = np.vectorize(math.erf, otypes=[np.float64])
+
+
+def gelu_exact(x):
+    """The exact GELU: x * Phi(x) = 0.5 x (1 + erf(x / sqrt(2)))."""
+    xf = _float(x)
+    y = 0.5 * xf * (1.0 + _erf(xf / math.sqrt(2.0)))
+    return y.astype(np.asarray(x).dtype, copy=False)
+
+
+def relu(x):
+    return np.maximum(_float(x), 0).astype(np.asarray(x).dtype, copy=False)
+
+
+ACTIVATIONS = {"tanh": gelu_tanh, "none": gelu_exact, "relu": relu}
+
+
+def gelu(x, approximate="tanh"):
+    """GELU of a numpy array: approximate="tanh" (GPT-2) or "none" (exact)."""
+    if approximate not in ("tanh", "none"):
+        raise ValueError(f"approximate must be 'tanh' or 'none', got {approximate!r}")
+    return ACTIVATIONS[approximate](x)
+
+
+def ffn_forward(x, c_fc_weight, c_fc_bias, c_proj_weight, c_proj_bias, approximate="tanh"):
+    """The FFN on x (..., d): c_fc -> GELU -> c_proj, each token on its own. Returns (..., d)."""
+    x = np.asarray(x)
+    d, hidden = c_fc_weight.shape
+    expected = {"c_fc.bias": (hidden,), "c_proj.weight": (hidden, d), "c_proj.bias": (d,)}
+    for name, arr in (("c_fc.bias", c_fc_bias), ("c_proj.weight", c_proj_weight), ("c_proj.bias", c_proj_bias)):
+        if arr.shape != expected[name]:
+            raise ShapeError(f"{name} has shape {tuple(arr.shape)}; c_fc.weight {(d, hidden)} expects {expected[name]}")
+    if x.ndim == 0 or x.shape[-1] != d:
+        raise ShapeError(f"input has shape {tuple(x.shape)}; the FFN expects last dim n_embd={d}")
+    h = x @ c_fc_weight + c_fc_bias          # (..., d) -> (..., hidden)
+    h = ACTIVATIONS[approximate](h)          # (..., hidden)
+    return h @ c_proj_weight + c_proj_bias   # (..., hidden) -> (..., d)
+
+
+class FFN:
+    """The seed's `struct FFN`: four arrays and a forward. Build it from arrays or from a torch module."""
+
+    def __init__(self, c_fc_weight, c_fc_bias, c_proj_weight, c_proj_bias, approximate="tanh"):
+        self.c_fc_weight, self.c_fc_bias = c_fc_weight, c_fc_bias
+        self.c_proj_weight, self.c_proj_bias = c_proj_weight, c_proj_bias
+        self.approximate = approximate
+
+    @classmethod
+    def from_state_dict(cls, sd, approximate="tanh"):
+        """From a GPT2MLP-style state dict (torch tensors or arrays): c_fc.weight, c_fc.bias, ..."""
+        arr = {k: np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v) for k, v in sd.items()}
+        return cls(arr["c_fc.weight"], arr["c_fc.bias"], arr["c_proj.weight"], arr["c_proj.bias"], approximate)
+
+    def forward(self, x):
+        return ffn_forward(x, self.c_fc_weight, self.c_fc_bias, self.c_proj_weight, self.c_proj_bias,
+                           self.approximate)
+
+    __call__ = forward

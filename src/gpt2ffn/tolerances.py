@@ -1,0 +1,39 @@
+"""The one table of tolerances, per dtype: tests, the golden harness and the benchmark's check all read it.
+
+A comparison passes when |actual - expected| <= atol + rtol * |expected| elementwise (torch.allclose's rule).
+fp32/fp64 compare two computations of the same math (ours vs HF's modules); half types compare ours
+against HF run in the same half dtype, where the two may round differently in the GEMM's accumulation order.
+"""
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float
+    rtol: float
+
+
+TOLERANCES = {
+    "float64": Tolerance(atol=1e-10, rtol=1e-10),
+    "float32": Tolerance(atol=1e-5, rtol=1e-5),
+    "bfloat16": Tolerance(atol=2e-2, rtol=1.6e-2),
+    "float16": Tolerance(atol=2e-3, rtol=1e-3),
+}
+
+# Seed 001's conformance bar: absolute difference to HF's golden tensors, fp32.
+GOLDEN_ATOL = 1e-4
+
+
+def tolerance(dtype) -> Tolerance:
+    """The row for a torch dtype, a numpy dtype, or a name like 'float32'."""
+    if isinstance(dtype, torch.dtype):
+        name = str(dtype).removeprefix("torch.")
+    else:
+        name = np.dtype(dtype).name if not isinstance(dtype, str) else dtype
+    if name not in TOLERANCES:
+        raise ValueError(f"no tolerance for dtype {name!r}; the table has {', '.join(TOLERANCES)}")
+    return TOLERANCES[name]

@@ -1,0 +1,196 @@
+"""Reading and writing HF GPT-2 checkpoints: safetensors (single or sharded) and pytorch_model.bin.
+
+Two key layouts exist in the wild and both are read: openai-community/gpt2's own file has no prefix
+(`h.0.mlp.c_fc.weight`, plus `h.0.attn.bias` mask buffers), while `save_pretrained` of GPT2LMHeadModel
+writes `transformer.h.0.mlp.c_fc.weight`. Names here are normalized to the unprefixed form.
+Tensors are read lazily: asking for one block's FFN reads those four tensors, not the whole file.
+"""
+
+import json
+import re
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from .config import Config
+from .errors import CheckpointError, ShapeError
+
+PREFIX = "transformer."
+FFN_TENSORS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
+# The files a checkpoint directory may hold, in the order they are tried.
+DIR_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# Buffers that some checkpoints carry and no module needs: the causal mask and its fill value.
+IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")
+
+
+def ffn_shapes(cfg: Config) -> dict:
+    """The shape each FFN tensor must have under cfg, in HF's Conv1D layout."""
+    d, hidden = cfg.n_embd, cfg.hidden
+    return {"c_fc.weight": (d, hidden), "c_fc.bias": (hidden,), "c_proj.weight": (hidden, d), "c_proj.bias": (d,)}
+
+
+class Checkpoint:
+    """A lazy, read-only view of an HF GPT-2 checkpoint (a directory or one file)."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        if not self.path.exists():
+            raise CheckpointError(f"checkpoint {self.path} does not exist")
+        self.files = self._files()
+        self._where = {}    # normalized name -> (file, key in that file)
+        self._handles = {}  # file -> open safetensors handle or loaded (mmap) state dict
+        for file in dict.fromkeys(self.files):
+            for key in self._keys(file):
+                if not IGNORED.search(key):
+                    self._where[key.removeprefix(PREFIX)] = (file, key)
+        if not self._where:
+            raise CheckpointError(f"checkpoint {self.path} holds no tensors")
+
+    def _files(self) -> list:
+        if self.path.is_dir():
+            for name in DIR_FILES:
+                if (self.path / name).is_file():
+                    return self._files_of(self.path / name)
+            present = sorted(p.name for p in self.path.iterdir())
+            raise CheckpointError(f"checkpoint directory {self.path} has none of {', '.join(DIR_FILES)} "
+                                  f"(it has: {', '.join(present) or 'nothing'})")
+        return self._files_of(self.path)
+
+    def _files_of(self, file: Path) -> list:
+        if file.stat().st_size == 0:
+            raise CheckpointError(f"checkpoint file {file} is empty (0 bytes)")
+        if file.name.endswith(".index.json"):
+            try:
+                weight_map = json.loads(file.read_text())["weight_map"]
+                shards = [file.parent / weight_map[k] for k in weight_map]
+            except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError) as e:
+                raise CheckpointError(f"{file} is not a valid shard index (need a 'weight_map' object): {e}") from None
+            missing = sorted({s.name for s in shards if not s.is_file()})
+            if missing:
+                raise CheckpointError(f"{file} names shard files that do not exist: {', '.join(missing)}")
+            for shard in dict.fromkeys(shards):
+                if shard.stat().st_size == 0:
+                    raise CheckpointError(f"checkpoint shard {shard} is empty (0 bytes)")
+            return shards
+        return [file]
+
+    def _open(self, file: Path):
+        if file not in self._handles:
+            self._handles[file] = _open_safetensors(file) if file.suffix == ".safetensors" else _open_torch(file)
+        return self._handles[file]
+
+    def _keys(self, file: Path):
+        return list(self._open(file).keys())
+
+    @property
+    def names(self) -> list:
+        """Every tensor name, normalized (no 'transformer.' prefix, no attn.bias buffers)."""
+        return sorted(self._where)
+
+    @property
+    def layers(self) -> list:
+        """The block indices that have at least one tensor here."""
+        return sorted({int(m.group(1)) for n in self._where if (m := re.match(r"h\.(\d+)\.", n))})
+
+    def __contains__(self, name):
+        return name in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        """One tensor by normalized name; only that tensor is read from disk."""
+        if name not in self._where:
+            raise CheckpointError(f"checkpoint {self.path} has no tensor {name!r}; {self._describe()}")
+        file, key = self._where[name]
+        handle = self._open(file)
+        return handle.get_tensor(key) if hasattr(handle, "get_tensor") else handle[key]
+
+    def _describe(self) -> str:
+        layers = self.layers
+        span = _span(layers)
+        sample = [n for n in self.names if n.startswith(f"h.{layers[0]}.")] if layers else self.names[:8]
+        return f"it has {span}; e.g. {', '.join(sample[:12])}"
+
+
+def _span(layers: list) -> str:
+    if not layers:
+        return "no transformer blocks"
+    if layers == list(range(layers[0], layers[-1] + 1)):
+        return f"layers {layers[0]}..{layers[-1]}"
+    return f"layers {', '.join(map(str, layers))}"
+
+
+def _open_safetensors(file: Path):
+    try:
+        return safe_open(str(file), framework="pt")
+    except Exception as e:  # safetensors raises its own SafetensorError for a bad header
+        raise CheckpointError(f"{file} is not a valid safetensors file: {e}") from None
+
+
+def _open_torch(file: Path):
+    """pytorch_model.bin with weights_only=True (no pickled code runs), memory-mapped where the format allows."""
+    try:
+        try:
+            sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
+            sd = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{file} could not be read as a weights-only PyTorch checkpoint: {first}") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise CheckpointError(f"{file} does not hold a state dict of tensors")
+    return sd
+
+
+def _checkpoint_config(ckpt: Checkpoint, config) -> tuple:
+    """The Config to check tensors against, and where it came from."""
+    if config is not None:
+        return Config.coerce(config), "the given config"
+    directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+    if (directory / "config.json").is_file():
+        return Config.from_pretrained(directory), str(directory / "config.json")
+    return None, None
+
+
+def load_ffn_state(path, layer: int = 0, config=None) -> tuple:
+    """(Config, state dict) of block `layer`'s FFN, every shape checked against the config.
+
+    The config is `config` if given, else the checkpoint's config.json, else inferred from c_fc.weight."""
+    if not isinstance(layer, int) or isinstance(layer, bool):
+        raise CheckpointError(f"layer must be an int, got {layer!r}")
+    ckpt = Checkpoint(path)
+    cfg, source = _checkpoint_config(ckpt, config)
+    layers = ckpt.layers
+    if layer not in layers or (cfg is not None and layer >= cfg.n_layer):
+        raise CheckpointError(f"layer {layer} is out of range: checkpoint {ckpt.path} has {_span(layers)}")
+    state = {name: ckpt.get(f"h.{layer}.mlp.{name}") for name in FFN_TENSORS}
+    if cfg is None:
+        d, hidden = state["c_fc.weight"].shape
+        # The FFN alone does not tell n_head or n_layer; these fill the config, the FFN does not use them.
+        cfg = Config(n_embd=d, n_inner=None if hidden == 4 * d else hidden, n_head=1, n_layer=layers[-1] + 1)
+        source = "c_fc.weight"
+    for name, shape in ffn_shapes(cfg).items():
+        actual = tuple(state[name].shape)
+        if actual != shape:
+            raise ShapeError(f"h.{layer}.mlp.{name} has shape {actual}; Config(n_embd={cfg.n_embd}, "
+                             f"n_inner={cfg.hidden}) from {source} expects {shape}")
+    return cfg, state
+
+
+def save_ffn(ffn, path, layer: int = 0):
+    """Write an FFN as HF-layout safetensors (`h.{layer}.mlp.*`), bit-identical on reload.
+
+    A path ending in .safetensors is written as that file; any other path is a directory that gets
+    model.safetensors and a config.json, so HF's from_pretrained reads it."""
+    path = Path(path)
+    tensors = {f"h.{layer}.mlp.{k}": v.detach().cpu().contiguous().clone() for k, v in ffn.state_dict().items()}
+    if path.suffix == ".safetensors":
+        path.parent.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path), metadata={"format": "pt"})
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+    hf = ffn.config.to_hf_dict()
+    hf.update(n_layer=max(ffn.config.n_layer, layer + 1), model_type="gpt2", architectures=["GPT2Model"])
+    (path / "config.json").write_text(json.dumps(hf, indent=2) + "\n")
+    return path / "model.safetensors"

@@ -1,0 +1,70 @@
+"""Shared helpers: seeded random HF GPT-2 parts (our reference), and checkpoints the tests make themselves."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+from gpt2ffn import Config
+
+# The widths of gpt2, -medium, -large, -xl, and an odd one whose hidden is not 4d.
+WIDTHS = [Config(n_embd=768), Config(n_embd=1024, n_head=16), Config(n_embd=1280, n_head=20),
+          Config(n_embd=1600, n_head=25), Config(n_embd=200, n_inner=600, n_head=8)]
+ACTIVATIONS = ["gelu_new", "gelu_pytorch_tanh", "gelu_fast", "gelu", "relu"]
+
+
+def hf_config(cfg: Config, **overrides) -> GPT2Config:
+    d = cfg.to_hf_dict()
+    d.update(overrides)
+    return GPT2Config(**d)
+
+
+def randomize_(module: torch.nn.Module, seed: int, bias_std: float = 0.1) -> torch.nn.Module:
+    """Seeded normal weights (std 0.02, as GPT-2's init) and non-zero biases, so a missing bias shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in sorted(module.named_parameters()):
+            std = bias_std if name.endswith("bias") and p.dim() == 1 else 0.02
+            if name.endswith("ln_1.weight") or name.endswith("ln_2.weight") or name.endswith("ln_f.weight"):
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=g))
+            else:
+                p.copy_(std * torch.randn(p.shape, generator=g))
+    return module
+
+
+def hf_mlp(cfg: Config, seed: int = 0) -> GPT2MLP:
+    """HF's own GPT2MLP for cfg, seeded random weights, eval mode."""
+    return randomize_(GPT2MLP(cfg.hidden, hf_config(cfg)), seed).eval()
+
+
+def hf_model(cfg: Config, seed: int = 0) -> GPT2LMHeadModel:
+    """HF's own GPT2LMHeadModel for cfg, seeded random weights, eval mode."""
+    model = GPT2LMHeadModel(hf_config(cfg))
+    return randomize_(model, seed).eval()
+
+
+SMALL = Config(n_embd=64, n_layer=3, n_head=4, n_positions=32, vocab_size=96, bos_token_id=0, eos_token_id=0)
+
+
+@pytest.fixture(scope="session")
+def small_model():
+    return hf_model(SMALL, seed=7)
+
+
+@pytest.fixture(scope="session")
+def hf_dir(small_model, tmp_path_factory) -> Path:
+    """A checkpoint as save_pretrained writes it: model.safetensors with 'transformer.' keys."""
+    d = tmp_path_factory.mktemp("hf_save_pretrained")
+    small_model.save_pretrained(d)
+    return d
+
+
+@pytest.fixture
+def real_gpt2() -> Path:
+    path = os.environ.get("GPT2FFN_REAL_GPT2")
+    if not path:
+        pytest.skip("set GPT2FFN_REAL_GPT2 to a local openai-community/gpt2 directory to run real-weight tests")
+    return Path(path)

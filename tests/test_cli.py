@@ -1,0 +1,49 @@
+import subprocess
+import sys
+
+import pytest
+
+from gpt2ffn.cli import main
+
+
+def test_demo_via_console_script():
+    out = subprocess.run([sys.executable, "-m", "gpt2ffn.cli", "demo"], capture_output=True, text=True, check=True).stdout
+    assert "Input shape:  torch.Size([2, 3, 768])" in out
+    assert "Output shape: torch.Size([2, 3, 768])" in out
+    assert "✓ Shape preservation test passed!" in out
+    assert "GELU outputs:     tensor([-0.0454, -0.1588,  0.0000,  0.8412,  1.9546])" in out
+    diff = float(out.split("max |diff| = ")[1].split()[0])
+    assert diff < 1e-5
+
+
+def test_gelu_points(capsys):
+    assert main(["gelu", "-2", "0.5", "3", "-2.7"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["x", "tanh", "(GPT-2)", "exact", "(erf)", "exact", "-", "tanh"]
+    assert out[1].split() == ["-2.0000", "-0.0454023", "-0.0455003", "-9.796e-05"]
+    assert out[4].split()[-1] == "-4.732e-04"
+
+
+def test_gelu_plot(tmp_path, capsys):
+    png = tmp_path / "gelu.png"
+    assert main(["gelu", "--plot", str(png)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["gelu"], "give one or more numbers"),
+    (["nope"], "invalid choice: 'nope'"),
+    (["gelu", "abc"], "invalid float value: 'abc'"),
+    ([], "the following arguments are required: command"),
+])
+def test_errors_are_one_line_exit_2(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["gelu", "--help"]])
+def test_help(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 0 and "usage: gpt2ffn" in capsys.readouterr().out
