@@ -76,6 +76,86 @@ def cmd_gelu(args):
     return 0
 
 
+def _ids(text):
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 15496,11,616, got {text!r}")
+
+
+def _tol(text):
+    key, _, value = text.partition("=")
+    try:
+        return key, float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected CHECKPOINT=ATOL like 09=1e-3 or ffn=2e-4, got {text!r}")
+
+
+def cmd_extract(args):
+    """Golden tensors from HF's own GPT-2 modules."""
+    from .golden import extract
+    m = extract(args.model, args.out, ids=args.ids, prompt=args.prompt, layers=args.layers,
+                progress=not args.quiet)
+    n = sum(e["kind"] != "alias" for e in m["tensors"].values())
+    print(f"wrote {n} tensors for {len(m['token_ids'])} tokens, layers {m['layers']}, "
+          f"from {m['model']['source']} to {args.out} (manifest.json)")
+    return 0
+
+
+def cmd_verify(args):
+    """Judge gpt2ffn (or --candidate's .npy files) against a golden directory."""
+    import json
+
+    from . import golden as g
+
+    gold = g.Golden(args.golden)
+    tolerances = dict(args.tol)
+    if args.negative:
+        rows, title = g.verify_negative(gold, args.atol), "negative controls: each known-wrong FFN must FAIL"
+    elif args.candidate:
+        rows, title = g.verify_candidate(gold, args.candidate, tolerances, args.atol), f"candidate {args.candidate}"
+    else:
+        rows, title = g.verify_ours(gold, tolerances, args.atol, args.repeat), "gpt2ffn's own implementation"
+    failed = [r for r in rows if r.status == "FAIL" or (args.strict and r.status == "MISSING")]
+    judged = [r for r in rows if r.status != "MISSING"]
+    first = failed[0] if failed else None
+    if args.json:
+        print(json.dumps({"golden": str(args.golden), "mode": title, "passed": not failed and bool(judged),
+                          "first_failure": first.as_dict() if first else None,
+                          "rows": [r.as_dict() for r in rows]}, indent=1))
+    else:
+        print(g.format_rows(rows, f"{title} vs golden {args.golden} ({gold.manifest['model']['source']}, "
+                                  f"{len(gold.token_ids)} tokens)"))
+        missing = sum(r.status == "MISSING" for r in rows)
+        print(f"\n{len(judged) - len([r for r in judged if r.status == 'FAIL'])} passed, "
+              f"{sum(r.status == 'FAIL' for r in rows)} failed" + (f", {missing} missing" if missing else ""))
+        if first:
+            print(f"first failing checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)}), "
+                  f"layer {first.layer}, {first.name}: {first.note or f'max abs {first.max_abs:.3e} > {first.atol:g}'}")
+        elif not judged:
+            print("nothing was judged: no candidate file matches a golden name")
+    return 1 if failed or not judged else 0
+
+
+def cmd_gelu_effect(args):
+    """What exact GELU does to GPT-2, at each FFN output and at the logits."""
+    import json
+
+    from .golden import gelu_effect
+    from .tolerances import GOLDEN_ATOL
+    r = gelu_effect(args.model, ids=args.ids, prompt=args.prompt)
+    if args.json:
+        print(json.dumps(r, indent=1))
+        return 0
+    print(f"exact GELU vs GPT-2's tanh GELU on {r['model']}, {r['tokens']} tokens (tolerance {GOLDEN_ATOL:g})")
+    print(f"{'layer':>5}  {'FFN out max |diff|':>19}")
+    for row in r["ffn"]:
+        verdict = "FAIL" if row["ffn_max_abs"] > GOLDEN_ATOL else "pass"
+        print(f"{row['layer']:>5}  {row['ffn_max_abs']:>19.3e}  {verdict}")
+    print(f"logits max |diff|: {r['logits_max_abs']:.3e}; argmax agrees on {100 * r['argmax_agree']:.1f}% of positions")
+    return 0
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="gpt2ffn", description="The GPT-2 feed-forward network, proven against HuggingFace.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -87,6 +167,37 @@ def build_parser() -> Parser:
     p.add_argument("x", nargs="*", type=float, help="points to evaluate, e.g. -2 0.5 3")
     p.add_argument("--plot", metavar="FILE", help="write a PNG: tanh GELU, exact GELU, ReLU, and exact - tanh")
     p.set_defaults(func=cmd_gelu)
+    p = sub.add_parser("extract", help="write golden tensors from HF GPT-2 (forward hooks) with a manifest")
+    p.add_argument("--model", required=True, help="HF checkpoint directory, or random:<preset>[:seed] "
+                   "(presets: gpt2, gpt2-medium, gpt2-large, gpt2-xl, tiny)")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text, encoded with the tokenizer in the model directory")
+    src.add_argument("--ids", type=_ids, help="token ids, e.g. 15496,11,616")
+    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--layers", default="0", help="blocks to extract: comma-separated (0,3) or 'all' (default 0)")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(func=cmd_extract)
+
+    p = sub.add_parser("verify", help="judge gpt2ffn, or another engine's .npy files, against golden tensors")
+    p.add_argument("--golden", required=True, help="a directory written by gpt2ffn extract")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--candidate", help="a directory of .npy files under the golden names, from any engine")
+    mode.add_argument("--negative", action="store_true", help="prove the judge fails known-wrong FFNs")
+    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4, seed 001's)")
+    p.add_argument("--tol", type=_tol, action="append", default=[], metavar="KEY=ATOL",
+                   help="per-checkpoint tolerance by number (09), stage (ffn) or tensor (h0_ffn); repeatable")
+    p.add_argument("--repeat", type=int, default=1, help="also check that N runs are bit-identical")
+    p.add_argument("--strict", action="store_true", help="a missing candidate file counts as a failure")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("gelu-effect", help="measure how far exact GELU lands from GPT-2 (FFN outputs, logits)")
+    p.add_argument("--model", required=True, help="HF checkpoint directory, or random:<preset>[:seed]")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--prompt", help="text, encoded with the tokenizer in the model directory")
+    src.add_argument("--ids", type=_ids, help="token ids, e.g. 15496,11,616")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_gelu_effect)
     return parser
 
 

@@ -1,0 +1,484 @@
+"""Golden checkpoints: reference tensors taken from HF GPT-2's own modules, and a judge for any engine.
+
+`extract` runs HF transformers' GPT2LMHeadModel with forward hooks and writes every stage of the chosen
+blocks as .npy, with a manifest. Nothing here re-derives a stage: each tensor is what HF's module returned
+(q/k/v are HF's c_attn output split by head). `verify` runs gpt2ffn's own stages on the golden inputs, or
+judges another engine's .npy files, and names the first checkpoint that diverges.
+"""
+
+import hashlib
+import json
+import platform
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .config import Config
+from .errors import CheckpointError, Gpt2ffnError
+from .tolerances import GOLDEN_ATOL
+
+FORMAT = "gpt2ffn-golden/1"
+
+# Seed 001's numbering, where it has one; 00, 08 and 09 extend it to the ends of the model.
+CHECKPOINTS = {
+    "00": "embeddings (wte + wpe)",
+    "01": "LayerNorm (ln_1)",
+    "02": "QKV projection (c_attn; q by head)",
+    "03": "KV cache (k, v by head)",
+    "04": "attention scores (softmax probabilities)",
+    "05": "attention output (c_proj, + residual, ln_2)",
+    "06": "FFN (c_fc, GELU, c_proj)",
+    "07": "transformer block output",
+    "08": "final LayerNorm (ln_f)",
+    "09": "logits",
+}
+# Per block, in forward order: (stage, checkpoint, what it is and its shape).
+BLOCK_STAGES = [
+    ("ln_1", "01", "ln_1(x), (1, T, d)"),
+    ("c_attn", "02", "c_attn(ln_1), (1, T, 3d)"),
+    ("q", "02", "queries by head, (1, H, T, d/H)"),
+    ("k", "03", "keys by head: the KV cache, (1, H, T, d/H)"),
+    ("v", "03", "values by head: the KV cache, (1, H, T, d/H)"),
+    ("attn_probs", "04", "softmax(q k^T / sqrt(d/H) + causal mask), (1, H, T, T)"),
+    ("attn_out", "05", "attn.c_proj output, (1, T, d)"),
+    ("attn_resid", "05", "x + attention output, (1, T, d)"),
+    ("ln_2", "05", "ln_2(x + attn), the FFN's input, (1, T, d)"),
+    ("c_fc", "06", "c_fc(ln_2), (1, T, hidden)"),
+    ("gelu", "06", "GELU(c_fc), (1, T, hidden)"),
+    ("ffn", "06", "c_proj(GELU), the FFN's output, (1, T, d)"),
+    ("block", "07", "x + attn + FFN, (1, T, d)"),
+]
+MODEL_STAGES = [
+    ("embeddings", "00", "wte(ids) + wpe(positions), (1, T, d)"),
+    ("ln_f", "08", "ln_f(last block), (1, T, d)"),
+    ("logits", "09", "ln_f @ wte^T, (1, T, vocab)"),
+]
+# Block weights, HF layout ([in, out] for Conv1D), under seed 001's file names.
+BLOCK_WEIGHTS = {
+    "ln_1.weight": "ln_1_weight", "ln_1.bias": "ln_1_bias",
+    "attn.c_attn.weight": "c_attn_weight", "attn.c_attn.bias": "c_attn_bias",
+    "attn.c_proj.weight": "attn_c_proj_weight", "attn.c_proj.bias": "attn_c_proj_bias",
+    "ln_2.weight": "ln_2_weight", "ln_2.bias": "ln_2_bias",
+    "mlp.c_fc.weight": "c_fc_weight", "mlp.c_fc.bias": "c_fc_bias",
+    "mlp.c_proj.weight": "ffn_c_proj_weight", "mlp.c_proj.bias": "ffn_c_proj_bias",
+}
+# Seed 001's own file names for block 0, written as copies so its tests run unchanged.
+SEED_ALIASES = {"checkpoint_05_output": "h0_ln_2", "checkpoint_06_ffn": "h0_ffn"}
+
+
+def sha256(path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _hf():
+    try:
+        import transformers
+    except ImportError:
+        raise Gpt2ffnError("this command runs HF transformers as the reference: pip install 'gpt2ffn[hf]'") from None
+    return transformers
+
+
+# ---- the reference model ------------------------------------------------------------------------------
+
+def randomize_(model, seed: int):
+    """Seeded weights that exercise every stage: std 1.5/sqrt(fan_in), so GELU inputs reach |x| ~ 2.7 where
+    its two forms differ most, and non-zero biases and LayerNorm parameters, so a missing one shows."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("wte.weight", "wpe.weight")):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif ".ln_" in name or "ln_f" in name:
+                base = 1.0 if name.endswith("weight") else 0.0
+                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:  # Conv1D weight [in, out]
+                p.copy_(1.5 / p.shape[0] ** 0.5 * torch.randn(p.shape, generator=g))
+    return model
+
+
+def load_reference(source: str):
+    """(HF GPT2LMHeadModel in eval mode with eager attention, Config, manifest's model entry).
+
+    source is a local HF checkpoint directory, or `random:<preset>[:seed]` for seeded random weights."""
+    transformers = _hf()
+    if source.startswith("random:"):
+        parts = source.split(":")
+        if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
+            raise Gpt2ffnError(f"bad model {source!r}: expected random:<preset>[:seed], e.g. random:gpt2:0")
+        cfg = Config.from_name(parts[1])
+        seed = int(parts[2]) if len(parts) == 3 else 0
+        hf_cfg = transformers.GPT2Config(**cfg.to_hf_dict())
+        hf_cfg._attn_implementation = "eager"
+        model = randomize_(transformers.GPT2LMHeadModel(hf_cfg), seed).eval()
+        return model, cfg, {"source": f"random:{parts[1]}:{seed}", "files": {}}
+    path = Path(source)
+    if not path.is_dir():
+        raise Gpt2ffnError(f"model {source!r} is neither a checkpoint directory nor random:<preset>[:seed]")
+    cfg = Config.from_pretrained(path)
+    try:
+        model = transformers.GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager",
+                                                             dtype=torch.float32).eval()
+    except Exception as e:
+        raise CheckpointError(f"HF transformers could not load {path}: {str(e).splitlines()[0]}") from None
+    files = {p.name: sha256(p) for p in sorted(path.iterdir())
+             if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")}
+    return model, cfg, {"source": str(path.resolve()), "files": files}
+
+
+def token_ids(cfg: Config, model_source: str, ids=None, prompt=None) -> list:
+    if (ids is None) == (prompt is None):
+        raise Gpt2ffnError("give exactly one of --ids and --prompt")
+    if prompt is not None:
+        if model_source.startswith("random:"):
+            raise Gpt2ffnError("--prompt needs a tokenizer, and a random: model has none; use --ids")
+        from .tokenizer import load_tokenizer
+        ids = load_tokenizer(model_source).encode(prompt).ids
+    if not ids:
+        raise Gpt2ffnError("no tokens: the prompt encodes to nothing")
+    bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
+    if bad:
+        raise Gpt2ffnError(f"token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
+    if len(ids) > cfg.n_positions:
+        raise Gpt2ffnError(f"{len(ids)} tokens exceed the context length n_positions={cfg.n_positions}")
+    return list(ids)
+
+
+def capture(model, cfg: Config, ids: list, layers: list) -> dict:
+    """Run HF's model once with forward hooks; every tensor as HF's own modules returned it (float32 numpy)."""
+    out, hooks = {}, []
+    tr = model.transformer
+
+    def keep(name, pick=lambda o: o):
+        def hook(module, args, output):
+            out[name] = pick(output).detach().float().numpy().copy()
+        return hook
+
+    hooks.append(tr.drop.register_forward_hook(keep("embeddings")))
+    for L in layers:
+        b = tr.h[L]
+        hooks += [
+            b.ln_1.register_forward_hook(keep(f"h{L}_ln_1")),
+            b.attn.c_attn.register_forward_hook(keep(f"h{L}_c_attn")),
+            b.attn.register_forward_hook(keep(f"h{L}_attn_probs", lambda o: o[1])),
+            b.attn.c_proj.register_forward_hook(keep(f"h{L}_attn_out")),
+            b.ln_2.register_forward_pre_hook(lambda m, args, L=L: out.__setitem__(
+                f"h{L}_attn_resid", args[0].detach().float().numpy().copy())),
+            b.ln_2.register_forward_hook(keep(f"h{L}_ln_2")),
+            b.mlp.c_fc.register_forward_hook(keep(f"h{L}_c_fc")),
+            b.mlp.act.register_forward_hook(keep(f"h{L}_gelu")),
+            b.mlp.register_forward_hook(keep(f"h{L}_ffn")),
+            b.register_forward_hook(keep(f"h{L}_block", lambda o: o[0] if isinstance(o, tuple) else o)),
+        ]
+    hooks.append(tr.ln_f.register_forward_hook(keep("ln_f")))
+    try:
+        with torch.no_grad():
+            logits = model(torch.tensor([ids])).logits
+    finally:
+        for h in hooks:
+            h.remove()
+    out["logits"] = logits.float().numpy()
+    T, H, d = len(ids), cfg.n_head, cfg.n_embd
+    for L in layers:  # HF splits c_attn's output this way inside GPT2Attention.forward
+        for name, part in zip("qkv", np.split(out[f"h{L}_c_attn"], 3, axis=-1)):
+            out[f"h{L}_{name}"] = np.ascontiguousarray(part.reshape(1, T, H, d // H).transpose(0, 2, 1, 3))
+    return out
+
+
+def parse_layers(spec: str, n_layer: int) -> list:
+    if spec == "all":
+        return list(range(n_layer))
+    try:
+        layers = sorted({int(s) for s in spec.split(",")})
+    except ValueError:
+        raise Gpt2ffnError(f"--layers must be 'all' or comma-separated ints like 0,3; got {spec!r}") from None
+    bad = [L for L in layers if not 0 <= L < n_layer]
+    if bad:
+        raise Gpt2ffnError(f"--layers {bad} out of range: the model has layers 0..{n_layer - 1}")
+    return layers
+
+
+def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progress=True) -> dict:
+    """Write golden tensors, block weights and manifest.json to out_dir. Returns the manifest."""
+    import tqdm
+    model, cfg, model_info = load_reference(model_source)
+    ids = token_ids(cfg, model_source, ids, prompt)
+    layers = parse_layers(layers, cfg.n_layer) if isinstance(layers, str) else layers
+    tensors = capture(model, cfg, ids, layers)
+    entries = {}
+    for stage, ck, what in MODEL_STAGES:
+        entries[stage] = dict(kind="activation", checkpoint=ck, stage=stage, layer=None, what=what)
+    for L in layers:
+        for stage, ck, what in BLOCK_STAGES:
+            entries[f"h{L}_{stage}"] = dict(kind="activation", checkpoint=ck, stage=stage, layer=L, what=what)
+        sd = model.transformer.h[L].state_dict()
+        for key, name in BLOCK_WEIGHTS.items():
+            tensors[f"h{L}_{name}"] = sd[key].float().numpy()
+            entries[f"h{L}_{name}"] = dict(kind="weight", checkpoint=None, stage=key, layer=L,
+                                           what=f"h.{L}.{key}, HF layout")
+    if 0 in layers:
+        for alias, name in SEED_ALIASES.items():
+            tensors[alias] = tensors[name]
+            entries[alias] = dict(entries[name], kind="alias", alias_of=name)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for name in tqdm.tqdm(list(entries), desc=f"writing {out_dir}", unit="tensor", disable=not progress):
+        file = out_dir / f"{name}.npy"
+        np.save(file, np.ascontiguousarray(tensors[name], dtype=np.float32))
+        entries[name].update(file=file.name, shape=list(tensors[name].shape), dtype="float32", sha256=sha256(file))
+    import transformers
+    manifest = {
+        "format": FORMAT,
+        "model": model_info,
+        "config": cfg.to_hf_dict(),
+        "token_ids": ids,
+        "prompt": prompt,
+        "layers": layers,
+        "checkpoints": CHECKPOINTS,
+        "tolerance": {"atol": GOLDEN_ATOL, "note": "seed 001: max |diff| <= 1e-4, fp32"},
+        "tensors": entries,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__,
+                     "transformers": transformers.__version__, "numpy": np.__version__,
+                     "gpt2ffn": __import__("gpt2ffn").__version__},
+    }
+    (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    return manifest
+
+
+# ---- the golden set, read back ------------------------------------------------------------------------
+
+class Golden:
+    """A golden directory: its manifest, and its tensors checked against their sha256 on first read."""
+
+    def __init__(self, directory):
+        self.dir = Path(directory)
+        file = self.dir / "manifest.json"
+        if not file.is_file():
+            raise Gpt2ffnError(f"{self.dir} is not a golden directory: no manifest.json (make one with gpt2ffn extract)")
+        try:
+            m = json.loads(file.read_text())
+            if m.get("format") != FORMAT:
+                raise ValueError(f"format is {m.get('format')!r}, expected {FORMAT!r}")
+            self.config = Config.from_dict(m["config"], ignore_unknown=True)
+            self.tensors, self.layers, self.token_ids = m["tensors"], m["layers"], m["token_ids"]
+        except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+            raise Gpt2ffnError(f"{file} is corrupt: {e}") from None
+        self.manifest = m
+        self._cache = {}
+
+    def __contains__(self, name):
+        return name in self.tensors
+
+    def load(self, name) -> np.ndarray:
+        if name not in self._cache:
+            entry = self.tensors[name]
+            path = self.dir / entry["file"]
+            if not path.is_file():
+                raise Gpt2ffnError(f"golden tensor {path} is missing (listed in manifest.json)")
+            if sha256(path) != entry["sha256"]:
+                raise Gpt2ffnError(f"golden tensor {path} does not match the sha256 in manifest.json: "
+                                   "the file was changed after extraction")
+            self._cache[name] = np.load(path, allow_pickle=False)
+        return self._cache[name]
+
+    def activations(self) -> list:
+        """Activation tensors in forward order (model input, blocks, model output); aliases last."""
+        order = {n: i for i, n in enumerate(["embeddings"] + [f"h{L}_{s}" for L in self.layers
+                                                               for s, _, _ in BLOCK_STAGES] + ["ln_f", "logits"])}
+        acts = [n for n, e in self.tensors.items() if e["kind"] == "activation"]
+        aliases = [n for n, e in self.tensors.items() if e["kind"] == "alias"]
+        return sorted(acts, key=lambda n: order.get(n, len(order))) + aliases
+
+    def ffn_weights(self, layer: int) -> dict:
+        """Block `layer`'s FFN as a GPT2MLP state dict of torch tensors."""
+        return {k.removeprefix("mlp."): torch.from_numpy(self.load(f"h{layer}_{BLOCK_WEIGHTS[k]}"))
+                for k in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")}
+
+
+# ---- judging ------------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    name: str
+    checkpoint: str
+    layer: object
+    shape: tuple
+    max_abs: float
+    max_rel: float   # max |a - e| / max |e|: the error against the tensor's scale
+    atol: float
+    status: str      # PASS, FAIL, MISSING
+    note: str = ""
+
+    def as_dict(self):
+        return {k: (list(v) if isinstance(v, tuple) else v) for k, v in self.__dict__.items()}
+
+
+def compare(name, entry, actual, expected, atol) -> Row:
+    """One row: shape/dtype/finiteness first, then the diffs."""
+    ck, layer, shape = entry["checkpoint"], entry["layer"], tuple(expected.shape)
+
+    def fail(note):
+        return Row(name, ck, layer, shape, float("nan"), float("nan"), atol, "FAIL", note)
+
+    if actual.dtype != expected.dtype:
+        return fail(f"dtype {actual.dtype}, expected {expected.dtype}")
+    if actual.shape != expected.shape:
+        squeeze = lambda s: tuple(s)[next((i for i, n in enumerate(s) if n != 1), len(s)):]  # noqa: E731
+        if squeeze(actual.shape) != squeeze(expected.shape):
+            return fail(f"shape {tuple(actual.shape)}, expected {shape}")
+        actual = actual.reshape(expected.shape)  # only leading 1s differ, e.g. [T, d] for [1, T, d]
+    if not np.isfinite(actual).all():
+        bad = int((~np.isfinite(actual)).sum())
+        return fail(f"{bad} NaN/Inf values")
+    diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
+    max_abs = float(diff.max()) if diff.size else 0.0
+    scale = float(np.abs(expected).max()) if expected.size else 0.0
+    max_rel = max_abs / scale if scale else max_abs
+    return Row(name, ck, layer, shape, max_abs, max_rel, atol, "PASS" if max_abs <= atol else "FAIL")
+
+
+def tolerance_for(entry, tolerances: dict, default: float) -> float:
+    """Per-checkpoint overrides: by tensor name (h0_ffn), stage (ffn) or checkpoint number (06)."""
+    for key in (entry.get("file", "").removesuffix(".npy"), entry["stage"], entry["checkpoint"]):
+        if key in tolerances:
+            return tolerances[key]
+    return default
+
+
+def run_ours(golden: Golden) -> dict:
+    """gpt2ffn's own implementation of every checkpoint it has, each fed its golden input.
+
+    Today: the FFN (checkpoint 06), fed the golden ln_2 output; c_fc and GELU outputs come from hooks."""
+    from .ffn import FeedForward
+    ours = {}
+    for L in golden.layers:
+        ffn = FeedForward(golden.config).eval()
+        ffn.load_state_dict(golden.ffn_weights(L))
+        seen = {}
+        hooks = [ffn.c_fc.register_forward_hook(lambda m, a, o: seen.__setitem__("c_fc", o)),
+                 ffn.act.register_forward_hook(lambda m, a, o: seen.__setitem__("gelu", o))]
+        with torch.no_grad():
+            y = ffn(torch.from_numpy(golden.load(f"h{L}_ln_2")))
+        for h in hooks:
+            h.remove()
+        ours.update({f"h{L}_c_fc": seen["c_fc"], f"h{L}_gelu": seen["gelu"], f"h{L}_ffn": y})
+    return {k: v.numpy() for k, v in ours.items()}
+
+
+def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> list:
+    tolerances = tolerances or {}
+    first = run_ours(golden)
+    rows = [compare(n, golden.tensors[n], first[n], golden.load(n), tolerance_for(golden.tensors[n], tolerances, atol))
+            for n in golden.activations() if n in first]
+    for i in range(1, repeat):
+        again = run_ours(golden)
+        changed = [n for n in first if not np.array_equal(first[n], again[n])]
+        if changed:
+            rows.append(Row(f"repeat {i + 1}", "--", None, (), float("nan"), float("nan"), 0.0, "FAIL",
+                            f"not bit-identical to run 1: {', '.join(changed)}"))
+    if repeat > 1 and all(r.status == "PASS" for r in rows if r.name.startswith("repeat")):
+        rows.append(Row(f"{repeat} runs", "--", None, (), 0.0, 0.0, 0.0, "PASS", "bit-identical"))
+    return rows
+
+
+def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATOL) -> list:
+    """Judge another engine's .npy files, written under the golden names, against the golden set."""
+    candidate = Path(candidate)
+    if not candidate.is_dir():
+        raise Gpt2ffnError(f"candidate directory {candidate} does not exist")
+    tolerances = tolerances or {}
+    rows = []
+    for name in golden.activations():
+        entry, expected = golden.tensors[name], golden.load(name)
+        tol = tolerance_for(entry, tolerances, atol)
+        path = candidate / entry["file"]
+        if not path.is_file():
+            rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
+                            float("nan"), float("nan"), tol, "MISSING", f"no {path.name}"))
+            continue
+        try:
+            actual = np.load(path, allow_pickle=False)
+        except Exception as e:
+            rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
+                            float("nan"), float("nan"), tol, "FAIL", f"unreadable .npy: {e}"))
+            continue
+        rows.append(compare(name, entry, actual, expected, tol))
+    return rows
+
+
+def negative_variants(w1, b1, w2, b2, approximate="tanh"):
+    """Known-wrong FFNs, each a function of x: the mistakes seed 001 lists. All must fail the judge."""
+    from .reference import ACTIVATIONS, ffn_forward
+    d, hidden = w1.shape
+    half = hidden // 2
+    return {
+        "exact GELU (erf) instead of tanh": lambda x: ffn_forward(x, w1, b1, w2, b2, "none"),
+        "2x expansion instead of 4x": lambda x: ffn_forward(x, w1[:, :half], b1[:half], w2[:half], b2, approximate),
+        "c_fc weight not transposed": lambda x: ffn_forward(x, w1.reshape(hidden, d).T, b1, w2, b2, approximate),
+        "no c_fc bias": lambda x: ffn_forward(x, w1, np.zeros_like(b1), w2, b2, approximate),
+        "GELU left out": lambda x: (x @ w1 + b1) @ w2 + b2,
+        "ReLU instead of GELU": lambda x: ACTIVATIONS["relu"](x @ w1 + b1) @ w2 + b2,
+    }
+
+
+def verify_negative(golden: Golden, atol=GOLDEN_ATOL) -> list:
+    """Run every wrong variant on each layer's golden ln_2; a row PASSes when the judge FAILs the variant."""
+    approximate = golden.config.gelu_approximate
+    rows = []
+    for L in golden.layers:
+        w = {k: v.numpy() for k, v in golden.ffn_weights(L).items()}
+        x, expected = golden.load(f"h{L}_ln_2"), golden.load(f"h{L}_ffn")
+        for label, f in negative_variants(w["c_fc.weight"], w["c_fc.bias"], w["c_proj.weight"], w["c_proj.bias"],
+                                          approximate).items():
+            r = compare(f"h{L}_ffn", golden.tensors[f"h{L}_ffn"], f(x).astype(np.float32), expected, atol)
+            caught = r.status == "FAIL"
+            rows.append(Row(label, r.checkpoint, L, r.shape, r.max_abs, r.max_rel, atol, "PASS" if caught else "FAIL",
+                            f"judge fails it: {r.max_abs / atol:.3g}x the tolerance" if caught
+                            else "NOT caught: the judge passed a wrong FFN"))
+    return rows
+
+
+def format_rows(rows, title) -> str:
+    head = f"{'checkpoint':<11}{'layer':>5}  {'tensor':<34}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}  result"
+    lines = [title, head, "-" * len(head)]
+    for r in rows:
+        ck = f"{r.checkpoint} {CHECKPOINTS.get(r.checkpoint, '').split(' ')[0]}" if r.checkpoint else "--"
+        lines.append(f"{ck:<11}{'' if r.layer is None else r.layer:>5}  {r.name:<34}{str(tuple(r.shape)):<20}"
+                     f"{r.max_abs:>11.3e}{r.max_rel:>11.3e}{r.atol:>9.0e}  {r.status}{'  ' + r.note if r.note else ''}")
+    return "\n".join(lines)
+
+
+def gelu_effect(model_source: str, ids=None, prompt=None) -> dict:
+    """How far exact GELU lands from HF's GPT-2 (tanh): per block at the FFN output, and at the logits."""
+    from transformers.activations import ACT2FN
+    model, cfg, info = load_reference(model_source)
+    ids = token_ids(cfg, model_source, ids, prompt)
+    layers = list(range(cfg.n_layer))
+    ref = capture(model, cfg, ids, layers)
+    ffn_rows = []
+    exact = ACT2FN["gelu"]
+    with torch.no_grad():
+        for L in layers:
+            mlp = model.transformer.h[L].mlp
+            tanh_act, mlp.act = mlp.act, exact
+            y = mlp(torch.from_numpy(ref[f"h{L}_ln_2"])).numpy()
+            mlp.act = tanh_act
+            ffn_rows.append({"layer": L, "ffn_max_abs": float(np.abs(y - ref[f"h{L}_ffn"]).max())})
+        acts = [b.mlp.act for b in model.transformer.h]
+        for b in model.transformer.h:
+            b.mlp.act = exact
+        logits = model(torch.tensor([ids])).logits.numpy()
+        for b, a in zip(model.transformer.h, acts):
+            b.mlp.act = a
+    return {
+        "model": info["source"], "tokens": len(ids), "ffn": ffn_rows,
+        "logits_max_abs": float(np.abs(logits - ref["logits"]).max()),
+        "argmax_agree": float((logits.argmax(-1) == ref["logits"].argmax(-1)).mean()),
+    }

@@ -1,0 +1,199 @@
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from gpt2ffn import golden
+from gpt2ffn.cli import main
+
+IDS = "5,17,42,7,99,3,250,11"
+
+
+@pytest.fixture(scope="module")
+def tiny_golden(tmp_path_factory):
+    out = tmp_path_factory.mktemp("golden_tiny")
+    assert main(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(out), "--layers", "all", "--quiet"]) == 0
+    return out
+
+
+def run(argv, capsys):
+    code = main(argv)
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_manifest(tiny_golden):
+    m = json.loads((tiny_golden / "manifest.json").read_text())
+    assert m["format"] == golden.FORMAT and m["model"]["source"] == "random:tiny:3"
+    assert m["token_ids"] == [int(i) for i in IDS.split(",")] and m["layers"] == [0, 1]
+    assert set(m["versions"]) >= {"torch", "transformers", "numpy", "gpt2ffn"}
+    assert m["checkpoints"]["06"].startswith("FFN")
+    t = m["tensors"]
+    assert t["h1_ffn"]["checkpoint"] == "06" and t["h1_ffn"]["shape"] == [1, 8, 64]
+    assert t["h0_attn_probs"]["shape"] == [1, 4, 8, 8] and t["h0_q"]["shape"] == [1, 4, 8, 16]
+    assert t["logits"]["shape"] == [1, 8, 512] and t["h0_c_fc_weight"]["shape"] == [64, 256]
+    for name in ["embeddings", "ln_f", "h1_block", "h0_ffn_c_proj_weight", "checkpoint_05_output", "checkpoint_06_ffn"]:
+        assert (tiny_golden / t[name]["file"]).is_file()
+        assert golden.sha256(tiny_golden / t[name]["file"]) == t[name]["sha256"]
+
+
+def test_golden_tensors_are_hf_own(tiny_golden):
+    """The set is self-consistent with HF: logits equal a fresh HF run, q/k/v re-join to c_attn, seed aliases."""
+    model, cfg, _ = golden.load_reference("random:tiny:3")
+    g = golden.Golden(tiny_golden)
+    with torch.no_grad():
+        logits = model(torch.tensor([g.token_ids])).logits.numpy()
+    assert np.array_equal(g.load("logits"), logits)
+    qkv = [g.load(f"h0_{n}").transpose(0, 2, 1, 3).reshape(1, 8, 64) for n in "qkv"]
+    assert np.array_equal(np.concatenate(qkv, -1), g.load("h0_c_attn"))
+    assert np.array_equal(g.load("checkpoint_06_ffn"), g.load("h0_ffn"))
+    assert np.allclose(g.load("h0_attn_probs").sum(-1), 1, atol=1e-5)
+    assert np.all(np.triu(g.load("h0_attn_probs")[0, 0], 1) == 0)  # causal
+    np.testing.assert_allclose(g.load("h0_attn_resid") + g.load("h0_ffn"), g.load("h0_block"), atol=1e-6)
+
+
+def test_verify_round_trip_every_layer(tiny_golden, capsys):
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--repeat", "3"], capsys)
+    assert code == 0, out
+    assert "7 passed, 0 failed" in out and "bit-identical" in out
+    for L in (0, 1):
+        for stage in ("c_fc", "gelu", "ffn"):
+            assert f"h{L}_{stage}" in out
+
+
+def test_verify_round_trip_gpt2_block0(tmp_path, capsys):
+    assert main(["extract", "--model", "random:gpt2", "--ids", "464,2068,7586,21831", "--out", str(tmp_path), "--quiet"]) == 0
+    capsys.readouterr()
+    code, out, _ = run(["verify", "--golden", str(tmp_path), "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["passed"] and report["first_failure"] is None
+    assert {r["name"] for r in report["rows"]} == {"h0_c_fc", "h0_gelu", "h0_ffn"}
+    assert max(r["max_abs"] for r in report["rows"]) < 1e-5
+
+
+def candidate_from(golden_dir, out):
+    out.mkdir()
+    for f in golden_dir.glob("*.npy"):
+        shutil.copy(f, out / f.name)
+    return out
+
+
+def test_candidate_identical_passes_and_perturbed_fails(tiny_golden, tmp_path, capsys):
+    cand = candidate_from(tiny_golden, tmp_path / "cand")
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand)], capsys)
+    assert code == 0 and "0 failed" in out
+    probs = np.load(cand / "h1_attn_probs.npy")
+    probs[0, 2, 5, 3] += 3e-4
+    np.save(cand / "h1_attn_probs.npy", probs)
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand)], capsys)
+    assert code == 1
+    assert "first failing checkpoint: 04 (attention scores (softmax probabilities)), layer 1, h1_attn_probs" in out
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--tol", "04=1e-3"], capsys)
+    assert code == 0
+
+
+def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
+    cand = candidate_from(tiny_golden, tmp_path / "cand")
+    (cand / "h0_ln_1.npy").unlink()
+    np.save(cand / "h0_c_fc.npy", np.load(cand / "h0_c_fc.npy").astype(np.float64))
+    np.save(cand / "h0_gelu.npy", np.zeros((1, 8, 128), np.float32))
+    bad = np.load(cand / "h1_ffn.npy")
+    bad[0, 0, 0] = np.nan
+    np.save(cand / "h1_ffn.npy", bad)
+    np.save(cand / "h1_block.npy", np.load(cand / "h1_block.npy")[0])  # [T, d] for [1, T, d]: accepted
+    (cand / "ln_f.npy").write_bytes(b"junk")
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert code == 1
+    assert rows["h0_ln_1"]["status"] == "MISSING"
+    assert rows["h0_c_fc"]["note"] == "dtype float64, expected float32"
+    assert rows["h0_gelu"]["note"] == "shape (1, 8, 128), expected (1, 8, 256)"
+    assert rows["h1_ffn"]["note"] == "1 NaN/Inf values"
+    assert rows["h1_block"]["status"] == "PASS"
+    assert rows["ln_f"]["note"].startswith("unreadable .npy")
+    assert json.loads(out)["first_failure"]["name"] == "h0_c_fc"
+    # --strict makes a missing file a failure on its own.
+    only_missing = candidate_from(tiny_golden, tmp_path / "c2")
+    (only_missing / "logits.npy").unlink()
+    assert run(["verify", "--golden", str(tiny_golden), "--candidate", str(only_missing)], capsys)[0] == 0
+    assert run(["verify", "--golden", str(tiny_golden), "--candidate", str(only_missing), "--strict"], capsys)[0] == 1
+
+
+def test_negative_variants_all_fail(tiny_golden, capsys):
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--negative", "--json"], capsys)
+    rows = json.loads(out)["rows"]
+    assert code == 0 and len(rows) == 2 * 6
+    assert all(r["status"] == "PASS" and r["max_abs"] > 1e-4 for r in rows)
+    labels = {r["name"] for r in rows}
+    assert {"exact GELU (erf) instead of tanh", "2x expansion instead of 4x", "c_fc weight not transposed",
+            "no c_fc bias", "GELU left out"} <= labels
+
+
+def test_errors(tiny_golden, tmp_path, capsys):
+    code, _, err = run(["verify", "--golden", str(tmp_path)], capsys)
+    assert code == 2 and "no manifest.json" in err and err.count("\n") == 1
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_golden, broken)
+    (broken / "manifest.json").write_text("{oops")
+    code, _, err = run(["verify", "--golden", str(broken)], capsys)
+    assert code == 2 and "manifest.json is corrupt" in err
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tiny_golden, tampered)
+    x = np.load(tampered / "h0_ln_2.npy")
+    np.save(tampered / "h0_ln_2.npy", x * 1.0001)
+    code, _, err = run(["verify", "--golden", str(tampered)], capsys)
+    assert code == 2 and "h0_ln_2.npy does not match the sha256 in manifest.json" in err
+    code, _, err = run(["extract", "--model", "random:tiny", "--prompt", "hi", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "--prompt needs a tokenizer" in err
+    code, _, err = run(["extract", "--model", "random:tiny", "--ids", "1,9999", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "outside the vocabulary [0, 512)" in err
+    code, _, err = run(["extract", "--model", "random:nope", "--ids", "1", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "unknown config name 'nope'" in err
+    code, _, err = run(["extract", "--model", "random:tiny", "--ids", "1", "--layers", "5", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "--layers [5] out of range" in err
+
+
+@pytest.fixture(scope="module")
+def model_dir_with_tokenizer(tmp_path_factory):
+    """A tiny HF checkpoint on disk with a byte-level BPE tokenizer trained here (no hub)."""
+    from tokenizers import ByteLevelBPETokenizer
+    d = tmp_path_factory.mktemp("tiny_model")
+    model, _, _ = golden.load_reference("random:tiny:5")
+    model.save_pretrained(d)
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, vocab_size=300, min_frequency=1)
+    tok.save(str(d / "tokenizer.json"))
+    (d / "bpe").mkdir()
+    tok.save_model(str(d / "bpe"))
+    return d
+
+
+def test_extract_with_prompt_and_local_dir(model_dir_with_tokenizer, tmp_path, capsys):
+    d = model_dir_with_tokenizer
+    assert main(["extract", "--model", str(d), "--prompt", "the quick fox", "--out", str(tmp_path / "g"), "--quiet"]) == 0
+    m = json.loads((tmp_path / "g" / "manifest.json").read_text())
+    assert m["prompt"] == "the quick fox" and m["model"]["files"]["model.safetensors"] == golden.sha256(d / "model.safetensors")
+    from gpt2ffn.tokenizer import load_tokenizer
+    assert m["token_ids"] == load_tokenizer(d).encode("the quick fox").ids
+    # vocab.json + merges.txt give the same ids as tokenizer.json.
+    assert load_tokenizer(d / "bpe").encode("the quick fox").ids == m["token_ids"]
+    assert run(["verify", "--golden", str(tmp_path / "g")], capsys)[0] == 0
+
+
+def test_gelu_effect_on_random_model(capsys):
+    code, out, _ = run(["gelu-effect", "--model", "random:tiny:3", "--ids", IDS, "--json"], capsys)
+    r = json.loads(out)
+    assert code == 0 and len(r["ffn"]) == 2
+    assert all(row["ffn_max_abs"] > 1e-4 for row in r["ffn"]) and r["logits_max_abs"] > 1e-4
+
+
+@pytest.mark.real_weights
+def test_real_gpt2_whole_chain(real_gpt2, tmp_path, capsys):
+    out = tmp_path / "g"
+    assert main(["extract", "--model", str(real_gpt2), "--prompt", "Hello, my dog is cute", "--out", str(out),
+                 "--layers", "all", "--quiet"]) == 0
+    assert run(["verify", "--golden", str(out), "--repeat", "2"], capsys)[0] == 0
+    assert run(["verify", "--golden", str(out), "--negative"], capsys)[0] == 0
+    assert run(["verify", "--golden", str(out), "--candidate", str(out)], capsys)[0] == 0
