@@ -10,13 +10,14 @@ from .config import Config
 from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
 from .gelu import GELU, gelu
+from .hf import patch_hf
 from .tolerances import GOLDEN_ATOL, TOLERANCES, tolerance
 from .weights import Checkpoint, save_ffn
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint",
+    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf",
     "Gpt2ffnError", "ConfigError", "ShapeError", "InputError", "CheckpointError",
     "TOLERANCES", "GOLDEN_ATOL", "tolerance",
 ]

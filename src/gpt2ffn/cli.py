@@ -156,6 +156,14 @@ def cmd_gelu_effect(args):
     return 0
 
 
+def cmd_bench(args):
+    """Side-by-side timings against the peers."""
+    from .bench import run, summarize
+    result = run(args)
+    print("\n" + summarize(result))
+    return 0
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="gpt2ffn", description="The GPT-2 feed-forward network, proven against HuggingFace.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -198,6 +206,17 @@ def build_parser() -> Parser:
     src.add_argument("--ids", type=_ids, help="token ids, e.g. 15496,11,616")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_gelu_effect)
+
+    p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")
+    p.add_argument("--quick", action="store_true", help="a small grid (d=768; tokens 1, 64, 512)")
+    p.add_argument("--dims", type=_ids, help="n_embd values, e.g. 768,1600 (default 768,1024,1280,1600)")
+    p.add_argument("--tokens", type=_ids, help="token counts, e.g. 1,64,2048 (default 1,8,64,512,2048)")
+    p.add_argument("--repeats", type=int, default=15, help="timed runs per point after warm-up (>= 10)")
+    p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
+    p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 

@@ -355,20 +355,14 @@ def tolerance_for(entry, tolerances: dict, default: float) -> float:
 def run_ours(golden: Golden) -> dict:
     """gpt2ffn's own implementation of every checkpoint it has, each fed its golden input.
 
-    Today: the FFN (checkpoint 06), fed the golden ln_2 output; c_fc and GELU outputs come from hooks."""
+    Today: the FFN (checkpoint 06), fed the golden ln_2 output."""
     from .ffn import FeedForward
     ours = {}
     for L in golden.layers:
         ffn = FeedForward(golden.config).eval()
         ffn.load_state_dict(golden.ffn_weights(L))
-        seen = {}
-        hooks = [ffn.c_fc.register_forward_hook(lambda m, a, o: seen.__setitem__("c_fc", o)),
-                 ffn.act.register_forward_hook(lambda m, a, o: seen.__setitem__("gelu", o))]
-        with torch.no_grad():
-            y = ffn(torch.from_numpy(golden.load(f"h{L}_ln_2")))
-        for h in hooks:
-            h.remove()
-        ours.update({f"h{L}_c_fc": seen["c_fc"], f"h{L}_gelu": seen["gelu"], f"h{L}_ffn": y})
+        stages = ffn.intermediates(torch.from_numpy(golden.load(f"h{L}_ln_2")))
+        ours.update({f"h{L}_{k}": v for k, v in stages.items()})
     return {k: v.numpy() for k, v in ours.items()}
 
 

@@ -1,0 +1,305 @@
+"""`gpt2ffn bench`: gpt2ffn's FFN side by side with the peers a user would pick instead, in one process.
+
+Every implementation is checked against the numpy reference first, then timed: median of repeats after
+warm-up. The floor is the two bare GEMMs (no bias, no GELU) in the fastest library on this machine.
+GFLOP/s counts 16 * tokens * d^2 per forward (two GEMMs of 2 * tokens * d * 4d each).
+"""
+
+import copy
+import json
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from . import kernels, reference
+from .config import Config
+from .errors import Gpt2ffnError
+from .ffn import FeedForward
+from .tolerances import tolerance
+
+FULL = {"d": [768, 1024, 1280, 1600], "tokens": [1, 8, 64, 512, 2048]}
+QUICK = {"d": [768], "tokens": [1, 64, 512]}
+PEERS = ["HF GPT2MLP", "book FeedForward", "Linear+GELU(tanh)+Linear", "torch.compile(Linear+GELU+Linear)",
+         "numpy reference"]
+OURS = "gpt2ffn"
+# After a numpy (OpenBLAS) call its worker threads busy-wait for ~0.1 s and steal cores from torch;
+# waiting this long after each numpy entry keeps that out of the next entry's timing.
+BLAS_IDLE_S = 0.3
+
+
+class BookGELU(nn.Module):
+    """Seed 000's GELU: the tanh formula in Python ops."""
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(torch.sqrt(torch.tensor(2.0 / torch.pi)) * (x + 0.044715 * torch.pow(x, 3))))
+
+
+def _linear_stack(ffn, gelu):
+    d, hidden = ffn.c_fc.weight.shape
+    seq = nn.Sequential(nn.Linear(d, hidden), gelu, nn.Linear(hidden, d))
+    with torch.no_grad():  # nn.Linear stores [out, in]: the transpose of HF's Conv1D
+        seq[0].weight.copy_(ffn.c_fc.weight.t())
+        seq[0].bias.copy_(ffn.c_fc.bias)
+        seq[2].weight.copy_(ffn.c_proj.weight.t())
+        seq[2].bias.copy_(ffn.c_proj.bias)
+    return seq
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    from threadpoolctl import threadpool_info
+    return {"cpu": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "torch": torch.__version__, "numpy": np.__version__,
+            "blas": sorted({f"{i['internal_api']} {i.get('version') or ''}".strip() for i in threadpool_info()})}
+
+
+def timeit(f, repeats: int, device="cpu") -> float:
+    """Median milliseconds of f() over `repeats` runs, after warm-up."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for _ in range(2):
+        f()
+    sync()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        f()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(times)
+
+
+def make_ffn(d: int, seed: int = 0, device="cpu") -> FeedForward:
+    ffn = FeedForward(Config(n_embd=d, n_head=1, resid_pdrop=0.0))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in ffn.named_parameters():
+            p.copy_((0.1 if name.endswith("bias") else 0.02) * torch.randn(p.shape, generator=g))
+    return ffn.to(device).eval()
+
+
+def forward_impls(ffn, device):
+    """name -> (callable on a torch input, takes numpy)."""
+    impls = {OURS: (ffn, False)}
+    try:
+        from transformers import GPT2Config
+        from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+        d, hidden = ffn.c_fc.weight.shape
+        mlp = GPT2MLP(hidden, GPT2Config(n_embd=d, n_head=1, resid_pdrop=0.0)).to(device).eval()
+        mlp.load_state_dict(ffn.state_dict())
+        impls["HF GPT2MLP"] = (mlp, False)
+    except ImportError:
+        pass
+    impls["book FeedForward"] = (_linear_stack(ffn, BookGELU()).eval(), False)
+    stack = _linear_stack(ffn, nn.GELU(approximate="tanh")).eval()
+    impls["Linear+GELU(tanh)+Linear"] = (stack, False)
+    impls["torch.compile(Linear+GELU+Linear)"] = (torch.compile(copy.deepcopy(stack), dynamic=False), False)
+    if device == "cpu":
+        impls["numpy reference"] = (reference.FFN.from_state_dict(ffn.state_dict()), True)
+    return impls
+
+
+def floors(ffn, device):
+    w1, w2 = ffn.c_fc.weight.detach(), ffn.c_proj.weight.detach()
+    out = {"floor (torch mm)": (lambda x: torch.mm(torch.mm(x, w1), w2), False)}
+    if device == "cpu":
+        w1n, w2n = w1.numpy(), w2.numpy()
+        out["floor (numpy matmul)"] = (lambda x: (x @ w1n) @ w2n, True)
+    return out
+
+
+def bench_forward(dims, tokens, repeats, device="cpu", log=print) -> list:
+    rows = []
+    for d in dims:
+        ffn = make_ffn(d, device=device)
+        impls, bare = forward_impls(ffn, device), floors(ffn, device)
+        ref = reference.FFN.from_state_dict(ffn.state_dict())
+        tol = tolerance(torch.float32)
+        for T in tokens:
+            x = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).to(device)
+            xn = x.cpu().numpy()
+            expected = ref(xn)
+            with torch.no_grad():
+                for name, (f, numpy_in) in {**impls, **bare}.items():
+                    arg = xn if numpy_in else x
+                    ok = None
+                    if name in impls:  # correctness first
+                        y = f(arg)
+                        y = y if numpy_in else y.cpu().numpy()
+                        ok = bool(np.allclose(y, expected, atol=tol.atol, rtol=tol.rtol))
+                    ms = timeit(lambda: f(arg), repeats, device)
+                    if numpy_in:
+                        time.sleep(BLAS_IDLE_S)
+                    rows.append({"d": d, "tokens": T, "impl": name, "ms": ms, "correct": ok,
+                                 "gflops": 16 * T * d * d / ms / 1e6})
+            _finish_shape(rows, d, T)
+            log(format_shape(rows, d, T))
+    return rows
+
+
+def _finish_shape(rows, d, T):
+    shape = [r for r in rows if r["d"] == d and r["tokens"] == T]
+    floor = min(r["ms"] for r in shape if r["impl"].startswith("floor"))
+    ours = next(r["ms"] for r in shape if r["impl"] == OURS)
+    for r in shape:
+        r["x_floor"] = r["ms"] / floor
+        r["ours_speedup"] = r["ms"] / ours
+
+
+def format_shape(rows, d, T) -> str:
+    shape = [r for r in rows if r["d"] == d and r["tokens"] == T]
+    lines = [f"d={d}, tokens={T}", f"  {'implementation':<36}{'ms':>10}{'GFLOP/s':>10}{'x floor':>9}{'ours faster':>13}"]
+    for r in shape:
+        flag = "" if r["correct"] is not False else "  WRONG (failed the reference check)"
+        lines.append(f"  {r['impl']:<36}{r['ms']:>10.3f}{r['gflops']:>10.1f}{r['x_floor']:>9.2f}"
+                     f"{r['ours_speedup']:>12.2f}x{flag}")
+    return "\n".join(lines)
+
+
+def saved_bytes(fn, module) -> int:
+    """Bytes of activations autograd saves for backward: each storage once, weights (and views of them) not."""
+    weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return sum(seen.values()), out
+
+
+def bench_backward(dims, tokens, repeats, device="cpu", log=print) -> list:
+    """forward + backward: ours (recompute-GELU Function) vs plain autograd of the peers' modules."""
+    rows = []
+    for d in dims:
+        ffn = make_ffn(d, device=device).train()
+        impls = {k: v for k, v in forward_impls(ffn, device).items()
+                 if k in (OURS, "HF GPT2MLP", "Linear+GELU(tanh)+Linear", "book FeedForward")}
+        for T in tokens:
+            x = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).to(device).requires_grad_()
+            gy = torch.randn(T, d, generator=torch.Generator().manual_seed(T + 1)).to(device)
+            for name, (m, _) in impls.items():
+                m.train()
+                nbytes, _ = saved_bytes(lambda: m(x), m)
+
+                def step():
+                    m(x).backward(gy)
+                ms = timeit(step, repeats, device)
+                rows.append({"d": d, "tokens": T, "impl": name, "ms": ms, "saved_bytes": nbytes})
+            base = {r["impl"]: r for r in rows if r["d"] == d and r["tokens"] == T}
+            lines = [f"d={d}, tokens={T} (forward + backward)",
+                     f"  {'implementation':<28}{'ms':>10}{'saved MiB':>11}{'ours saved / theirs':>21}{'ours time / theirs':>20}"]
+            for name, r in base.items():
+                r["ours_saved_ratio"] = base[OURS]["saved_bytes"] / r["saved_bytes"]
+                r["ours_time_ratio"] = base[OURS]["ms"] / r["ms"]
+                lines.append(f"  {name:<28}{r['ms']:>10.2f}{r['saved_bytes'] / 2**20:>11.2f}"
+                             f"{r['ours_saved_ratio']:>21.2f}{r['ours_time_ratio']:>20.2f}")
+            log("\n".join(lines))
+    return rows
+
+
+def bench_generate(new_tokens=32, repeats=5, log=print) -> dict:
+    """HF generate on random-init gpt2 (124M shape), greedy, with and without patch_hf."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from .hf import patch_hf
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config()).eval()
+    ids = torch.randint(0, 50257, (1, 8), generator=torch.Generator().manual_seed(1))
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    out = {}
+    for label in ("HF", "HF + patch_hf"):
+        if label == "HF + patch_hf":
+            patch_hf(model)
+        with torch.no_grad():
+            tokens = model.generate(ids, **kw)
+            ms = timeit(lambda: model.generate(ids, **kw), repeats)
+        out[label] = {"ms": ms, "tokens_per_s": new_tokens / ms * 1e3, "ids": tokens[0].tolist()}
+    out["speedup"] = out["HF"]["ms"] / out["HF + patch_hf"]["ms"]
+    out["same_tokens"] = out["HF"]["ids"] == out["HF + patch_hf"]["ids"]
+    log(f"HF generate, random gpt2, {new_tokens} new tokens, greedy: {out['HF']['tokens_per_s']:.1f} tok/s; "
+        f"with patch_hf {out['HF + patch_hf']['tokens_per_s']:.1f} tok/s ({out['speedup']:.3f}x), "
+        f"same tokens: {out['same_tokens']}")
+    return out
+
+
+def plot(rows, path):
+    from .plot import _pyplot
+    plt = _pyplot()
+    dims = sorted({r["d"] for r in rows})
+    fig, axes = plt.subplots(1, len(dims), figsize=(5 * len(dims), 4), squeeze=False)
+    for ax, d in zip(axes[0], dims):
+        for impl in dict.fromkeys(r["impl"] for r in rows):
+            pts = [(r["tokens"], r["gflops"]) for r in rows if r["d"] == d and r["impl"] == impl]
+            style = dict(linewidth=3, color="black") if impl == OURS else dict(linestyle="--") if "floor" in impl else {}
+            ax.plot(*zip(*pts), marker="o", label=impl, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"n_embd={d}")
+        ax.set_xlabel("tokens")
+        ax.set_ylabel("GFLOP/s (higher is better)")
+        ax.grid(True)
+    axes[0][0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def run(args):
+    device = args.device
+    if device == "cuda" and not torch.cuda.is_available():
+        raise Gpt2ffnError("--device cuda: no CUDA device on this machine")
+    grid = QUICK if args.quick else FULL
+    dims = args.dims or grid["d"]
+    tokens = args.tokens or grid["tokens"]
+    repeats = max(args.repeats, 10)
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = {"machine": machine(), "device": device, "repeats": repeats, "quick": args.quick}
+    print(f"machine: {result['machine']}")
+    result["forward"] = bench_forward(dims, tokens, repeats, device)
+    result["dispatch"] = {str(k): v for k, v in kernels.choices().items()}
+    if args.backward:
+        bwd_dims = args.dims or ([768] if args.quick else [768, 1600])
+        bwd_tokens = args.tokens or ([512] if args.quick else [64, 512, 2048])
+        result["backward"] = bench_backward(bwd_dims, bwd_tokens, repeats, device)
+    if args.generate:
+        result["generate"] = bench_generate(repeats=3 if args.quick else 5)
+    tag = f"{device}{'-quick' if args.quick else ''}"
+    (out_dir / f"bench-{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
+    try:
+        plot(result["forward"], out_dir / f"bench-{tag}.png")
+    except Gpt2ffnError as e:
+        print(f"no plot: {e}")
+    print(f"wrote {out_dir / f'bench-{tag}.json'} and .png")
+    return result
+
+
+def summarize(result) -> str:
+    """The README table: per shape, ours vs the floor and the fastest peer (median ms)."""
+    fwd = result["forward"]
+    lines = ["| d, tokens | floor ms | gpt2ffn ms | x floor | fastest peer | its ms | ours faster | vs HF GPT2MLP |",
+             "|---|---|---|---|---|---|---|---|"]
+    for d, T in dict.fromkeys((r["d"], r["tokens"]) for r in fwd):
+        shape = {r["impl"]: r for r in fwd if r["d"] == d and r["tokens"] == T}
+        floor = min(r["ms"] for k, r in shape.items() if k.startswith("floor"))
+        ours = shape[OURS]
+        peers = {k: r for k, r in shape.items() if k in PEERS and r["correct"]}
+        best = min(peers, key=lambda k: peers[k]["ms"])
+        hf = shape.get("HF GPT2MLP")
+        lines.append(f"| {d}, {T} | {floor:.3f} | {ours['ms']:.3f} | {ours['ms'] / floor:.2f} | {best} | "
+                     f"{peers[best]['ms']:.3f} | {peers[best]['ms'] / ours['ms']:.2f}x | "
+                     f"{hf['ms'] / ours['ms']:.2f}x |" if hf else "")
+    return "\n".join(lines)
+

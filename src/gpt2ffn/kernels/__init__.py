@@ -1,0 +1,115 @@
+"""Fast paths for FeedForward, chosen by one small dispatcher.
+
+- autograd needed: `RecomputeGELU`, a custom autograd Function that keeps only x and the pre-activation
+  and recomputes GELU in backward (less activation memory than plain autograd).
+- CPU fp32 inference: the fastest of `cpu.AUTO` for this (n_embd, hidden, token bucket, threads),
+  measured once on first use and cached.
+- anything else (torch.compile tracing, other dtypes or devices): plain traceable torch ops.
+
+GPT2FFN_PATH=<path name> (or "plain") forces one path, for benchmarks and debugging.
+"""
+
+import os
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+from . import cpu
+
+_CHOICES = {}  # (n_embd, hidden, token bucket, threads, activation) -> path name
+_LOCK = threading.Lock()
+_FORCED = os.environ.get("GPT2FFN_PATH")
+# Decode: at this many tokens or fewer the GEMMs are weight-bandwidth bound and per-op overhead is what
+# is left to save, so the path with the fewest ops runs without a dispatch look-up.
+DECODE_TOKENS = 16
+
+
+def plain(x2, w1, b1, w2, b2, approximate):
+    """Traceable reference ops: what torch.compile sees."""
+    h = torch.addmm(b1, x2, w1)
+    h = F.relu(h) if approximate == "relu" else F.gelu(h, approximate=approximate)
+    return torch.addmm(b2, h, w2)
+
+
+class RecomputeGELU(torch.autograd.Function):
+    """c_fc -> GELU -> c_proj that saves (x, pre-activation) and recomputes GELU in backward."""
+
+    @staticmethod
+    def forward(ctx, x2, w1, b1, w2, b2, approximate):
+        h = torch.addmm(b1, x2, w1)                      # (N, d) -> (N, hidden), saved
+        g = cpu.activate_(h.clone(), approximate)        # (N, hidden), not saved
+        ctx.approximate = approximate
+        ctx.save_for_backward(x2, h, w1, w2)
+        return torch.addmm(b2, g, w2)                    # (N, hidden) -> (N, d)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dy):
+        x2, h, w1, w2 = ctx.saved_tensors
+        a = ctx.approximate
+        g = cpu.activate_(h.clone(), a)                  # recompute GELU(h)
+        dg = dy @ w2.t()                                 # (N, d) -> (N, hidden)
+        if a == "relu":
+            dh = dg * (h > 0)
+        else:
+            dh = torch.ops.aten.gelu_backward(dg, h, approximate=a)
+        dx = dh @ w1.t() if ctx.needs_input_grad[0] else None
+        return (dx, x2.t() @ dh, dh.sum(0), g.t() @ dy, dy.sum(0), None)
+
+
+def bucket(n: int) -> int:
+    """Token-count bucket: the next power of two (1, 2, 4, ..., 2048, 4096, ...)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def _measure(x2, w1, b1, w2, b2, approximate) -> str:
+    best, best_t = None, float("inf")
+    for name in cpu.AUTO:
+        cpu.run_path(name, x2, w1, b1, w2, b2, approximate)  # warm-up
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            cpu.run_path(name, x2, w1, b1, w2, b2, approximate)
+            times.append(time.perf_counter() - t0)
+        t = sorted(times)[1]
+        if t < best_t:
+            best, best_t = name, t
+    return best
+
+
+def choose(x2, w1, b1, w2, b2, approximate) -> str:
+    """The fastest CPU path for this shape, measured once and cached."""
+    if _FORCED:
+        return _FORCED
+    if x2.shape[0] <= DECODE_TOKENS:
+        return "torch+aten"
+    key = (w1.shape[0], w1.shape[1], bucket(x2.shape[0]), torch.get_num_threads(), approximate)
+    name = _CHOICES.get(key)
+    if name is None:
+        with _LOCK:
+            name = _CHOICES.get(key) or _measure(x2, w1, b1, w2, b2, approximate)
+            _CHOICES[key] = name
+    return name
+
+
+def choices() -> dict:
+    """What the dispatcher has measured and chosen so far, for reports."""
+    return dict(_CHOICES)
+
+
+def ffn(x2, w1, b1, w2, b2, approximate):
+    """(N, d) -> (N, d) through the right path; x2 is 2-D."""
+    if torch.compiler.is_compiling():
+        return plain(x2, w1, b1, w2, b2, approximate)
+    if torch.is_grad_enabled() and (x2.requires_grad or w1.requires_grad or b1.requires_grad
+                                    or w2.requires_grad or b2.requires_grad):
+        return RecomputeGELU.apply(x2, w1, b1, w2, b2, approximate)
+    if x2.device.type != "cpu" or x2.dtype != torch.float32:
+        return plain(x2, w1, b1, w2, b2, approximate)
+    x2 = x2.contiguous()
+    name = choose(x2, w1, b1, w2, b2, approximate)
+    if name == "plain":
+        return plain(x2, w1, b1, w2, b2, approximate)
+    return cpu.run_path(name, x2, w1, b1, w2, b2, approximate)

@@ -1,0 +1,177 @@
+"""Every fast path against the numpy reference: each path, token bucket, odd sizes, non-contiguous input."""
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import hf_mlp, randomize_
+from gpt2ffn import Config, FeedForward, Gpt2ffnError, kernels, patch_hf, reference, tolerance
+from gpt2ffn.kernels import cpu
+
+SIZES = [Config(n_embd=768), Config(n_embd=200, n_inner=600, n_head=8), Config(n_embd=96, n_inner=200, n_head=1)]
+TOKENS = [1, 3, 8, 17, 64, 300]
+
+
+def weights(cfg, seed=0):
+    ffn = FeedForward(cfg)
+    ffn.load_state_dict(hf_mlp(cfg, seed).state_dict())
+    return ffn.eval()
+
+
+@pytest.mark.parametrize("path", list(cpu.PATHS))
+@pytest.mark.parametrize("approximate", ["tanh", "none", "relu"])
+@pytest.mark.parametrize("cfg", SIZES, ids=lambda c: f"d{c.n_embd}h{c.hidden}")
+def test_every_path_matches_reference(path, approximate, cfg):
+    ffn = weights(cfg)
+    p = [t.detach() for t in (ffn.c_fc.weight, ffn.c_fc.bias, ffn.c_proj.weight, ffn.c_proj.bias)]
+    ref = reference.FFN.from_state_dict(ffn.state_dict(), approximate)
+    tol = tolerance(torch.float32)
+    for T in TOKENS:
+        x = 3 * torch.randn(T, cfg.n_embd, generator=torch.Generator().manual_seed(T))
+        y = cpu.run_path(path, x, *p, approximate)
+        np.testing.assert_allclose(y.numpy(), ref(x.numpy()), atol=tol.atol, rtol=tol.rtol, err_msg=f"{path} T={T}")
+
+
+def test_dispatcher_choices_are_cached_per_bucket():
+    cfg = Config(n_embd=200, n_inner=600, n_head=8)
+    ffn = weights(cfg)
+    with torch.no_grad():
+        for T in (20, 30, 200):
+            ffn(torch.randn(T, 200))
+    chosen = kernels.choices()
+    assert (200, 600, 32, torch.get_num_threads(), "tanh") in chosen
+    assert (200, 600, 256, torch.get_num_threads(), "tanh") in chosen
+    assert set(chosen.values()) <= set(cpu.AUTO)
+    assert kernels.bucket(1) == 1 and kernels.bucket(17) == 32 and kernels.bucket(2048) == 2048
+
+
+def test_non_contiguous_and_leading_dims_through_module():
+    cfg = Config(n_embd=200, n_inner=600, n_head=8)
+    ffn = weights(cfg)
+    ref = reference.FFN.from_state_dict(ffn.state_dict())
+    x = torch.randn(40, 3, 200)
+    with torch.no_grad():
+        for xi in (x.transpose(0, 1), x[::2], x[:, 1], x[..., None, :].expand(40, 3, 2, 200)):
+            assert not xi.is_contiguous() or xi.dim() == 2
+            np.testing.assert_allclose(ffn(xi).numpy(), ref(xi.contiguous().numpy()), atol=1e-5, rtol=1e-5)
+
+
+def test_output_is_not_a_reused_buffer():
+    ffn = weights(Config(n_embd=96, n_inner=200, n_head=1))
+    with torch.no_grad():
+        a = ffn(torch.ones(64, 96))
+        keep = a.clone()
+        ffn(torch.zeros(64, 96))
+    assert torch.equal(a, keep)
+
+
+def test_two_threads_on_one_module():
+    cfg = Config(n_embd=200, n_inner=600, n_head=8)
+    ffn = weights(cfg)
+    ref = reference.FFN.from_state_dict(ffn.state_dict())
+    inputs = [torch.randn(128, 200, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+    errors = []
+
+    def work(x):
+        expected = ref(x.numpy())
+        for _ in range(50):
+            with torch.no_grad():
+                y = ffn(x).numpy()
+            errors.append(float(np.abs(y - expected).max()))
+
+    threads = [threading.Thread(target=work, args=(x,)) for x in inputs]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(errors) == 100 and max(errors) <= 1e-5
+
+
+@pytest.mark.parametrize("approximate_name", ["gelu_new", "gelu", "relu"])
+def test_recompute_gelu_gradients_equal_plain_autograd(approximate_name):
+    cfg = Config(n_embd=96, n_inner=200, n_head=1, activation_function=approximate_name, resid_pdrop=0.0)
+    ffn = weights(cfg).train()
+    x = torch.randn(2, 9, 96, requires_grad=True)
+    g = torch.randn(2, 9, 96)
+    ffn(x).backward(g)
+    ours = [x.grad] + [p.grad for p in ffn.parameters()]
+    x2 = x.detach().clone().requires_grad_()
+    params = [p.detach().clone().requires_grad_() for p in ffn.parameters()]
+    y = kernels.plain(x2.reshape(-1, 96), *params, cfg.gelu_approximate).view(2, 9, 96)
+    y.backward(g)
+    for a, b in zip(ours, [x2.grad] + [p.grad for p in params]):
+        torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-5)
+
+
+def test_recompute_gelu_gradcheck_float64():
+    ffn = FeedForward(Config(n_embd=8, n_inner=24, n_head=2, resid_pdrop=0.0)).double()
+    x = torch.randn(5, 8, dtype=torch.float64, requires_grad=True)
+    args = (x, ffn.c_fc.weight, ffn.c_fc.bias, ffn.c_proj.weight, ffn.c_proj.bias)
+    assert torch.autograd.gradcheck(lambda *a: kernels.RecomputeGELU.apply(*a, "tanh"), args)
+
+
+def test_recompute_gelu_saves_less():
+    from gpt2ffn.bench import saved_bytes
+    cfg = Config(n_embd=96, n_inner=384, n_head=1, resid_pdrop=0.0)
+    ffn = weights(cfg).train()
+    mlp = hf_mlp(cfg).train()
+    x = torch.randn(64, 96, requires_grad=True)
+    ours, _ = saved_bytes(lambda: ffn(x), ffn)
+    theirs, _ = saved_bytes(lambda: mlp(x), mlp)
+    assert ours == 64 * (96 + 384) * 4  # x and the pre-activation only
+    assert ours <= 0.6 * theirs
+
+
+def test_torch_compile_of_a_model_holding_it():
+    torch._dynamo.reset()
+    cfg = Config(n_embd=32, n_inner=64, n_head=1, resid_pdrop=0.0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(32), weights(cfg)).eval()
+    x = torch.randn(4, 32)
+    with torch.no_grad():
+        expected = model(x)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(x), expected, atol=1e-6, rtol=1e-6)
+
+
+def test_patch_hf_keeps_logits_and_generate():
+    hf_cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, n_positions=64, vocab_size=128)
+    model = randomize_(GPT2LMHeadModel(hf_cfg), seed=3).eval()
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        logits = model(ids).logits
+        tokens = model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    shared = model.transformer.h[0].mlp.c_fc.weight
+    assert patch_hf(model) == 2
+    assert type(model.transformer.h[0].mlp) is FeedForward
+    assert model.transformer.h[0].mlp.c_fc.weight is shared  # Parameters shared, not copied
+    with torch.no_grad():
+        assert (model(ids).logits - logits).abs().max().item() <= 1e-5
+        assert torch.equal(model.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0), tokens)
+    with pytest.raises(Gpt2ffnError, match=r"found no GPT2MLP in GPT2LMHeadModel \(already patched\?\)"):
+        patch_hf(model)
+
+
+def test_patch_hf_refuses_what_it_does_not_understand():
+    with pytest.raises(Gpt2ffnError, match="takes a transformers GPT-2 model .* got Linear"):
+        patch_hf(torch.nn.Linear(2, 2))
+    model = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50, activation_function="quick_gelu"))
+    with pytest.raises(Gpt2ffnError, match="'quick_gelu' is not one gpt2ffn computes"):
+        patch_hf(model)
+    assert type(model.transformer.h[0].mlp).__name__ == "GPT2MLP"
+
+
+def test_bench_quick_smoke(tmp_path, capsys):
+    from gpt2ffn.cli import main
+    assert main(["bench", "--dims", "96", "--tokens", "1,32", "--repeats", "10", "--backward",
+                 "--out", str(tmp_path)]) == 0
+    import json
+    result = json.loads((tmp_path / "bench-cpu.json").read_text())
+    impls = {r["impl"] for r in result["forward"]}
+    assert {"gpt2ffn", "HF GPT2MLP", "book FeedForward", "Linear+GELU(tanh)+Linear",
+            "torch.compile(Linear+GELU+Linear)", "numpy reference", "floor (torch mm)"} <= impls
+    assert all(r["correct"] is not False for r in result["forward"])
+    assert (tmp_path / "bench-cpu.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| 96, 32 |" in capsys.readouterr().out
