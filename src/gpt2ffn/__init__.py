@@ -5,14 +5,22 @@
     ffn = FeedForward.from_pretrained("gpt2-dir", layer=0)  # real HF weights, block 0
 """
 
-from . import reference
-from .config import Config
-from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, ShapeError
-from .ffn import FeedForward
-from .gelu import GELU, gelu
-from .hf import patch_hf
-from .tolerances import GOLDEN_ATOL, TOLERANCES, tolerance
-from .weights import Checkpoint, save_ffn
+import os
+
+# gpt2ffn runs numpy (OpenBLAS) and torch (OpenMP) in one process. After each call OpenBLAS's workers
+# busy-wait for ~2^28 cycles and take the cores torch needs next: measured here, a torch.mm right after a
+# numpy matmul took 10.5 ms instead of 1.3. 2^4 cycles makes them sleep at once. It only takes effect if set
+# before numpy loads; a value the user set wins.
+os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
+
+from . import reference  # noqa: E402
+from .config import Config  # noqa: E402
+from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, ShapeError  # noqa: E402
+from .ffn import FeedForward  # noqa: E402
+from .gelu import GELU, gelu  # noqa: E402
+from .hf import patch_hf  # noqa: E402
+from .tolerances import GOLDEN_ATOL, TOLERANCES, tolerance  # noqa: E402
+from .weights import Checkpoint, save_ffn  # noqa: E402
 
 __version__ = "0.1.0"
 

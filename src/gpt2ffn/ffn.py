@@ -43,9 +43,12 @@ class FeedForward(nn.Module):
     def forward(self, x):
         """x: (..., n_embd) float tensor -> (..., n_embd), through the fastest path that fits (kernels/)."""
         self.check_input(x)
-        y = kernels.ffn(x.reshape(-1, x.shape[-1]), self.c_fc.weight, self.c_fc.bias,  # (N, d) -> (N, d)
-                        self.c_proj.weight, self.c_proj.bias, self.config.gelu_approximate)
-        return self.dropout(y.view(*x.shape[:-1], y.shape[-1]))
+        # Parameters through the dicts: nn.Module.__getattr__ costs ~1.5 us each, a decode step's budget.
+        fc, proj = self._modules["c_fc"]._parameters, self._modules["c_proj"]._parameters
+        y = kernels.ffn(x.reshape(-1, x.shape[-1]), fc["weight"], fc["bias"],  # (N, d) -> (N, d)
+                        proj["weight"], proj["bias"], self.config.gelu_approximate)
+        y = y.view(*x.shape[:-1], y.shape[-1])
+        return self.dropout(y) if self.training and self.dropout.p else y
 
     def intermediates(self, x) -> dict:
         """Each stage for the golden harness: c_fc and GELU through the modules, ffn through forward()."""

@@ -17,7 +17,8 @@ import torch
 
 from .config import Config
 from .errors import CheckpointError, Gpt2ffnError
-from .tolerances import GOLDEN_ATOL
+from .model import random_weights_
+from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
 
 FORMAT = "gpt2ffn-golden/1"
 
@@ -34,6 +35,8 @@ CHECKPOINTS = {
     "08": "final LayerNorm (ln_f)",
     "09": "logits",
 }
+SHORT = {"00": "embed", "01": "ln_1", "02": "qkv", "03": "kv", "04": "scores", "05": "attn", "06": "ffn",
+         "07": "block", "08": "ln_f", "09": "logits"}
 # Per block, in forward order: (stage, checkpoint, what it is and its shape).
 BLOCK_STAGES = [
     ("ln_1", "01", "ln_1(x), (1, T, d)"),
@@ -86,24 +89,6 @@ def _hf():
 
 # ---- the reference model ------------------------------------------------------------------------------
 
-def randomize_(model, seed: int):
-    """Seeded weights that exercise every stage: std 1.5/sqrt(fan_in), so GELU inputs reach |x| ~ 2.7 where
-    its two forms differ most, and non-zero biases and LayerNorm parameters, so a missing one shows."""
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(("wte.weight", "wpe.weight")):
-                p.copy_(torch.randn(p.shape, generator=g))
-            elif ".ln_" in name or "ln_f" in name:
-                base = 1.0 if name.endswith("weight") else 0.0
-                p.copy_(base + 0.1 * torch.randn(p.shape, generator=g))
-            elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
-            else:  # Conv1D weight [in, out]
-                p.copy_(1.5 / p.shape[0] ** 0.5 * torch.randn(p.shape, generator=g))
-    return model
-
-
 def load_reference(source: str):
     """(HF GPT2LMHeadModel in eval mode with eager attention, Config, manifest's model entry).
 
@@ -117,7 +102,7 @@ def load_reference(source: str):
         seed = int(parts[2]) if len(parts) == 3 else 0
         hf_cfg = transformers.GPT2Config(**cfg.to_hf_dict())
         hf_cfg._attn_implementation = "eager"
-        model = randomize_(transformers.GPT2LMHeadModel(hf_cfg), seed).eval()
+        model = random_weights_(transformers.GPT2LMHeadModel(hf_cfg), seed).eval()
         return model, cfg, {"source": f"random:{parts[1]}:{seed}", "files": {}}
     path = Path(source)
     if not path.is_dir():
@@ -140,7 +125,7 @@ def token_ids(cfg: Config, model_source: str, ids=None, prompt=None) -> list:
         if model_source.startswith("random:"):
             raise Gpt2ffnError("--prompt needs a tokenizer, and a random: model has none; use --ids")
         from .tokenizer import load_tokenizer
-        ids = load_tokenizer(model_source).encode(prompt).ids
+        ids = load_tokenizer(model_source).encode(prompt)
     if not ids:
         raise Gpt2ffnError("no tokens: the prompt encodes to nothing")
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
@@ -242,7 +227,8 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
         "prompt": prompt,
         "layers": layers,
         "checkpoints": CHECKPOINTS,
-        "tolerance": {"atol": GOLDEN_ATOL, "note": "seed 001: max |diff| <= 1e-4, fp32"},
+        "tolerance": {"atol": GOLDEN_ATOL, "scaled": GOLDEN_SCALED,
+                      "note": "seed 001: max |diff| <= 1e-4, fp32; logits: max(1e-4, 1e-6 * max|logits|)"},
         "tensors": entries,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "numpy": np.__version__,
@@ -344,35 +330,92 @@ def compare(name, entry, actual, expected, atol) -> Row:
     return Row(name, ck, layer, shape, max_abs, max_rel, atol, "PASS" if max_abs <= atol else "FAIL")
 
 
-def tolerance_for(entry, tolerances: dict, default: float) -> float:
-    """Per-checkpoint overrides: by tensor name (h0_ffn), stage (ffn) or checkpoint number (06)."""
+def tolerance_for(entry, tolerances: dict, default: float, expected=None) -> float:
+    """Per-checkpoint overrides by tensor name (h0_ffn), stage (ffn) or checkpoint number (06); else the
+    default, scaled with the tensor for the checkpoints in GOLDEN_SCALED (logits)."""
     for key in (entry.get("file", "").removesuffix(".npy"), entry["stage"], entry["checkpoint"]):
         if key in tolerances:
             return tolerances[key]
+    rtol = GOLDEN_SCALED.get(entry["checkpoint"])
+    if rtol is not None and expected is not None and expected.size:
+        return max(default, rtol * float(np.abs(expected).max()))
     return default
 
 
-def run_ours(golden: Golden) -> dict:
-    """gpt2ffn's own implementation of every checkpoint it has, each fed its golden input.
+def rebuild_model(golden: Golden):
+    """gpt2ffn's GPT2 for the golden set's model: random presets are rebuilt from their seed, a directory is
+    read if its weight files still match the manifest's sha256. (model, None) or (None, why not)."""
+    from .generate import load
+    info = golden.manifest["model"]
+    source = info["source"]
+    if not source.startswith("random:"):
+        path = Path(source)
+        if not path.is_dir():
+            return None, f"model directory {source} is not here"
+        changed = [f for f, h in info["files"].items() if not (path / f).is_file() or sha256(path / f) != h]
+        if changed:
+            return None, f"model files changed since extraction: {', '.join(changed)}"
+    return load(source)[0], None
 
-    Today: the FFN (checkpoint 06), fed the golden ln_2 output."""
-    from .ffn import FeedForward
-    ours = {}
-    for L in golden.layers:
-        ffn = FeedForward(golden.config).eval()
-        ffn.load_state_dict(golden.ffn_weights(L))
-        stages = ffn.intermediates(torch.from_numpy(golden.load(f"h{L}_ln_2")))
-        ours.update({f"h{L}_{k}": v for k, v in stages.items()})
-    return {k: v.numpy() for k, v in ours.items()}
+
+def run_ours(golden: Golden) -> tuple:
+    """gpt2ffn's own implementation of every checkpoint, each stage fed its golden input, then the whole
+    model end to end on the golden token ids. Returns (tensors by golden name, reasons for what was skipped)."""
+    from .model import Block
+    cfg, g = golden.config, lambda n: torch.from_numpy(golden.load(n))
+    ours, skipped = {}, {}
+    with torch.no_grad():
+        for L in golden.layers:
+            block = Block(cfg).eval()
+            block.load_state_dict({k: g(f"h{L}_{v}") for k, v in BLOCK_WEIGHTS.items()})
+            x = g("embeddings") if L == 0 else g(f"h{L - 1}_block") if f"h{L - 1}_block" in golden else None
+            ln_1, attn_resid = g(f"h{L}_ln_1"), g(f"h{L}_attn_resid")
+            q, k, v = block.attn.qkv(ln_1)
+            stages = {
+                "c_attn": block.attn.c_attn(ln_1), "q": q, "k": k, "v": v,
+                "attn_probs": block.attn.probs(g(f"h{L}_q"), g(f"h{L}_k")),
+                "attn_out": block.attn(ln_1),
+                "ln_2": block.ln_2(attn_resid),
+                **block.mlp.intermediates(g(f"h{L}_ln_2")),
+            }
+            if x is not None:
+                stages.update(ln_1=block.ln_1(x), attn_resid=x + g(f"h{L}_attn_out"), block=block(x))
+            else:
+                for s in ("ln_1", "attn_resid", "block"):
+                    skipped[f"h{L}_{s}"] = f"its input h{L - 1}_block is not in the golden set"
+            ours.update({f"h{L}_{k}": v for k, v in stages.items()})
+        model, why = rebuild_model(golden)
+        if model is None:
+            for n in ("embeddings", "ln_f", "logits"):
+                skipped[n] = why
+        else:  # end to end: our whole model on the token ids, every block output along the way
+            seen = {}
+            hooks = [model.transformer.drop.register_forward_hook(lambda m, a, o: seen.__setitem__("embeddings", o)),
+                     model.transformer.ln_f.register_forward_hook(lambda m, a, o: seen.__setitem__("ln_f", o))]
+            hooks += [model.transformer.h[L].register_forward_hook(
+                lambda m, a, o, L=L: seen.__setitem__(f"h{L}_block (chain)", o)) for L in golden.layers]
+            seen["logits"] = model(torch.tensor([golden.token_ids]))
+            for h in hooks:
+                h.remove()
+            ours.update(seen)
+    return {k: v.numpy() for k, v in ours.items()}, skipped
 
 
 def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> list:
     tolerances = tolerances or {}
-    first = run_ours(golden)
-    rows = [compare(n, golden.tensors[n], first[n], golden.load(n), tolerance_for(golden.tensors[n], tolerances, atol))
-            for n in golden.activations() if n in first]
+    first, skipped = run_ours(golden)
+    rows = []
+    for n in golden.activations():
+        entry = golden.tensors[n]
+        tol = tolerance_for(entry, tolerances, atol, golden.load(n))
+        for name in (n, f"{n} (chain)"):
+            if name in first:
+                rows.append(compare(name, entry, first[name], golden.load(n), tol))
+        if n in skipped:
+            rows.append(Row(n, entry["checkpoint"], entry["layer"], tuple(entry["shape"]), float("nan"),
+                            float("nan"), tol, "SKIP", skipped[n]))
     for i in range(1, repeat):
-        again = run_ours(golden)
+        again, _ = run_ours(golden)
         changed = [n for n in first if not np.array_equal(first[n], again[n])]
         if changed:
             rows.append(Row(f"repeat {i + 1}", "--", None, (), float("nan"), float("nan"), 0.0, "FAIL",
@@ -391,7 +434,7 @@ def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATO
     rows = []
     for name in golden.activations():
         entry, expected = golden.tensors[name], golden.load(name)
-        tol = tolerance_for(entry, tolerances, atol)
+        tol = tolerance_for(entry, tolerances, atol, expected)
         path = candidate / entry["file"]
         if not path.is_file():
             rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
@@ -443,7 +486,7 @@ def format_rows(rows, title) -> str:
     head = f"{'checkpoint':<11}{'layer':>5}  {'tensor':<34}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}  result"
     lines = [title, head, "-" * len(head)]
     for r in rows:
-        ck = f"{r.checkpoint} {CHECKPOINTS.get(r.checkpoint, '').split(' ')[0]}" if r.checkpoint else "--"
+        ck = f"{r.checkpoint} {SHORT.get(r.checkpoint, '')}" if r.checkpoint else "--"
         lines.append(f"{ck:<11}{'' if r.layer is None else r.layer:>5}  {r.name:<34}{str(tuple(r.shape)):<20}"
                      f"{r.max_abs:>11.3e}{r.max_rel:>11.3e}{r.atol:>9.0e}  {r.status}{'  ' + r.note if r.note else ''}")
     return "\n".join(lines)

@@ -1,12 +1,63 @@
-"""GPT-2's byte-level BPE tokenizer from a model directory, through the `tokenizers` package."""
+"""GPT-2's byte-level BPE tokenizer from a model directory, through the `tokenizers` package.
+
+Models of the `random:` presets have no tokenizer of their own; `ByteTokenizer` gives them GPT-2's 256
+single-byte tokens (ids 0..255 in GPT-2's own byte order), so the whole pipeline runs on real text.
+"""
 
 from pathlib import Path
 
 from .errors import CheckpointError, Gpt2ffnError
 
 
+def bytes_to_unicode() -> dict:
+    """GPT-2's byte -> printable character map (OpenAI's encoder.py); its order is GPT-2's ids 0..255."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+class ByteTokenizer:
+    """Each UTF-8 byte is one token: GPT-2's single-byte token for it. Ids >= 256 decode as [id]."""
+
+    def __init__(self):
+        self.byte_to_id = {b: i for i, b in enumerate(bytes_to_unicode())}
+        self.id_to_byte = {i: b for b, i in self.byte_to_id.items()}
+
+    def encode(self, text: str) -> list:
+        return [self.byte_to_id[b] for b in text.encode("utf-8")]
+
+    def decode(self, ids) -> str:
+        out, pending = [], bytearray()
+        for i in ids:
+            if i in self.id_to_byte:
+                pending.append(self.id_to_byte[i])
+            else:
+                out.append(pending.decode("utf-8", errors="replace") + f"[{i}]")
+                pending = bytearray()
+        return "".join(out) + pending.decode("utf-8", errors="replace")
+
+
+class HFTokenizer:
+    """A tokenizers.Tokenizer with list-in, list-out encode/decode."""
+
+    def __init__(self, tok):
+        self.tok = tok
+
+    def encode(self, text: str) -> list:
+        return self.tok.encode(text).ids
+
+    def decode(self, ids) -> str:
+        return self.tok.decode(list(ids))
+
+
 def load_tokenizer(directory):
-    """A tokenizers.Tokenizer from `tokenizer.json`, or from `vocab.json` + `merges.txt` (GPT-2's files)."""
+    """From `tokenizer.json`, or from `vocab.json` + `merges.txt` (GPT-2's files)."""
     directory = Path(directory)
     try:
         from tokenizers import Tokenizer
@@ -14,7 +65,7 @@ def load_tokenizer(directory):
         raise Gpt2ffnError("reading a tokenizer needs the tokenizers package: pip install 'gpt2ffn[hf]'") from None
     if (directory / "tokenizer.json").is_file():
         try:
-            return Tokenizer.from_file(str(directory / "tokenizer.json"))
+            return HFTokenizer(Tokenizer.from_file(str(directory / "tokenizer.json")))
         except Exception as e:
             raise CheckpointError(f"{directory / 'tokenizer.json'} is not a valid tokenizer file: {e}") from None
     if (directory / "vocab.json").is_file() and (directory / "merges.txt").is_file():
@@ -26,6 +77,6 @@ def load_tokenizer(directory):
         tok = Tokenizer(bpe)
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
-        return tok
+        return HFTokenizer(tok)
     raise CheckpointError(f"no tokenizer in {directory}: need tokenizer.json, or vocab.json + merges.txt "
                           "(or pass token ids with --ids)")

@@ -1,0 +1,217 @@
+"""The whole GPT-2 around the FFN: attention, blocks, embeddings, tied lm_head, KV cache.
+
+Module names and state-dict keys equal HF GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight`, ...),
+so a state dict moves between the two unchanged. The FFN of each block is gpt2ffn's FeedForward.
+"""
+
+import math
+import zlib
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import Config
+from .errors import CheckpointError, Gpt2ffnError, InputError, ShapeError
+from .ffn import Conv1D, FeedForward
+
+
+class KVCache:
+    """Keys and values of every layer, preallocated to n_positions: (B, H, n_positions, d/H) each."""
+
+    def __init__(self, cfg: Config, batch: int, dtype=torch.float32, device="cpu", max_len=None):
+        self.max_len = max_len or cfg.n_positions
+        if self.max_len > cfg.n_positions:
+            raise Gpt2ffnError(f"KV cache of {self.max_len} positions exceeds n_positions={cfg.n_positions}")
+        shape = (batch, cfg.n_head, self.max_len, cfg.n_embd // cfg.n_head)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.length = 0  # positions filled so far
+
+    def check_room(self, new: int):
+        if self.length + new > self.max_len:
+            raise Gpt2ffnError(f"{self.length} cached + {new} new tokens exceed the context of {self.max_len} "
+                               f"positions (n_positions); GPT-2 cannot attend further back")
+
+    def update(self, layer: int, k, v):
+        """Write this step's k, v (B, H, T, d/H) after the cached ones; return all of them so far."""
+        end = self.length + k.shape[2]
+        self.k[layer][:, :, self.length:end] = k
+        self.v[layer][:, :, self.length:end] = v
+        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
+
+
+def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
+    """Boolean (B or 1, 1, T, past + T): query i (at position past + i) sees key j <= past + i that is valid.
+
+    A query always sees itself, so a padding query never has an empty row (which would give NaN)."""
+    q = torch.arange(past, past + T, device=device)[:, None]
+    k = torch.arange(past + T, device=device)[None, :]
+    mask = (k <= q)[None, None]                                  # (1, 1, T, S) causal
+    if key_valid is not None:
+        mask = mask & key_valid[:, None, None, :].bool() | (k == q)[None, None]
+    return mask
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd, cfg.initializer_range)
+        self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd, cfg.initializer_range)
+        self.attn_dropout = nn.Dropout(cfg.attn_pdrop)
+        self.resid_dropout = nn.Dropout(cfg.resid_pdrop)
+
+    def qkv(self, x):
+        """(B, T, C) -> q, k, v each (B, H, T, C/H), as HF splits c_attn's output."""
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        return [t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)]
+
+    @staticmethod
+    def probs(q, k, mask=None):
+        """softmax(q k^T / sqrt(d/H)) under the causal (or given) mask: (B, H, T, S). For checks and teaching;
+        forward() uses fused scaled_dot_product_attention."""
+        T, S = q.shape[2], k.shape[2]
+        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])
+        if mask is None:
+            mask = causal_mask(T, S - T, device=q.device)
+        att = att.masked_fill(~mask, torch.finfo(att.dtype).min)
+        return F.softmax(att, dim=-1)
+
+    def forward(self, x, layer=0, cache=None, mask=None):
+        B, T, C = x.shape
+        q, k, v = self.qkv(x)
+        if cache is not None:
+            k, v = cache.update(layer, k, v)                       # (B, H, past + T, C/H)
+        dropout = self.attn_dropout.p if self.training else 0.0
+        if mask is None and k.shape[2] == T:
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        else:
+            if mask is None:
+                mask = causal_mask(T, k.shape[2] - T, device=x.device)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+        y = y.transpose(1, 2).reshape(B, T, C)                     # (B, H, T, C/H) -> (B, T, C)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class Block(nn.Module):
+    """x + attn(ln_1(x)), then x + mlp(ln_2(x)); mlp is gpt2ffn's FeedForward."""
+
+    def __init__(self, cfg: Config):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon)
+        self.mlp = FeedForward(cfg)
+
+    def forward(self, x, layer=0, cache=None, mask=None):
+        x = x + self.attn(self.ln_1(x), layer, cache, mask)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT2(nn.Module):
+    """GPT-2 with HF GPT2LMHeadModel's names; lm_head shares wte's weight."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.config = cfg = Config.coerce(cfg)
+        self.transformer = nn.ModuleDict(dict(
+            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),
+            drop=nn.Dropout(cfg.embd_pdrop),
+            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
+        ))
+        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        for name, p in self.named_parameters():
+            if name.endswith("wte.weight") or name.endswith("wpe.weight"):
+                nn.init.normal_(p, std=cfg.initializer_range)
+
+    def embed(self, ids, past=0, attention_mask=None):
+        """wte(ids) + wpe(positions): (B, T) -> (B, T, d). With left padding, positions count real tokens."""
+        T = ids.shape[1]
+        if attention_mask is None:
+            pos = torch.arange(past, past + T, device=ids.device)[None]
+        else:
+            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+        return self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(pos))
+
+    def forward(self, ids, cache=None, attention_mask=None):
+        """ids (B, T) -> logits (B, T, vocab). attention_mask (B, past + T): 1 for real tokens, 0 for padding."""
+        self.check_ids(ids, cache)
+        past = cache.length if cache is not None else 0
+        T = ids.shape[1]
+        mask = None
+        if attention_mask is not None:
+            if attention_mask.shape != (ids.shape[0], past + T):
+                raise ShapeError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
+                                 f"{(ids.shape[0], past + T)} (batch, cached + new tokens)")
+            mask = causal_mask(T, past, attention_mask, ids.device)
+        x = self.embed(ids, past, attention_mask)
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, i, cache, mask)
+        if cache is not None:
+            cache.length += T
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def check_ids(self, ids, cache=None):
+        if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"ids must be an int64 tensor of token ids (B, T), got "
+                             f"{getattr(ids, 'dtype', type(ids).__name__)}")
+        if ids.dim() != 2 or ids.shape[1] == 0:
+            raise ShapeError(f"ids has shape {tuple(ids.shape)}; expected (batch, tokens) with tokens >= 1")
+        V = self.config.vocab_size
+        if int(ids.min()) < 0 or int(ids.max()) >= V:
+            raise InputError(f"token ids must be in [0, {V}); got min {int(ids.min())}, max {int(ids.max())}")
+        past = cache.length if cache is not None else 0
+        if cache is not None:
+            cache.check_room(ids.shape[1])
+        elif past + ids.shape[1] > self.config.n_positions:
+            raise Gpt2ffnError(f"{ids.shape[1]} tokens exceed the context of n_positions={self.config.n_positions}")
+
+    @classmethod
+    def from_pretrained(cls, path, dtype=torch.float32) -> "GPT2":
+        """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin)."""
+        from .weights import Checkpoint
+        ckpt = Checkpoint(path)
+        directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
+        cfg = Config.from_pretrained(directory)
+        model = cls(cfg)
+        own = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        missing = [k for k in own if k not in ckpt]
+        if missing:
+            raise CheckpointError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors GPT-2 needs, e.g. "
+                                  f"{', '.join(missing[:5])}")
+        extra = [k for k in ckpt.names if k not in own and k != "lm_head.weight"]
+        if extra:
+            raise CheckpointError(f"checkpoint {ckpt.path} has tensors GPT-2 ({cfg.n_layer} layers) does not: "
+                                  f"{', '.join(extra[:5])}")
+        with torch.no_grad():
+            for name, target in own.items():
+                t = ckpt.get(name)
+                if tuple(t.shape) != tuple(target.shape):
+                    raise ShapeError(f"{name} has shape {tuple(t.shape)}; the config from {directory / 'config.json'} "
+                                     f"expects {tuple(target.shape)}")
+                target.copy_(t)
+        return model.to(dtype).eval()
+
+
+def random_weights_(model: nn.Module, seed: int) -> nn.Module:
+    """Seeded weights for the random: presets, the same for HF's GPT2LMHeadModel and ours (each parameter
+    drawn from its own generator seeded by (seed, name)). Scaled to exercise every stage: std 1.5/sqrt(fan_in)
+    so GELU inputs reach |x| ~ 2.7 where its two forms differ most, and non-zero biases and LayerNorm
+    parameters, so a missing one shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            if name.endswith(("wte.weight", "wpe.weight")):
+                p.copy_(torch.randn(p.shape, generator=g))
+            elif ".ln_" in name or "ln_f" in name:
+                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+            elif name.endswith("bias"):
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+            else:  # Conv1D weight [in, out]
+                p.copy_(1.5 / p.shape[0] ** 0.5 * torch.randn(p.shape, generator=g))
+    return model
