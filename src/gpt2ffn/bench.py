@@ -7,6 +7,7 @@ GFLOP/s counts 16 * tokens * d^2 per forward (two GEMMs of 2 * tokens * d * 4d e
 
 import copy
 import json
+import os
 import platform
 import statistics
 import time
@@ -27,9 +28,6 @@ QUICK = {"d": [768], "tokens": [1, 64, 512]}
 PEERS = ["HF GPT2MLP", "book FeedForward", "Linear+GELU(tanh)+Linear", "torch.compile(Linear+GELU+Linear)",
          "numpy reference"]
 OURS = "gpt2ffn"
-# After a numpy (OpenBLAS) call its worker threads busy-wait for ~0.1 s and steal cores from torch;
-# waiting this long after each numpy entry keeps that out of the next entry's timing.
-BLAS_IDLE_S = 0.3
 
 
 class BookGELU(nn.Module):
@@ -58,6 +56,7 @@ def machine() -> dict:
         pass
     from threadpoolctl import threadpool_info
     return {"cpu": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
+            "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "torch": torch.__version__, "numpy": np.__version__,
             "blas": sorted({f"{i['internal_api']} {i.get('version') or ''}".strip() for i in threadpool_info()})}
 
@@ -116,6 +115,24 @@ def floors(ffn, device):
     return out
 
 
+def rounds(fns: dict, repeats: int, device="cpu") -> dict:
+    """Median ms of each function, timed in interleaved rounds (each round runs every function once, in
+    order), so that load changes on a shared machine touch every entry alike. Two warm-up calls each."""
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    for f in fns.values():
+        f()
+        f()
+    sync()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            t0 = time.perf_counter()
+            f()
+            sync()
+            times[k].append(time.perf_counter() - t0)
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
 def bench_forward(dims, tokens, repeats, device="cpu", log=print) -> list:
     rows = []
     for d in dims:
@@ -127,19 +144,19 @@ def bench_forward(dims, tokens, repeats, device="cpu", log=print) -> list:
             x = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).to(device)
             xn = x.cpu().numpy()
             expected = ref(xn)
+            fns, correct = {}, {}
             with torch.no_grad():
                 for name, (f, numpy_in) in {**impls, **bare}.items():
                     arg = xn if numpy_in else x
-                    ok = None
                     if name in impls:  # correctness first
                         y = f(arg)
                         y = y if numpy_in else y.cpu().numpy()
-                        ok = bool(np.allclose(y, expected, atol=tol.atol, rtol=tol.rtol))
-                    ms = timeit(lambda: f(arg), repeats, device)
-                    if numpy_in:
-                        time.sleep(BLAS_IDLE_S)
-                    rows.append({"d": d, "tokens": T, "impl": name, "ms": ms, "correct": ok,
-                                 "gflops": 16 * T * d * d / ms / 1e6})
+                        correct[name] = bool(np.allclose(y, expected, atol=tol.atol, rtol=tol.rtol))
+                    fns[name] = (lambda f=f, arg=arg: f(arg))
+                ms = rounds(fns, repeats, device)
+            for name in fns:
+                rows.append({"d": d, "tokens": T, "impl": name, "ms": ms[name], "correct": correct.get(name),
+                             "gflops": 16 * T * d * d / ms[name] / 1e6})
             _finish_shape(rows, d, T)
             log(format_shape(rows, d, T))
     return rows
@@ -268,6 +285,11 @@ def run(args):
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "device": device, "repeats": repeats, "quick": args.quick}
     print(f"machine: {result['machine']}")
+    if args.model:
+        result["model"] = bench_model(repeats=repeats // 2)
+        (out_dir / "bench-model.json").write_text(json.dumps(result, indent=1) + "\n")
+        print(f"wrote {out_dir / 'bench-model.json'}")
+        return result
     result["forward"] = bench_forward(dims, tokens, repeats, device)
     result["dispatch"] = {str(k): v for k, v in kernels.choices().items()}
     if args.backward:
@@ -303,3 +325,68 @@ def summarize(result) -> str:
                      f"{hf['ms'] / ours['ms']:.2f}x |" if hf else "")
     return "\n".join(lines)
 
+
+
+def bench_model(prompt_tokens=128, new_tokens=64, repeats=5, log=print) -> dict:
+    """Prefill ms and decode tokens/s: gpt2ffn's GPT2 vs HF GPT2LMHeadModel.generate (sdpa, KV cache), the
+    same random gpt2 (124M shape) weights, greedy, in one process. Tokens are checked equal first."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from .generate import Sampling, generate
+    from .model import GPT2, KVCache, random_weights_
+    cfg = Config.from_name("gpt2")
+    hf_cfg = GPT2Config(**cfg.to_hf_dict())
+    hf_cfg._attn_implementation = "sdpa"
+    hf = random_weights_(GPT2LMHeadModel(hf_cfg), 0).eval()
+    hf.generation_config.eos_token_id = None
+    ours = GPT2(cfg).eval()
+    ours.load_state_dict(hf.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
+    s = Sampling(max_new_tokens=new_tokens)
+    with torch.no_grad():
+        hf_ids = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:]
+        same = generate(ours, [ids[0].tolist()], s)[0] == hf_ids.tolist()
+        runs = {
+            "gpt2ffn": (lambda: ours(ids, KVCache(cfg, 1, max_len=prompt_tokens + new_tokens), last_only=True),
+                        lambda: generate(ours, [ids[0].tolist()], s)),
+            "HF transformers": (lambda: hf(ids, use_cache=True),
+                                lambda: hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)),
+        }
+        out = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "same_tokens": same,
+               "decode_floor": decode_floor(ours, repeats)}
+        for name, (prefill, gen) in runs.items():
+            p_ms, g_ms = timeit(prefill, repeats), timeit(gen, max(3, repeats // 2))
+            out[name] = {"prefill_ms": p_ms, "generate_ms": g_ms,
+                         "decode_tokens_per_s": new_tokens / (g_ms - p_ms) * 1e3}
+    a, b = out["gpt2ffn"], out["HF transformers"]
+    out["decode_speedup"] = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
+    out["prefill_speedup"] = b["prefill_ms"] / a["prefill_ms"]
+    log(f"gpt2 (124M shape, random weights), {prompt_tokens} prompt + {new_tokens} new tokens, greedy, "
+        f"same tokens as HF: {same}")
+    for name in ("gpt2ffn", "HF transformers"):
+        r = out[name]
+        log(f"  {name:<16} prefill {r['prefill_ms']:8.1f} ms   decode {r['decode_tokens_per_s']:6.1f} tokens/s")
+    f = out["decode_floor"]
+    log(f"  floor: bare GEMVs over every weight ({f['weight_mb']:.0f} MB fp32) {f['ms']:.1f} ms = "
+        f"{f['tokens_per_s']:.1f} tokens/s ({f['gb_per_s']:.1f} GB/s)")
+    log(f"  gpt2ffn vs HF: prefill {out['prefill_speedup']:.2f}x, decode {out['decode_speedup']:.2f}x")
+    return out
+
+
+def decode_floor(model, repeats=5) -> dict:
+    """One decode step's unavoidable work: a bare (1, in) @ (in, out) GEMV over every weight matrix, in
+    forward order, plus the (1, d) @ wte^T logits. Above the last-level cache this is DRAM bandwidth."""
+    mats = []
+    for block in model.transformer.h:
+        mats += [block.attn.c_attn.weight, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight]
+    mats = [m.detach() for m in mats]
+    wte = model.transformer.wte.weight.detach()
+    x = {m.shape[0]: torch.randn(1, m.shape[0]) for m in mats}
+
+    def step():
+        for m in mats:
+            torch.mm(x[m.shape[0]], m)
+        torch.mm(x[wte.shape[1]], wte.t())
+    ms = timeit(step, repeats)
+    nbytes = sum(m.numel() for m in mats) * 4 + wte.numel() * 4
+    return {"ms": ms, "tokens_per_s": 1e3 / ms, "weight_mb": nbytes / 1e6, "gb_per_s": nbytes / ms / 1e6}

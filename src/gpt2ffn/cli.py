@@ -162,7 +162,8 @@ def cmd_bench(args):
     """Side-by-side timings against the peers."""
     from .bench import run, summarize
     result = run(args)
-    print("\n" + summarize(result))
+    if "forward" in result:
+        print("\n" + summarize(result))
     return 0
 
 
@@ -257,6 +258,7 @@ def build_parser() -> Parser:
     p.add_argument("--repeats", type=int, default=15, help="timed runs per point after warm-up (>= 10)")
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
+    p.add_argument("--model", action="store_true", help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     p.set_defaults(func=cmd_bench)

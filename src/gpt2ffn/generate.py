@@ -76,7 +76,7 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None):
         generator.seed()
     done = [False] * B
     texts = [[] for _ in range(B)]
-    logits = model(ids, cache, mask if padded else None)[:, -1]
+    logits = model(ids, cache, mask if padded else None, last_only=True)[:, -1]
     for _ in range(s.max_new_tokens):
         nxt = pick(logits, s, generator)
         out = []
@@ -97,7 +97,7 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None):
         nxt = torch.where(torch.tensor(done, device=device), torch.full_like(nxt, pad), nxt)
         if padded:
             mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
-        logits = model(nxt[:, None], cache, mask if padded else None)[:, -1]
+        logits = model(nxt[:, None], cache, mask if padded else None, last_only=True)[:, -1]
 
 
 def generate(model: GPT2, prompts: list, s: Sampling, decode=None) -> list:

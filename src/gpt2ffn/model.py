@@ -87,6 +87,8 @@ class CausalSelfAttention(nn.Module):
         dropout = self.attn_dropout.p if self.training else 0.0
         if mask is None and k.shape[2] == T:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+        elif mask is None and T == 1:  # one new token sees every cached key: no mask to build
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
         else:
             if mask is None:
                 mask = causal_mask(T, k.shape[2] - T, device=x.device)
@@ -138,8 +140,10 @@ class GPT2(nn.Module):
             pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         return self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(pos))
 
-    def forward(self, ids, cache=None, attention_mask=None):
-        """ids (B, T) -> logits (B, T, vocab). attention_mask (B, past + T): 1 for real tokens, 0 for padding."""
+    def forward(self, ids, cache=None, attention_mask=None, last_only=False):
+        """ids (B, T) -> logits (B, T, vocab). attention_mask (B, past + T): 1 for real tokens, 0 for padding.
+        last_only: logits of the last position only, (B, 1, vocab): all generation needs, and it skips
+        T - 1 rows of the largest GEMM (vocab x d)."""
         self.check_ids(ids, cache)
         past = cache.length if cache is not None else 0
         T = ids.shape[1]
@@ -154,6 +158,8 @@ class GPT2(nn.Module):
             x = block(x, i, cache, mask)
         if cache is not None:
             cache.length += T
+        if last_only:
+            x = x[:, -1:]
         return self.lm_head(self.transformer.ln_f(x))
 
     def check_ids(self, ids, cache=None):

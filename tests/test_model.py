@@ -1,0 +1,276 @@
+"""The whole GPT-2: against HF GPT2LMHeadModel (logits, generate), KV cache, batching, sampling, loading."""
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from conftest import hf_config, randomize_
+from gpt2ffn import CheckpointError, Config, Gpt2ffnError, InputError, ShapeError, tolerance
+from gpt2ffn.cli import main
+from gpt2ffn.generate import Sampling, cut_at_stop, generate, load
+from gpt2ffn.model import GPT2, KVCache, random_weights_
+from gpt2ffn.tokenizer import ByteTokenizer, load_tokenizer
+
+CONFIGS = [Config(n_embd=64, n_layer=3, n_head=4, n_positions=128, vocab_size=300, bos_token_id=0, eos_token_id=299),
+           Config(n_embd=96, n_inner=200, n_layer=2, n_head=3, n_positions=160, vocab_size=257,
+                  activation_function="gelu", bos_token_id=0, eos_token_id=256)]
+
+
+def pair(cfg, seed=1):
+    """HF's GPT2LMHeadModel with seeded GPT-2-scale weights (std 0.02, non-zero biases), and ours sharing them."""
+    hf = randomize_(GPT2LMHeadModel(hf_config(cfg)), seed).eval()
+    ours = GPT2(cfg).eval()
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours
+
+
+def ids_of(n, vocab, seed=0, batch=1):
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+def test_random_presets_are_the_same_model_in_hf_and_ours():
+    cfg = CONFIGS[0]
+    hf = random_weights_(GPT2LMHeadModel(hf_config(cfg)), 5)
+    ours = random_weights_(GPT2(cfg), 5)
+    assert all(torch.equal(v, hf.state_dict()[k]) for k, v in ours.state_dict().items())
+
+
+def test_state_dict_keys_equal_hf():
+    hf, ours = pair(CONFIGS[0])
+    assert set(ours.state_dict()) == set(hf.state_dict())
+    assert ours.lm_head.weight is ours.transformer.wte.weight
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["gelu_new", "gelu_exact_odd"])
+def test_logits_match_hf(cfg):
+    hf, ours = pair(cfg)
+    ids = ids_of(17, cfg.vocab_size, batch=2)
+    tol = tolerance(torch.float32)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=tol.atol, rtol=tol.rtol)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["gelu_new", "gelu_exact_odd"])
+def test_greedy_64_tokens_equal_hf_generate(cfg):
+    hf, ours = pair(cfg, seed=2)
+    ids = ids_of(9, cfg.vocab_size, seed=3)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=64, do_sample=False, pad_token_id=0)[0, 9:].tolist()
+    assert generate(ours, [ids[0].tolist()], Sampling(max_new_tokens=64)) == [expected]
+
+
+def test_cached_decode_equals_full_recompute():
+    cfg = CONFIGS[0]
+    _, ours = pair(cfg)
+    ids = ids_of(30, cfg.vocab_size)
+    tol = tolerance(torch.float32)
+    with torch.no_grad():
+        cache = KVCache(cfg, 1)
+        ours(ids[:, :20], cache)
+        for t in range(20, 30):
+            step = ours(ids[:, t:t + 1], cache)[:, -1]
+            full = ours(ids[:, :t + 1])[:, -1]
+            torch.testing.assert_close(step, full, atol=tol.atol, rtol=tol.rtol)
+    assert cache.length == 30
+
+
+def test_context_overflow_is_an_error():
+    cfg = CONFIGS[0]
+    _, ours = pair(cfg)
+    with torch.no_grad():
+        cache = KVCache(cfg, 1)
+        ours(ids_of(120, cfg.vocab_size), cache)
+        with pytest.raises(Gpt2ffnError, match="120 cached \\+ 9 new tokens exceed the context of 128"):
+            ours(ids_of(9, cfg.vocab_size), cache)
+        with pytest.raises(Gpt2ffnError, match="129 tokens exceed the context of n_positions=128"):
+            ours(ids_of(129, cfg.vocab_size))
+    with pytest.raises(Gpt2ffnError, match=r"prompt \(100 tokens\) \+ max_new_tokens \(50\) exceeds the context of 128"):
+        generate(ours, [[1] * 100], Sampling(max_new_tokens=50))
+
+
+def test_batch_with_left_padding_equals_one_at_a_time():
+    cfg = CONFIGS[1]
+    _, ours = pair(cfg, seed=4)
+    base = ids_of(12, cfg.vocab_size, seed=5)[0].tolist()
+    prompts = [base[:3], base, base[:7], base[5:6]]
+    alone = [generate(ours, [p], Sampling(max_new_tokens=25))[0] for p in prompts]
+    assert generate(ours, prompts, Sampling(max_new_tokens=25)) == alone
+
+
+def test_sampling_is_seeded_and_filters_work():
+    cfg = CONFIGS[0]
+    _, ours = pair(cfg)
+    p = [ids_of(5, cfg.vocab_size)[0].tolist()]
+    s = dict(max_new_tokens=20, temperature=1.0, seed=7)
+    a = generate(ours, p, Sampling(**s))
+    assert a == generate(ours, p, Sampling(**s)) and a != generate(ours, p, Sampling(**{**s, "seed": 8}))
+    greedy = generate(ours, p, Sampling(max_new_tokens=20))
+    assert generate(ours, p, Sampling(**s, top_k=1)) == greedy
+    assert generate(ours, p, Sampling(**s, top_p=1e-6)) == greedy
+    spread = generate(ours, p, Sampling(max_new_tokens=20, temperature=5.0, seed=1, top_k=3))
+    assert len(spread[0]) == 20
+
+
+def test_eos_and_stop_strings():
+    cfg = CONFIGS[0]
+    _, ours = pair(cfg)
+    p = [ids_of(5, cfg.vocab_size)[0].tolist()]
+    greedy = generate(ours, p, Sampling(max_new_tokens=30))[0]
+    stop_at = greedy[4]
+    out = generate(ours, p, Sampling(max_new_tokens=30, eos_token_id=stop_at))[0]
+    assert out == greedy[:greedy.index(stop_at) + 1]
+    decode = lambda ids: "".join(f"<{i}>" for i in ids)  # noqa: E731
+    out = generate(ours, p, Sampling(max_new_tokens=30, stop=[f"<{greedy[6]}>"]), decode)[0]
+    assert out == greedy[:greedy.index(greedy[6]) + 1]
+    assert cut_at_stop("hello world. bye", ["."]) == ("hello world", True)
+    assert cut_at_stop("hello", ["."]) == ("hello", False)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+    ({"temperature": -1}, "temperature must be in"),
+    ({"top_k": 0}, "top_k must be >= 1"),
+    ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
+])
+def test_bad_sampling(kwargs, message):
+    with pytest.raises(Gpt2ffnError, match=message):
+        Sampling(**kwargs)
+
+
+def test_bad_ids():
+    _, ours = pair(CONFIGS[0])
+    with pytest.raises(InputError, match=r"token ids must be in \[0, 300\); got min 0, max 300"):
+        ours(torch.tensor([[0, 300]]))
+    with pytest.raises(InputError, match="ids must be an int64 tensor"):
+        ours(torch.zeros(1, 3))
+    with pytest.raises(ShapeError, match=r"ids has shape \(3,\)"):
+        ours(torch.zeros(3, dtype=torch.long))
+
+
+def openai_layout(model, directory):
+    sd = {k.removeprefix("transformer."): v.clone() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    n = model.config.n_positions
+    for layer in range(model.config.n_layer):
+        sd[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
+    directory.mkdir()
+    save_file(sd, str(directory / "model.safetensors"))
+    model.config.save_pretrained(directory)
+    return directory
+
+
+@pytest.mark.parametrize("layout", ["save_pretrained", "openai", "bin"])
+def test_from_pretrained_layouts(layout, tmp_path):
+    cfg = CONFIGS[0]
+    hf, _ = pair(cfg, seed=6)
+    if layout == "save_pretrained":
+        hf.save_pretrained(tmp_path / "m")
+    elif layout == "openai":
+        openai_layout(hf, tmp_path / "m")
+    else:
+        (tmp_path / "m").mkdir()
+        torch.save({k: v.clone() for k, v in hf.state_dict().items()}, tmp_path / "m" / "pytorch_model.bin")
+        hf.config.save_pretrained(tmp_path / "m")
+    ours = GPT2.from_pretrained(tmp_path / "m")
+    ids = ids_of(11, cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+
+
+def test_from_pretrained_full_gpt2_size(tmp_path):
+    cfg = Config.from_name("gpt2")
+    hf = GPT2LMHeadModel(hf_config(cfg)).eval()
+    hf.save_pretrained(tmp_path)
+    ours = GPT2.from_pretrained(tmp_path)
+    assert sum(p.numel() for p in ours.parameters()) == 124_439_808
+    ids = ids_of(8, cfg.vocab_size)
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, atol=1e-4, rtol=1e-5)
+
+
+def test_from_pretrained_errors(tmp_path):
+    cfg = CONFIGS[0]
+    hf, _ = pair(cfg)
+    sd = {k: v.clone() for k, v in hf.state_dict().items() if k not in ("lm_head.weight", "transformer.h.1.ln_2.bias")}
+    (tmp_path / "a").mkdir()
+    save_file(sd, str(tmp_path / "a" / "model.safetensors"))
+    hf.config.save_pretrained(tmp_path / "a")
+    with pytest.raises(CheckpointError, match="lacks 1 tensors GPT-2 needs, e.g. h.1.ln_2.bias"):
+        GPT2.from_pretrained(tmp_path / "a")
+    sd = {k: v.clone() for k, v in hf.state_dict().items() if k != "lm_head.weight"}
+    sd["transformer.wpe.weight"] = torch.zeros(64, 64)
+    (tmp_path / "b").mkdir()
+    save_file(sd, str(tmp_path / "b" / "model.safetensors"))
+    hf.config.save_pretrained(tmp_path / "b")
+    with pytest.raises(ShapeError, match=r"wpe.weight has shape \(64, 64\); .* expects \(128, 64\)"):
+        GPT2.from_pretrained(tmp_path / "b")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_half_precision_model(dtype, tmp_path):
+    """bf16 / fp16 logits against fp32: documented bar, max |diff| <= 2% of max |logits|."""
+    cfg = CONFIGS[0]
+    hf, _ = pair(cfg)
+    hf.save_pretrained(tmp_path)
+    full = GPT2.from_pretrained(tmp_path)
+    half = GPT2.from_pretrained(tmp_path, dtype=dtype)
+    assert half.transformer.wte.weight.dtype == dtype
+    ids = ids_of(16, cfg.vocab_size)
+    with torch.no_grad():
+        a, b = full(ids), half(ids).float()
+    assert (a - b).abs().max() <= 0.02 * a.abs().max()
+    assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
+
+
+def test_tokenizers_round_trip(tmp_path):
+    from tokenizers import ByteLevelBPETokenizer
+    tok = ByteLevelBPETokenizer()
+    tok.train_from_iterator(["Hello, world! GPT-2 speaks byte-level BPE."] * 20, vocab_size=280, min_frequency=1)
+    tok.save(str(tmp_path / "tokenizer.json"))
+    tok.save_model(str(tmp_path))
+    text = "Hello, GPT-2 world! ünïcödé"
+    for t in (load_tokenizer(tmp_path), ByteTokenizer()):
+        assert t.decode(t.encode(text)) == text
+    b = ByteTokenizer()
+    assert b.encode("!") == [0] and b.encode("A") == [32]  # GPT-2's ids for single bytes
+    assert b.decode([32, 1000]) == "A[1000]"
+
+
+def test_cli_generate_random_model(capsys):
+    assert main(["generate", "--model", "random:tiny", "Hello", "--max-new-tokens", "12", "--seed", "1",
+                 "--temperature", "0.8"]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("Hello") and "tokens/s" in err and "random:tiny:0" in err
+
+
+def test_cli_generate_without_model_says_how(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    monkeypatch.delenv("HF_HUB_CACHE", raising=False)
+    assert main(["generate", "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert "no local openai-community/gpt2" in err and "huggingface-cli download" in err and err.count("\n") == 1
+
+
+def test_load_from_hf_cache(tmp_path, monkeypatch):
+    cfg = CONFIGS[0]
+    hf, _ = pair(cfg)
+    snap = tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"
+    hf.save_pretrained(snap)
+    ByteLevel = __import__("tokenizers").ByteLevelBPETokenizer()
+    ByteLevel.train_from_iterator(["abc"] * 5, vocab_size=260)
+    ByteLevel.save(str(snap / "tokenizer.json"))
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    model, tok, name = load(None)
+    assert name == "abc123" and model.config.n_embd == 64
+
+
+@pytest.mark.real_weights
+def test_real_gpt2_generate(real_gpt2):
+    model, tok, _ = load(str(real_gpt2))
+    hf = GPT2LMHeadModel.from_pretrained(real_gpt2).eval()
+    ids = tok.encode("The quick brown fox")
+    with torch.no_grad():
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=50256)[0, len(ids):]
+    got = generate(model, [ids], Sampling(max_new_tokens=32, eos_token_id=50256))[0]
+    assert got == expected.tolist()[:len(got)]
