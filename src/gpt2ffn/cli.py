@@ -195,6 +195,16 @@ def cmd_generate(args):
     return 0
 
 
+def cmd_serve(args):
+    """OpenAI-compatible completions over HTTP."""
+    try:
+        from .server import serve
+    except ImportError:
+        raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
+    serve(args.model, args.host, args.port, args.max_queue)
+    return 0
+
+
 def build_parser() -> Parser:
     parser = Parser(prog="gpt2ffn", description="The GPT-2 feed-forward network, proven against HuggingFace.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
@@ -250,6 +260,14 @@ def build_parser() -> Parser:
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("serve", help="serve OpenAI-compatible /v1/completions over HTTP")
+    p.add_argument("--model", help="HF checkpoint directory or random:<preset>[:seed]; default: "
+                   "openai-community/gpt2 from the local HF cache")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--max-queue", type=int, default=16, help="requests waiting beyond this get 503 + Retry-After")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")
     p.add_argument("--quick", action="store_true", help="a small grid (d=768; tokens 1, 64, 512)")

@@ -131,8 +131,7 @@ def hf_cache_gpt2():
 
 def load(spec=None, dtype=torch.float32):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache."""
-    from .config import Config
-    from .model import random_weights_
+    from .model import parse_random, random_weights_
     from .tokenizer import ByteTokenizer, load_tokenizer
     if spec is None:
         found = hf_cache_gpt2()
@@ -142,12 +141,8 @@ def load(spec=None, dtype=torch.float32):
                                "(or try --model random:gpt2)")
         spec = str(found)
     if spec.startswith("random:"):
-        parts = spec.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
-            raise Gpt2ffnError(f"bad model {spec!r}: expected random:<preset>[:seed], e.g. random:gpt2:0")
-        seed = int(parts[2]) if len(parts) == 3 else 0
-        model = random_weights_(GPT2(Config.from_name(parts[1])), seed).to(dtype).eval()
-        return model, ByteTokenizer(), f"random:{parts[1]}:{seed}"
+        cfg, seed, name = parse_random(spec)
+        return random_weights_(GPT2(cfg), seed).to(dtype).eval(), ByteTokenizer(), name
     from pathlib import Path
     if not Path(spec).is_dir():
         raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")

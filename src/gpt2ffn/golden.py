@@ -17,7 +17,7 @@ import torch
 
 from .config import Config
 from .errors import CheckpointError, Gpt2ffnError
-from .model import random_weights_
+from .model import parse_random, random_weights_
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
 
 FORMAT = "gpt2ffn-golden/1"
@@ -95,15 +95,11 @@ def load_reference(source: str):
     source is a local HF checkpoint directory, or `random:<preset>[:seed]` for seeded random weights."""
     transformers = _hf()
     if source.startswith("random:"):
-        parts = source.split(":")
-        if len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
-            raise Gpt2ffnError(f"bad model {source!r}: expected random:<preset>[:seed], e.g. random:gpt2:0")
-        cfg = Config.from_name(parts[1])
-        seed = int(parts[2]) if len(parts) == 3 else 0
+        cfg, seed, name = parse_random(source)
         hf_cfg = transformers.GPT2Config(**cfg.to_hf_dict())
         hf_cfg._attn_implementation = "eager"
         model = random_weights_(transformers.GPT2LMHeadModel(hf_cfg), seed).eval()
-        return model, cfg, {"source": f"random:{parts[1]}:{seed}", "files": {}}
+        return model, cfg, {"source": name, "files": {}}
     path = Path(source)
     if not path.is_dir():
         raise Gpt2ffnError(f"model {source!r} is neither a checkpoint directory nor random:<preset>[:seed]")

@@ -221,3 +221,12 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
             else:  # Conv1D weight [in, out]
                 p.copy_(1.5 / p.shape[0] ** 0.5 * torch.randn(p.shape, generator=g))
     return model
+
+
+def parse_random(spec: str) -> tuple:
+    """'random:<preset>[:seed]' -> (Config, seed, canonical name)."""
+    parts = spec.split(":")
+    if parts[0] != "random" or len(parts) not in (2, 3) or (len(parts) == 3 and not parts[2].isdigit()):
+        raise Gpt2ffnError(f"bad model {spec!r}: expected random:<preset>[:seed], e.g. random:gpt2:0")
+    seed = int(parts[2]) if len(parts) == 3 else 0
+    return Config.from_name(parts[1]), seed, f"random:{parts[1]}:{seed}"
