@@ -3,7 +3,7 @@
 import pytest
 import torch
 from safetensors.torch import save_file
-from transformers import GPT2Config, GPT2LMHeadModel
+from transformers import GPT2LMHeadModel
 
 from conftest import hf_config, randomize_
 from gpt2ffn import CheckpointError, Config, Gpt2ffnError, InputError, ShapeError, tolerance

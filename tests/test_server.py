@@ -12,7 +12,6 @@ import time
 
 import httpx
 import pytest
-import torch
 
 from gpt2ffn.generate import Sampling, generate, load
 

@@ -36,10 +36,6 @@ class _Buffers(threading.local):
 BUFFERS = _Buffers()
 
 
-def gelu_aten_(h, approximate):
-    return torch.ops.aten.gelu_(h, approximate=approximate)
-
-
 def gelu_sigmoid_(h, approximate):
     """tanh GELU in place as h * sigmoid(C2 (h + 0.044715 h^3)); exact and relu go to aten."""
     if approximate != "tanh":
@@ -55,7 +51,7 @@ def activate_(h, approximate):
     """The activation in place: 'tanh' / 'none' GELU, or 'relu'."""
     if approximate == "relu":
         return h.relu_()
-    return gelu_aten_(h, approximate)
+    return torch.ops.aten.gelu_(h, approximate=approximate)
 
 
 GELUS = {"aten": activate_, "sigmoid": gelu_sigmoid_}
@@ -92,10 +88,3 @@ AUTO = ("torch+aten", "torch+sigmoid")
 def run_path(name, x, w1, b1, w2, b2, approximate):
     gemm, gelu_ = PATHS[name]
     return gemm(x, w1, b1, w2, b2, approximate, gelu_)
-
-
-def bare_matmuls(gemm):
-    """The floor: two bare GEMMs, no bias, no activation, in the named library."""
-    if gemm == "torch":
-        return lambda x, w1, w2: torch.mm(torch.mm(x, w1), w2)
-    return lambda x, w1, w2: (x @ w1) @ w2  # numpy arrays
