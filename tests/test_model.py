@@ -274,3 +274,14 @@ def test_real_gpt2_generate(real_gpt2):
         expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=50256)[0, len(ids):]
     got = generate(model, [ids], Sampling(max_new_tokens=32, eos_token_id=50256))[0]
     assert got == expected.tolist()[:len(got)]
+
+
+def test_text_stream_never_shows_part_of_a_stop_string():
+    from gpt2ffn.generate import TextStream
+    pieces = {1: "Hel", 2: "lo, wo", 3: "rld", 4: "!!"}
+    ts = TextStream(lambda ids: "".join(pieces[i] for i in ids), ["wor"])
+    out = [ts.push(t) for t in (1, 2, 3)]
+    assert "".join(d for d, _ in out) == "Hello, " and out[-1][1] is True
+    assert "w" not in out[1][0]  # "wo" was held back: it could start "wor"
+    ts = TextStream(lambda ids: "".join(pieces[i] for i in ids), [])
+    assert "".join(ts.push(t)[0] for t in (1, 2, 3, 4)) + ts.finish() == "Hello, world!!"

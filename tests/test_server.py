@@ -119,10 +119,10 @@ def test_prompt_list_seed_and_stop(client, server):
     b = client.completions.create(model=server.model, prompt="dog", max_tokens=16, temperature=1.0, seed=5)
     assert a.choices[0].text == b.choices[0].text
     free = client.completions.create(model=server.model, prompt="dog", max_tokens=30, temperature=0).choices[0].text
-    if len(free) > 3:
-        stop = free[2:4]
-        cut = client.completions.create(model=server.model, prompt="dog", max_tokens=30, temperature=0, stop=[stop])
-        assert cut.choices[0].text == free[:free.find(stop)] and cut.choices[0].finish_reason == "stop"
+    assert len(free) > 3, free
+    stop = free[2:4]
+    cut = client.completions.create(model=server.model, prompt="dog", max_tokens=30, temperature=0, stop=[stop])
+    assert cut.choices[0].text == free[:free.find(stop)] and cut.choices[0].finish_reason == "stop"
 
 
 def test_curl(server):

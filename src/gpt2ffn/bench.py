@@ -63,17 +63,7 @@ def machine() -> dict:
 
 def timeit(f, repeats: int, device="cpu") -> float:
     """Median milliseconds of f() over `repeats` runs, after warm-up."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
-    for _ in range(2):
-        f()
-    sync()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        f()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * statistics.median(times)
+    return rounds({"f": f}, repeats, device)["f"]
 
 
 def make_ffn(d: int, seed: int = 0, device="cpu") -> FeedForward:
@@ -181,8 +171,9 @@ def format_shape(rows, d, T) -> str:
     return "\n".join(lines)
 
 
-def saved_bytes(fn, module) -> int:
-    """Bytes of activations autograd saves for backward: each storage once, weights (and views of them) not."""
+def saved_bytes(fn, module) -> tuple:
+    """(bytes of activations autograd saves for backward, fn's result): each storage once, weights (and
+    views of them) not."""
     weights = {p.untyped_storage().data_ptr() for p in module.parameters()}
     seen = {}
 

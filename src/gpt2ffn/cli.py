@@ -173,22 +173,21 @@ def cmd_generate(args):
 
     import torch
 
-    from .generate import Sampling, cut_at_stop, load, stream
+    from .generate import Sampling, TextStream, load, stream
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model, tok, name = load(args.model, dtype)
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt)
     print(args.prompt, end="", flush=True)
-    new, shown, t0 = [], "", time.perf_counter()
+    text, new, t0 = TextStream(tok.decode, args.stop), [], time.perf_counter()
     for step in stream(model, [ids], s, tok.decode):
         new.append(step[0])
-        text, stopped = cut_at_stop(tok.decode(new), args.stop)
-        if not text.endswith("\ufffd"):  # print only whole characters
-            print(text[len(shown):], end="", flush=True)
-            shown = text
+        delta, stopped = text.push(step[0])
+        print(delta, end="", flush=True)
         if stopped:
             break
+    print(text.finish(), end="")
     dt = time.perf_counter() - t0
     print(f"\n[{name}: {len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s]",
           file=sys.stderr)

@@ -171,10 +171,9 @@ class GPT2(nn.Module):
         V = self.config.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= V:
             raise InputError(f"token ids must be in [0, {V}); got min {int(ids.min())}, max {int(ids.max())}")
-        past = cache.length if cache is not None else 0
         if cache is not None:
             cache.check_room(ids.shape[1])
-        elif past + ids.shape[1] > self.config.n_positions:
+        elif ids.shape[1] > self.config.n_positions:
             raise Gpt2ffnError(f"{ids.shape[1]} tokens exceed the context of n_positions={self.config.n_positions}")
 
     @classmethod

@@ -23,7 +23,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from pydantic import BaseModel, ConfigDict, Field
 
 from .errors import Gpt2ffnError
-from .generate import Sampling, cut_at_stop, stream
+from .generate import Sampling, TextStream, stream
 
 MAX_BODY = 1 << 20  # 1 MiB: a GPT-2 context is 1024 tokens, a few KiB of text
 
@@ -98,28 +98,6 @@ class Metrics:
                       f"gpt2ffn_request_latency_seconds_sum {self.latency_sum}",
                       f"gpt2ffn_request_latency_seconds_count {self.latency_count}"]
         return "\n".join(lines) + "\n"
-
-
-class TextStream:
-    """Turns generated tokens into text deltas that never show part of a stop string or half a character."""
-
-    def __init__(self, decode, stop):
-        self.decode, self.stop, self.tokens, self.sent = decode, stop, [], ""
-        self.hold = max((len(s) for s in stop), default=1) - 1
-
-    def push(self, token) -> tuple:
-        """(new text safe to send, whether a stop string was hit)."""
-        self.tokens.append(token)
-        text, stopped = cut_at_stop(self.decode(self.tokens), self.stop)
-        safe = text if stopped else text[:len(text) - self.hold] if self.hold else text
-        safe = safe.rstrip("\ufffd") if not stopped else safe
-        delta, self.sent = safe[len(self.sent):], max(self.sent, safe, key=len)
-        return delta, stopped
-
-    def finish(self) -> str:
-        text, _ = cut_at_stop(self.decode(self.tokens), self.stop)
-        delta, self.sent = text[len(self.sent):], text
-        return delta
 
 
 @dataclass

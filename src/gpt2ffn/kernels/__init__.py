@@ -112,7 +112,7 @@ def ffn(x2, w1, b1, w2, b2, approximate):
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     if x2.shape[0] <= DECODE_TOKENS and not _FORCED:  # decode: the fewest ops, no look-up
-        return torch.addmm(b2, activation(torch.addmm(b1, x2, w1), approximate), w2)
+        return plain(x2, w1, b1, w2, b2, approximate)
     name = choose(x2, w1, b1, w2, b2, approximate)
     if name == "plain":
         return plain(x2, w1, b1, w2, b2, approximate)

@@ -22,7 +22,7 @@ _C2 = 2.0 * math.sqrt(2.0 / math.pi)  # 2u = C2 * (x + 0.044715 x^3)
 
 
 class _Buffers(threading.local):
-    """Per-thread scratch tensors, keyed by (tag, rows, cols)."""
+    """Per-thread scratch tensors, one per (tag, cols), grown to the most rows asked for; views are returned."""
 
     def get(self, tag, rows, cols):
         store = self.__dict__.setdefault("store", {})
