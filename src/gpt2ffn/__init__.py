@@ -19,13 +19,14 @@ from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, Shap
 from .ffn import FeedForward  # noqa: E402
 from .gelu import GELU, gelu  # noqa: E402
 from .hf import patch_hf  # noqa: E402
+from .precision import PRECISIONS, quantize  # noqa: E402
 from .tolerances import GOLDEN_ATOL, TOLERANCES, tolerance  # noqa: E402
 from .weights import Checkpoint, save_ffn  # noqa: E402
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf",
+    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf", "quantize", "PRECISIONS",
     "Gpt2ffnError", "ConfigError", "ShapeError", "InputError", "CheckpointError",
     "TOLERANCES", "GOLDEN_ATOL", "tolerance",
 ]

@@ -4,6 +4,7 @@ import argparse
 import sys
 
 from .errors import Gpt2ffnError
+from .precision import PRECISIONS
 
 # Seed 000's book-style config for GPT-2 124M, as the course writes it.
 GPT_CONFIG_124M = {
@@ -175,7 +176,7 @@ def cmd_generate(args):
 
     from .generate import Sampling, TextStream, load, stream
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model, tok, name = load(args.model, dtype)
+    model, tok, name = load(args.model, dtype, precision=args.precision if dtype == torch.float32 else None)
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt)
@@ -257,7 +258,10 @@ def build_parser() -> Parser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of every tensor (activations too); float32 is needed for --precision")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="weights of the linear layers: fp32 (default, exact), bf16, int8 or int4; activations fp32")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve OpenAI-compatible /v1/completions over HTTP")
@@ -276,6 +280,8 @@ def build_parser() -> Parser:
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
     p.add_argument("--model", action="store_true", help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF")
+    p.add_argument("--precision", choices=PRECISIONS, action="append",
+                   help="with --model: the precisions to time (repeatable; default fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     p.set_defaults(func=cmd_bench)

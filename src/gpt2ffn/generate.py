@@ -151,8 +151,19 @@ def hf_cache_gpt2():
     return None
 
 
-def load(spec=None, dtype=torch.float32):
-    """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache."""
+def load(spec=None, dtype=torch.float32, precision: str | None = "fp32"):
+    """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
+
+    precision: the linear layers' weights, 'fp32' (default), 'bf16', 'int8' or 'int4' (gpt2ffn.quantize);
+    it applies to float32 models (with dtype=bfloat16 everything runs in bf16 instead)."""
+    from .precision import check_precision, quantize
+    if precision is not None:
+        check_precision(precision)
+        if dtype != torch.float32:
+            if precision != "fp32":
+                raise Gpt2ffnError(f"precision={precision!r} quantizes a float32 model's weights; it does not "
+                                   f"combine with dtype={dtype}")
+            precision = None
     from .model import parse_random, random_weights_
     from .tokenizer import ByteTokenizer, load_tokenizer
     if spec is None:
@@ -164,8 +175,9 @@ def load(spec=None, dtype=torch.float32):
         spec = str(found)
     if spec.startswith("random:"):
         cfg, seed, name = parse_random(spec)
-        return random_weights_(GPT2(cfg), seed).to(dtype).eval(), ByteTokenizer(), name
+        model = random_weights_(GPT2(cfg), seed).to(dtype).eval()
+        return (quantize(model, precision) if precision else model), ByteTokenizer(), name
     from pathlib import Path
     if not Path(spec).is_dir():
         raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
-    return GPT2.from_pretrained(spec, dtype=dtype), load_tokenizer(spec), Path(spec).name
+    return GPT2.from_pretrained(spec, dtype=dtype, precision=precision), load_tokenizer(spec), Path(spec).name

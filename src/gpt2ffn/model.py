@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .config import Config
 from .errors import CheckpointError, Gpt2ffnError, InputError, ShapeError
 from .ffn import Conv1D, FeedForward
+from .precision import PackedLayer
 
 
 class KVCache:
@@ -97,6 +98,19 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class LMHead(PackedLayer, nn.Linear):
+    """The logits layer, nn.Linear (weight [vocab, d], tied to wte); packed by gpt2ffn.quantize like Conv1D."""
+
+    def weight_kn(self):
+        return self.weight.t()
+
+    def forward(self, x):
+        if self.runs_packed(x):
+            y = self.packed_forward(x.reshape(-1, x.shape[-1]))     # (N, d) -> (N, vocab)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return super().forward(x)
+
+
 class Block(nn.Module):
     """x + attn(ln_1(x)), then x + mlp(ln_2(x)); mlp is gpt2ffn's FeedForward."""
 
@@ -125,7 +139,7 @@ class GPT2(nn.Module):
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         for name, p in self.named_parameters():
             if name.endswith("wte.weight") or name.endswith("wpe.weight"):
@@ -177,8 +191,12 @@ class GPT2(nn.Module):
             raise Gpt2ffnError(f"{ids.shape[1]} tokens exceed the context of n_positions={self.config.n_positions}")
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32) -> "GPT2":
-        """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin)."""
+    def from_pretrained(cls, path, dtype=torch.float32, precision: str | None = "fp32") -> "GPT2":
+        """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin).
+
+        precision ('fp32', 'bf16', 'int8', 'int4'): the linear layers' weights for inference, packed by
+        gpt2ffn.quantize (activations stay fp32); fp32 is exact and takes this machine's fastest kernels;
+        None leaves plain torch modules (and with dtype other than float32, precision must be None)."""
         from .weights import Checkpoint
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
@@ -200,7 +218,11 @@ class GPT2(nn.Module):
                     raise ShapeError(f"{name} has shape {tuple(t.shape)}; the config from {directory / 'config.json'} "
                                      f"expects {tuple(target.shape)}")
                 target.copy_(t)
-        return model.to(dtype).eval()
+        model = model.to(dtype).eval()
+        if precision is not None and dtype == torch.float32:
+            from .precision import quantize
+            quantize(model, precision)
+        return model
 
 
 def random_weights_(model: nn.Module, seed: int) -> nn.Module:
