@@ -25,7 +25,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 
     src = "src/gpt2ffn/csrc/"
     ext_modules = [CppExtension("gpt2ffn._C", [src + "ops.cpp", src + "linear_avx512.cpp", src + "linear_avx2.cpp"],
-                                extra_compile_args=["-O3"])]
+                                extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
     cmdclass = {"build_ext": OptionalBuild.with_options(use_ninja=False)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

@@ -125,6 +125,21 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), layer, cache, mask)
         return x + self.mlp(self.ln_2(x))
 
+    def fused_args(self) -> tuple:
+        """The arguments of gpt2ffn._C.decode_block after the cache ones: LayerNorms, the 4 packed layers
+        (re-packed if their Parameters changed), the activation. Kept while the packed weights are the same."""
+        layers = (self.attn.c_attn, self.attn.c_proj, self.mlp.c_fc, self.mlp.c_proj)
+        ps = tuple(m.current() for m in layers)
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] != tuple(map(id, ps)):
+            empty = torch.empty(0)
+            args = ([self.ln_1.weight, self.ln_1.bias, self.ln_2.weight, self.ln_2.bias], self.ln_1.eps,
+                    [p.w for p in ps], [p.scale if p.scale is not None else empty for p in ps],
+                    [p.bias for p in ps], [p.format for p in ps], [p.N for p in ps], [p.group for p in ps],
+                    self.mlp.config.gelu_approximate)
+            cached = self.__dict__["_fused"] = (tuple(map(id, ps)), ps, args)
+        return cached[2]
+
 
 class GPT2(nn.Module):
     """GPT-2 with HF GPT2LMHeadModel's names; lm_head shares wte's weight."""
@@ -159,6 +174,8 @@ class GPT2(nn.Module):
         last_only: logits of the last position only, (B, 1, vocab): all generation needs, and it skips
         T - 1 rows of the largest GEMM (vocab x d)."""
         self.check_ids(ids, cache)
+        if cache is not None and attention_mask is None and ids.shape[1] == 1 and self.fused_decode():
+            return self.decode_step(ids, cache)
         past = cache.length if cache is not None else 0
         T = ids.shape[1]
         mask = None
@@ -175,6 +192,34 @@ class GPT2(nn.Module):
         if last_only:
             x = x[:, -1:]
         return self.lm_head(self.transformer.ln_f(x))
+
+    def fused_decode(self) -> bool:
+        """Whether a one-token step can run each block as one native call (gpt2ffn._C.decode_block): eval(),
+        every linear layer packed with the native decode route, no gradient asked, fp32 on CPU."""
+        from .kernels.packed import WHY_NOT_NATIVE
+        if self.training or WHY_NOT_NATIVE is not None or self.config.n_embd // self.config.n_head % 16:
+            return False
+        wte = self.transformer.wte.weight
+        if wte.dtype != torch.float32 or wte.device.type != "cpu" or (torch.is_grad_enabled() and wte.requires_grad):
+            return False
+        for block in self.transformer.h:
+            for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                if m.packed is None or m.packed.route["decode"] != "native" or (
+                        torch.is_grad_enabled() and m.weight.requires_grad):
+                    return False
+        return True
+
+    def decode_step(self, ids, cache):
+        """One new token per row (B, 1) -> logits (B, 1, vocab), each block one native call."""
+        from . import _C
+        B, pos = ids.shape[0], cache.length
+        x = self.transformer.wte(ids[:, 0]) + self.transformer.wpe.weight[pos]          # (B, d)
+        slots = torch.arange(B)
+        lens = torch.full((B,), pos, dtype=torch.long)
+        for i, block in enumerate(self.transformer.h):
+            x = _C.decode_block(x, slots, lens, cache.k[i], cache.v[i], *block.fused_args())
+        cache.length += 1
+        return self.lm_head(self.transformer.ln_f(x))[:, None]                          # (B, 1, vocab)
 
     def check_ids(self, ids, cache=None):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):

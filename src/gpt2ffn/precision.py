@@ -26,7 +26,7 @@ FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 # Group sizes (inputs per scale) chosen by measurement on random:gpt2 (README, "Accuracy"): the smallest
 # group whose scales cost < 1/16 of the int4 weight bytes and whose KLD beat llama.cpp's q8_0 / q4_0.
 GROUP = {"int8": 64, "int4": 32}
-LANES, SUPER = 16, 64  # outputs per block, per super-block (the kernel's unit of work)
+SUPER = 64  # outputs per super-block, the kernel's unit of work
 
 
 def check_precision(precision: str) -> str:
@@ -53,12 +53,13 @@ def group_for(K: int, precision: str, group: int | None = None) -> int:
 
 
 def _blocks(w, fill=0):
-    """(K, N) -> (nblocks, K, 16), N padded with `fill` to a multiple of 64."""
+    """(K, N) -> (nsuper, K, 64): N padded with `fill` to a multiple of 64, each super-block of 64 outputs
+    row by row over K (gpt2ffn/csrc/linear.h)."""
     K, N = w.shape
     pad = -N % SUPER
     if pad:
         w = torch.cat([w, w.new_full((K, pad), fill)], dim=1)
-    return w.view(K, -1, LANES).permute(1, 0, 2).contiguous()
+    return w.view(K, -1, SUPER).permute(1, 0, 2).contiguous()
 
 
 def quantize_groups(w, precision: str, group: int):
@@ -106,7 +107,7 @@ class Packed:
             if precision == "int8":
                 self.w = _blocks(q)
             else:
-                qb = _blocks(q, fill=8).view(-1, K // 2, 2, LANES).to(torch.uint8)
+                qb = _blocks(q, fill=8).view(-1, K // 2, 2, SUPER).to(torch.uint8)
                 self.w = (qb[:, :, 0] | (qb[:, :, 1] << 4)).contiguous()
         self.route = {"decode": "torch", "prefill": "torch"}  # set by quantize()'s probe
         self.bias = None
@@ -188,12 +189,17 @@ class PackedLayer:
         return (self.packed is not None and not self.training and x.dtype == torch.float32
                 and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
 
-    def packed_forward(self, x2, gelu: str | None = None):
-        """(M, K) -> (M, N) on the packed weights, re-packed first if the Parameters changed since."""
-        from .kernels.packed import DECODE_ROWS, linear
+    def current(self) -> Packed:
+        """The packed weights, re-packed first if the Parameters changed since they were packed."""
         p = self.packed
         if p.stale(self.weight_kn(), self.bias):
             self.pack(p.precision, p.group)
             p = self.packed
+        return p
+
+    def packed_forward(self, x2, gelu: str | None = None):
+        """(M, K) -> (M, N) on the packed weights."""
+        from .kernels.packed import DECODE_ROWS, linear
+        p = self.current()
         return linear(x2, p, self.weight_kn(), self.bias, p.route["decode" if x2.shape[0] <= DECODE_ROWS else "prefill"],
                       gelu)

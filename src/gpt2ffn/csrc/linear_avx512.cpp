@@ -17,15 +17,18 @@ static inline V vload_bf16(const uint16_t* p) {
 static inline V vload_i8(const int8_t* p) {
   return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
 }
-static inline void vload_u4(const uint8_t* p, V& lo, V& hi) {
+// 16 bytes of nibble pairs -> (q - 8) as floats, low and high nibbles, through a 16-entry table (vpermps).
+static inline void vload_s4(const uint8_t* p, V& lo, V& hi) {
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
   const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  lo = {_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(15)))};
-  hi = {_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4))};
+  lo = {_mm512_permutexvar_ps(b, table)};  // vpermps reads the index's low 4 bits
+  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)};
 }
 static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
 static inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
 static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+static inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
 }  // namespace avx512
 }  // namespace gpt2ffn
 
