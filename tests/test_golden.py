@@ -202,3 +202,14 @@ def test_real_gpt2_whole_chain(real_gpt2, tmp_path, capsys):
     assert run(["verify", "--golden", str(out), "--repeat", "2"], capsys)[0] == 0
     assert run(["verify", "--golden", str(out), "--negative"], capsys)[0] == 0
     assert run(["verify", "--golden", str(out), "--candidate", str(out)], capsys)[0] == 0
+
+
+def test_verify_needs_no_tokenizer(hf_dir, tmp_path, capsys):
+    """Regression (issue 12): a save_pretrained directory without tokenizer files verifies end to end."""
+    assert not list(hf_dir.glob("*token*")) and not (hf_dir / "vocab.json").exists()
+    out = tmp_path / "g"
+    assert main(["extract", "--model", str(hf_dir), "--ids", "5,17,42", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    code, text, err = run(["verify", "--golden", str(out)], capsys)
+    assert code == 0 and err == "", err
+    assert "logits " in text and "SKIP" not in text

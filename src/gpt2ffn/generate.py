@@ -153,7 +153,7 @@ def hf_cache_gpt2():
 
 def load(spec=None, dtype=torch.float32):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache."""
-    from .model import parse_random, random_weights_
+    from .model import load_model, parse_random
     from .tokenizer import ByteTokenizer, load_tokenizer
     if spec is None:
         found = hf_cache_gpt2()
@@ -162,10 +162,8 @@ def load(spec=None, dtype=torch.float32):
                                "`huggingface-cli download openai-community/gpt2`, then pass --model DIR "
                                "(or try --model random:gpt2)")
         spec = str(found)
+    model = load_model(spec, dtype)
     if spec.startswith("random:"):
-        cfg, seed, name = parse_random(spec)
-        return random_weights_(GPT2(cfg), seed).to(dtype).eval(), ByteTokenizer(), name
+        return model, ByteTokenizer(), parse_random(spec)[2]
     from pathlib import Path
-    if not Path(spec).is_dir():
-        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
-    return GPT2.from_pretrained(spec, dtype=dtype), load_tokenizer(spec), Path(spec).name
+    return model, load_tokenizer(spec), Path(spec).name

@@ -340,8 +340,9 @@ def tolerance_for(entry, tolerances: dict, default: float, expected=None) -> flo
 
 def rebuild_model(golden: Golden):
     """gpt2ffn's GPT2 for the golden set's model: random presets are rebuilt from their seed, a directory is
-    read if its weight files still match the manifest's sha256. (model, None) or (None, why not)."""
-    from .generate import load
+    read if its weight files still match the manifest's sha256; no tokenizer is needed (the manifest holds the
+    token ids). (model, None) or (None, why not)."""
+    from .model import load_model
     info = golden.manifest["model"]
     source = info["source"]
     if not source.startswith("random:"):
@@ -351,7 +352,7 @@ def rebuild_model(golden: Golden):
         changed = [f for f, h in info["files"].items() if not (path / f).is_file() or sha256(path / f) != h]
         if changed:
             return None, f"model files changed since extraction: {', '.join(changed)}"
-    return load(source)[0], None
+    return load_model(source), None
 
 
 def run_ours(golden: Golden) -> tuple:
