@@ -3,18 +3,8 @@
 import argparse
 import sys
 
+from .config import GPT_CONFIG_124M
 from .errors import Gpt2ffnError
-
-# Seed 000's book-style config for GPT-2 124M, as the course writes it.
-GPT_CONFIG_124M = {
-    "vocab_size": 50257,
-    "context_length": 1024,
-    "emb_dim": 768,
-    "n_heads": 12,
-    "n_layers": 12,
-    "drop_rate": 0.1,
-    "qkv_bias": False,
-}
 
 
 class UsageError(Gpt2ffnError):
@@ -139,6 +129,17 @@ def cmd_verify(args):
     return 1 if failed or not judged else 0
 
 
+def cmd_check(args):
+    """Judge a learner's FFN or GELU module from a .py file, and say what is wrong."""
+    import json
+
+    from .check import check, load_object
+    obj, label = load_object(args.target)
+    report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label)
+    print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
+    return 0 if report.passed else 1
+
+
 def cmd_gelu_effect(args):
     """What exact GELU does to GPT-2, at each FFN output and at the logits."""
     import json
@@ -238,6 +239,16 @@ def build_parser() -> Parser:
     p.add_argument("--strict", action="store_true", help="a missing candidate file counts as a failure")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("check", help="judge your own FFN or GELU module (FILE.py:NAME) and say what is wrong")
+    p.add_argument("target", metavar="FILE.py:NAME", help="a class or an instance in the file (imported from its path)")
+    p.add_argument("--golden", help="a directory written by gpt2ffn extract, or random:<preset>[:seed] "
+                   "(default random:gpt2:0, computed offline)")
+    p.add_argument("--layer", type=int, default=0, help="the block whose FFN weights and input to use (default 0)")
+    p.add_argument("--config", help="what a class is built with: JSON (text or .json file) or a preset name; "
+                   "default: the book-style dict of the reference's width (GPT_CONFIG_124M for gpt2)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("gelu-effect", help="measure how far exact GELU lands from GPT-2 (FFN outputs, logits)")
     p.add_argument("--model", required=True, help="HF checkpoint directory, or random:<preset>[:seed]")

@@ -25,6 +25,17 @@ BOOK_KEYS = {
     "drop_rate": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
 }
 
+# Seed 000's book-style config for GPT-2 124M, as the course writes it.
+GPT_CONFIG_124M = {
+    "vocab_size": 50257,
+    "context_length": 1024,
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
 # HF GPT2Config's attribute_map aliases.
 HF_ALIASES = {
     "hidden_size": "n_embd",
@@ -141,7 +152,7 @@ class Config:
                               f"n_embd into n_head heads")
 
     def to_book_dict(self) -> dict:
-        """The seeds' book-style dict (GPT_CONFIG_124M's keys) for this config, as a learner's class reads it."""
+        """The seeds' book-style dict for this config (GPT_CONFIG_124M's keys), as a learner's class reads it."""
         return {"vocab_size": self.vocab_size, "context_length": self.n_positions, "emb_dim": self.n_embd,
                 "n_heads": self.n_head, "n_layers": self.n_layer, "drop_rate": self.resid_pdrop,
                 "qkv_bias": self.qkv_bias}

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from .config import Config
+from .diagnose import STAGES as FFN_STAGES
+from .diagnose import FFNCase
 from .errors import CheckpointError, Gpt2ffnError
 from .model import parse_random, random_weights_
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
@@ -253,7 +255,7 @@ class Golden:
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise Gpt2ffnError(f"{file} is corrupt: {e}") from None
         self.manifest = m
-        self._cache = {}
+        self._cache, self._cases = {}, {}
 
     def __contains__(self, name):
         return name in self.tensors
@@ -282,6 +284,18 @@ class Golden:
         """Block `layer`'s FFN as a GPT2MLP state dict of torch tensors."""
         return {k.removeprefix("mlp."): torch.from_numpy(self.load(f"h{layer}_{BLOCK_WEIGHTS[k]}"))
                 for k in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")}
+
+    def ffn_case(self, layer: int) -> FFNCase:
+        """Block `layer`'s FFN with its golden input, residual stream and stage outputs, for diagnosis."""
+        if layer not in self.layers:
+            raise Gpt2ffnError(f"layer {layer} is not in golden set {self.dir} (it has layers {self.layers})")
+        if layer not in self._cases:
+            self._cases[layer] = FFNCase(
+                source=self.manifest["model"]["source"], layer=layer, approximate=self.config.gelu_approximate,
+                weights={k: v.numpy() for k, v in self.ffn_weights(layer).items()},
+                x=self.load(f"h{layer}_ln_2"), resid=self.load(f"h{layer}_attn_resid"),
+                expected={s: self.load(f"h{layer}_{s}") for s in FFN_STAGES})
+        return self._cases[layer]
 
 
 # ---- judging ------------------------------------------------------------------------------------------
@@ -398,7 +412,18 @@ def run_ours(golden: Golden) -> tuple:
     return {k: v.numpy() for k, v in ours.items()}, skipped
 
 
+def diagnosed(row: Row, golden: Golden, entry: dict, actual) -> Row:
+    """A failing FFN stage row (c_fc, GELU, FFN output) with what went wrong in its note: the known mistake
+    the output equals, or its worst element."""
+    if row.status == "FAIL" and entry["stage"] in FFN_STAGES and entry["layer"] in golden.layers \
+            and np.isfinite(actual).all() and actual.dtype == np.float32:
+        d = golden.ffn_case(entry["layer"]).diagnose(entry["stage"], actual, row.atol)
+        row.note = f"{row.note + '; ' if row.note else ''}{d.text}"
+    return row
+
+
 def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> list:
+    """gpt2ffn's own stages and whole model against the golden set; failing FFN stages are diagnosed."""
     tolerances = tolerances or {}
     first, skipped = run_ours(golden)
     rows = []
@@ -407,7 +432,8 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
         tol = tolerance_for(entry, tolerances, atol, golden.load(n))
         for name in (n, f"{n} (chain)"):
             if name in first:
-                rows.append(compare(name, entry, first[name], golden.load(n), tol))
+                rows.append(diagnosed(compare(name, entry, first[name], golden.load(n), tol), golden, entry,
+                                      first[name]))
         if n in skipped:
             rows.append(Row(n, entry["checkpoint"], entry["layer"], tuple(entry["shape"]), float("nan"),
                             float("nan"), tol, "SKIP", skipped[n]))
@@ -423,7 +449,8 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
 
 
 def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATOL) -> list:
-    """Judge another engine's .npy files, written under the golden names, against the golden set."""
+    """Judge another engine's .npy files, written under the golden names, against the golden set; failing FFN
+    stages are diagnosed."""
     candidate = Path(candidate)
     if not candidate.is_dir():
         raise Gpt2ffnError(f"candidate directory {candidate} does not exist")
@@ -443,48 +470,34 @@ def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATO
             rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
                             float("nan"), float("nan"), tol, "FAIL", f"unreadable .npy: {e}"))
             continue
-        rows.append(compare(name, entry, actual, expected, tol))
+        rows.append(diagnosed(compare(name, entry, actual, expected, tol), golden, entry, actual))
     return rows
 
 
-def negative_variants(w1, b1, w2, b2, approximate="tanh"):
-    """Known-wrong FFNs, each a function of x: the mistakes seed 001 lists. All must fail the judge."""
-    from .reference import ACTIVATIONS, ffn_forward
-    d, hidden = w1.shape
-    half = hidden // 2
-    return {
-        "exact GELU (erf) instead of tanh": lambda x: ffn_forward(x, w1, b1, w2, b2, "none"),
-        "2x expansion instead of 4x": lambda x: ffn_forward(x, w1[:, :half], b1[:half], w2[:half], b2, approximate),
-        "c_fc weight not transposed": lambda x: ffn_forward(x, w1.reshape(hidden, d).T, b1, w2, b2, approximate),
-        "no c_fc bias": lambda x: ffn_forward(x, w1, np.zeros_like(b1), w2, b2, approximate),
-        "GELU left out": lambda x: (x @ w1 + b1) @ w2 + b2,
-        "ReLU instead of GELU": lambda x: ACTIVATIONS["relu"](x @ w1 + b1) @ w2 + b2,
-    }
-
-
 def verify_negative(golden: Golden, atol=GOLDEN_ATOL) -> list:
-    """Run every wrong variant on each layer's golden ln_2; a row PASSes when the judge FAILs the variant."""
-    approximate = golden.config.gelu_approximate
+    """Every known-wrong FFN (gpt2ffn.diagnose) on each layer's golden ln_2: a row PASSes when the judge FAILs
+    the variant and the diagnosis names it."""
     rows = []
     for L in golden.layers:
-        w = {k: v.numpy() for k, v in golden.ffn_weights(L).items()}
-        x, expected = golden.load(f"h{L}_ln_2"), golden.load(f"h{L}_ffn")
-        for label, f in negative_variants(w["c_fc.weight"], w["c_fc.bias"], w["c_proj.weight"], w["c_proj.bias"],
-                                          approximate).items():
-            r = compare(f"h{L}_ffn", golden.tensors[f"h{L}_ffn"], f(x).astype(np.float32), expected, atol)
-            caught = r.status == "FAIL"
-            rows.append(Row(label, r.checkpoint, L, r.shape, r.max_abs, r.max_rel, atol, "PASS" if caught else "FAIL",
-                            f"judge fails it: {r.max_abs / atol:.3g}x the tolerance" if caught
-                            else "NOT caught: the judge passed a wrong FFN"))
+        case, entry = golden.ffn_case(L), golden.tensors[f"h{L}_ffn"]
+        for v in case.known:
+            got = v.stages["ffn"].astype(np.float32)
+            r = compare(f"h{L}_ffn", entry, got, case.expected["ffn"], atol)
+            named = case.diagnose("ffn", got, atol).key == v.key
+            ok = r.status == "FAIL" and named
+            note = ("judge fails it" if r.status == "FAIL" else "NOT caught: the judge passed a wrong FFN") + \
+                   f" ({r.max_abs / atol:.3g}x the tolerance); " + ("named" if named else "NOT named")
+            rows.append(Row(v.name, r.checkpoint, L, r.shape, r.max_abs, r.max_rel, atol, "PASS" if ok else "FAIL", note))
     return rows
 
 
 def format_rows(rows, title) -> str:
-    head = f"{'checkpoint':<11}{'layer':>5}  {'tensor':<34}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}  result"
+    w = max([34] + [len(r.name) + 2 for r in rows])
+    head = f"{'checkpoint':<11}{'layer':>5}  {'tensor':<{w}}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}  result"
     lines = [title, head, "-" * len(head)]
     for r in rows:
         ck = f"{r.checkpoint} {SHORT.get(r.checkpoint, '')}" if r.checkpoint else "--"
-        lines.append(f"{ck:<11}{'' if r.layer is None else r.layer:>5}  {r.name:<34}{str(tuple(r.shape)):<20}"
+        lines.append(f"{ck:<11}{'' if r.layer is None else r.layer:>5}  {r.name:<{w}}{str(tuple(r.shape)):<20}"
                      f"{r.max_abs:>11.3e}{r.max_rel:>11.3e}{r.atol:>9.0e}  {r.status}{'  ' + r.note if r.note else ''}")
     return "\n".join(lines)
 
