@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from .config import GPT_CONFIG_124M, Config
-from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase
+from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for
 from .errors import Gpt2ffnError
 from .tolerances import GOLDEN_ATOL
 
@@ -331,7 +331,8 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
     for stage in STAGES:
         label = STAGE_LABELS[stage]
         if stage not in first:
-            rows.append(Row(label, (), float("nan"), atol, "FAIL", "not reached: the layer did not run"))
+            rows.append(Row(label, (), float("nan"), None, "--", "not hooked: the module uses the layer's "
+                                                                  "weights without calling it"))
             continue
         r = compare(label, {"checkpoint": "06", "layer": case.layer}, first[stage], case.expected[stage], atol)
         rows.append(Row(label, tuple(first[stage].shape), r.max_abs, atol, r.status, r.note))
@@ -422,7 +423,7 @@ def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDE
                     f"{FORMS[target][2]}"]
     if errors[best] <= FORM_ATOL:
         form = f"it is the {FORMS[best][2]}: max error {errors[best]:.1e}"
-        fix = "" if best == target else f"; {FORMS[best][3] if target == 'tanh' else FORMS[target][3]}"
+        fix = "" if best == target else f"; {fix_for(best, target)}"
     else:
         with np.errstate(over="ignore"):
             want = FORMS[target][0](GELU_GRID)

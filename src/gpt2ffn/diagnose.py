@@ -30,10 +30,10 @@ def sigmoid_form(h):
     return h / (1.0 + np.exp(-1.702 * h))
 
 
-# Activation forms a learner writes: key -> (function, short name, what it is, what to change).
+# Activation forms a learner writes: key -> (function, short name, what it is, how to get GPT-2's tanh form).
 FORMS = {
     "tanh": (gelu_tanh, "tanh GELU", "tanh form, as GPT-2's gelu_new", TANH_FIX),
-    "exact": (gelu_exact, "exact GELU (erf)", "exact form (erf), as HF's activation_function='gelu'", EXACT_FIX),
+    "exact": (gelu_exact, "exact GELU (erf)", "exact form (erf), as HF's activation_function='gelu'", TANH_FIX),
     "coefficient": (tanh_form(coefficient=0.055715), "cubic coefficient 0.055715 instead of 0.044715",
                     "tanh form with cubic coefficient 0.055715 (GPT-2's is 0.044715)",
                     "use 0.044715 for the cubic coefficient (seed 002's notes misprint it as 0.055715)"),
@@ -53,6 +53,13 @@ FORMS = {
 }
 # Config.gelu_approximate -> the form it asks for.
 TARGET = {"tanh": "tanh", "none": "exact", "relu": "relu"}
+
+
+def fix_for(key: str, target: str) -> str:
+    """What to change when the activation is form `key` and the config asks for form `target`."""
+    if target == "tanh" or key == "identity":
+        return FORMS[key][3]
+    return f"use the config's activation, the {FORMS[target][2]}" + (f": {EXACT_FIX}" if target == "exact" else "")
 
 
 @dataclass
@@ -100,13 +107,11 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None) -> list:
     def add(key, name, fix, stages):
         out.append(Variant(key, name, fix, stages))
 
-    for key, (f, short, _, fix) in FORMS.items():
+    for key, (f, short, _, _) in FORMS.items():
         if key == target:
             continue
         name = f"{short} where the config says {FORMS[target][1]}" if key in ("tanh", "exact") else short
-        if target != "tanh" and key != "identity":
-            fix = f"use the config's activation: {FORMS[target][2]}"
-        add(f"gelu_{key}", name, fix, forward(x, w1, b1, w2, b2, f))
+        add(f"gelu_{key}", name, fix_for(key, target), forward(x, w1, b1, w2, b2, f))
     half = hidden // 2
     add("expansion_2x", f"hidden width {half} ({half / d:g}x n_embd) instead of {hidden} ({hidden / d:g}x)",
         f"expand to the full hidden width: nn.Linear(emb_dim, {hidden // d if hidden % d == 0 else hidden} * emb_dim)"
