@@ -2,6 +2,7 @@
 
 import argparse
 import sys
+from pathlib import Path
 
 from .config import GPT_CONFIG_124M
 from .errors import Gpt2ffnError
@@ -122,10 +123,15 @@ def cmd_verify(args):
               f"{sum(r.status == 'FAIL' for r in rows)} failed" + (f", {missing} missing" if missing else "")
               + (f", {skipped} skipped" if skipped else ""))
         if first:
+            size = f"max abs {first.max_abs:.3e} > {first.atol:g}" if first.max_abs == first.max_abs else ""
             print(f"first failing checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)}), "
-                  f"layer {first.layer}, {first.name}: {first.note or f'max abs {first.max_abs:.3e} > {first.atol:g}'}")
+                  f"layer {first.layer}, {first.name}: {'; '.join(t for t in (size, first.note) if t)}")
         elif not judged:
             print("nothing was judged: no candidate file matches a golden name")
+    if args.plot:
+        from .plot import plot_verify
+        plot_verify(rows, args.plot, f"{title} vs golden {Path(args.golden).name} ({gold.manifest['model']['source']})")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if failed or not judged else 0
 
 
@@ -238,6 +244,8 @@ def build_parser() -> Parser:
     p.add_argument("--repeat", type=int, default=1, help="also check that N runs are bit-identical")
     p.add_argument("--strict", action="store_true", help="a missing candidate file counts as a failure")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", metavar="FILE", help="also write a PNG: max abs diff per checkpoint and layer, "
+                   "tolerance as a line, failing bars marked")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("check", help="judge your own FFN or GELU module (FILE.py:NAME) and say what is wrong")

@@ -16,6 +16,7 @@ import numpy as np
 from .reference import gelu_exact, gelu_tanh, relu
 
 STAGES = ("c_fc", "gelu", "ffn")
+KEYS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
 TANH_FIX = "use the tanh form, GPT-2's gelu_new: 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3))), " \
            "or F.gelu(x, approximate='tanh')"
 EXACT_FIX = "use the exact form: 0.5*x*(1 + erf(x/sqrt(2))), or F.gelu(x)"
@@ -97,8 +98,7 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None) -> list:
 
     resid, the residual stream ln_2 normalised, adds the variant "fed the residual stream"."""
     x = np.asarray(x, np.float64)
-    w1, b1, w2, b2 = (np.asarray(weights[k], np.float64)
-                      for k in ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"))
+    w1, b1, w2, b2 = (np.asarray(weights[k], np.float64) for k in KEYS)
     d, hidden = w1.shape
     target = TARGET[approximate]
     act = FORMS[target][0]
@@ -220,3 +220,9 @@ class FFNCase:
 
     def diagnose(self, stage, got, atol) -> Diagnosis:
         return diagnose(stage, got, self.expected[stage], self.known, atol)
+
+    def given(self, x) -> "FFNCase":
+        """The same FFN fed another input (an engine's own ln_2 output): expected is the right FFN of x."""
+        w = [np.asarray(self.weights[k], np.float64) for k in KEYS]
+        right = forward(np.asarray(x, np.float64), *w, FORMS[TARGET[self.approximate]][0])
+        return FFNCase(self.source, self.layer, self.approximate, self.weights, x, None, right)

@@ -412,13 +412,27 @@ def run_ours(golden: Golden) -> tuple:
     return {k: v.numpy() for k, v in ours.items()}, skipped
 
 
-def diagnosed(row: Row, golden: Golden, entry: dict, actual) -> Row:
+def diagnosed(row: Row, golden: Golden, entry: dict, actual, own_input=None) -> Row:
     """A failing FFN stage row (c_fc, GELU, FFN output) with what went wrong in its note: the known mistake
-    the output equals, or its worst element."""
-    if row.status == "FAIL" and entry["stage"] in FFN_STAGES and entry["layer"] in golden.layers \
-            and np.isfinite(actual).all() and actual.dtype == np.float32:
-        d = golden.ffn_case(entry["layer"]).diagnose(entry["stage"], actual, row.atol)
-        row.note = f"{row.note + '; ' if row.note else ''}{d.text}"
+    the output equals, or its worst element. own_input, an engine's own ln_2 output for this block, is tried
+    when the golden input explains nothing: an FFN may be right and only inherit an earlier error."""
+    stage, L = entry["stage"], entry["layer"]
+    if row.status != "FAIL" or stage not in FFN_STAGES or L not in golden.layers \
+            or not np.isfinite(actual).all() or actual.dtype != np.float32:
+        return row
+    case = golden.ffn_case(L)
+    d = case.diagnose(stage, actual, row.atol)
+    text = d.text if d.key or not row.note else ""  # a shape note says it already when no mistake explains it
+    if own_input is not None and own_input.shape == case.x.shape and not np.array_equal(own_input, case.x) \
+            and not d.key:
+        own = case.given(own_input)
+        got = actual.reshape(own.expected[stage].shape) if actual.size == own.expected[stage].size else None
+        if got is not None and np.abs(got - own.expected[stage]).max() <= row.atol:
+            text = (f"right for its own input: what GPT-2 computes from the candidate's h{L}_ln_2, which is already off; "
+                    "fix the first failing checkpoint before it")
+        elif (d := own.diagnose(stage, actual, row.atol)).key:
+            text = f"{d.text} (given the candidate's own h{L}_ln_2)"
+    row.note = "; ".join(t for t in (row.note, text) if t)
     return row
 
 
@@ -455,7 +469,7 @@ def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATO
     if not candidate.is_dir():
         raise Gpt2ffnError(f"candidate directory {candidate} does not exist")
     tolerances = tolerances or {}
-    rows = []
+    rows, loaded = [], {}  # loaded: the candidate's arrays so far (forward order), for its own FFN inputs
     for name in golden.activations():
         entry, expected = golden.tensors[name], golden.load(name)
         tol = tolerance_for(entry, tolerances, atol, expected)
@@ -470,7 +484,9 @@ def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATO
             rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
                             float("nan"), float("nan"), tol, "FAIL", f"unreadable .npy: {e}"))
             continue
-        rows.append(diagnosed(compare(name, entry, actual, expected, tol), golden, entry, actual))
+        own = loaded.get(f"h{entry['layer']}_ln_2")
+        rows.append(diagnosed(compare(name, entry, actual, expected, tol), golden, entry, actual, own))
+        loaded[name] = actual
     return rows
 
 
