@@ -290,7 +290,7 @@ def test_each_wrong_ffn_is_named(key, golden, tmp_path, capsys):
     report = json.loads(out)
     assert code == 1 and not report["passed"], report
     assert report["diagnosis"]["key"] == key, report["verdict"]
-    assert report["verdict"].startswith("FAIL at ")
+    assert report["verdict"].startswith("FAIL (")
 
 
 def test_wrong_ffn_report_reads_well(golden, tmp_path, capsys):
@@ -298,7 +298,7 @@ def test_wrong_ffn_report_reads_well(golden, tmp_path, capsys):
     code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden, "--layer", "1"], capsys)
     lines = out.strip().splitlines()
     assert code == 1
-    assert lines[-1].startswith("FAIL at after activation: exact GELU (erf) where the config says tanh GELU (within ")
+    assert lines[-1].startswith("FAIL (after activation): exact GELU (erf) where the config says tanh GELU (within ")
     assert "use the tanh form, GPT-2's gelu_new" in lines[-1]
     rows = {line.split("  ")[0]: line.split()[-1] for line in lines if line.startswith(("after", "output"))}
     assert rows == {"after c_fc (1st linear)": "PASS", "after activation": "FAIL", "output": "FAIL"}

@@ -78,7 +78,7 @@ class Report:
 
     def format(self) -> str:
         w = max(len(r.name) for r in self.rows) + 2
-        head = f"{'stage':<{w}}{'shape':<16}{'max abs':>11}{'tol':>9}  result"
+        head = f"{'stage' if self.kind == 'ffn' else 'measure':<{w}}{'shape':<16}{'max abs':>11}{'tol':>9}  result"
         lines = [f"{self.kind.upper()} check of {self.subject}", *[f"  {i}" for i in self.info], head, "-" * len(head)]
         for r in self.rows:
             tol = f"{r.atol:>9.0e}" if r.atol is not None else f"{'':>9}"
@@ -317,7 +317,7 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
                     f"loaded the first {o1} of c_fc's units")
     T = case.x.shape[1]
     info.append(f"fed {case.source} layer {case.layer}'s ln_2 output (1, {T}, {d}) in eval(); "
-                f"compared with HF GPT-2's own stages, tolerance {atol:g}")
+                f"compared with HF GPT-2's own stages, tolerance {atol:.0e}")
     param = next(module.parameters())
     x = torch.from_numpy(case.x).to(param.dtype)
     was_training = module.training
@@ -347,7 +347,7 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
             rows.append(Row("2 runs identical", (), 0.0, None, "FAIL", "two runs gave different outputs"))
     else:
         where = STAGE_LABELS[diagnosis.stage] if diagnosis else "a stage"
-        verdict = f"FAIL at {where}: {diagnosis.text if diagnosis else 'see the notes above'}"
+        verdict = f"FAIL ({where}): {diagnosis.text if diagnosis else 'see the notes above'}"
         if not deterministic and (diagnosis is None or diagnosis.key != "dropout"):
             verdict += " (and two runs differ: something random is on at inference)"
     return Report("ffn", name, info, rows, verdict, diagnosis)
