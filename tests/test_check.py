@@ -159,6 +159,29 @@ mlp = MLP(64, 256)
     (SEED_002, "FeedForward"),
     (SEED_004, "FeedForward"),
     (SEED_003, "mlp"),
+    ("""
+        from dataclasses import dataclass
+
+
+        @dataclass
+        class GPTConfig:  # nanoGPT's style: a dataclass config next to the model
+            n_embd: int = 64
+
+
+        class MLP(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+                self.gelu = nn.GELU(approximate="tanh")
+                self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+                self.dropout = nn.Dropout(0.1)
+
+            def forward(self, x):
+                return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+        mlp = MLP(GPTConfig()).train()
+        """, "mlp"),
 ])
 def test_seed_ffns_as_written_pass(source, name, golden, tmp_path, capsys):
     path = learner_file(tmp_path, source)

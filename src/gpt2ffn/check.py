@@ -133,10 +133,12 @@ def load_object(target: str):
         raise CheckError(f"no file {file}")
     spec = importlib.util.spec_from_file_location(f"gpt2ffn_check_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # @dataclass and pickling look a class's module up by name
     try:
         with contextlib.redirect_stdout(sys.stderr):
             spec.loader.exec_module(module)
     except Exception as e:
+        del sys.modules[spec.name]
         who = _super_missing(e)
         why = _super_message(who, e) if who else f"{type(e).__name__}: {e}"
         raise CheckError(f"importing {file} failed{_where(e, path)}: {why}".splitlines()[0]) from None
@@ -169,7 +171,7 @@ def _config(config, ref: Config) -> tuple:
     return Config.from_name(text).to_book_dict(), "cfg"
 
 
-def instantiate(cls, label: str, cfg: dict, cfg_label: str):
+def instantiate(cls, cfg: dict, cfg_label: str):
     """cls(cfg) when its constructor takes one argument, cls() when it takes none; (instance, how it was built)."""
     try:
         sig = inspect.signature(cls)
@@ -271,7 +273,7 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         if not issubclass(obj, nn.Module):
             raise CheckError(f"{name} is a class but not an nn.Module; check takes an FFN or GELU module")
         cfg, cfg_label = _config(config, ref_cfg)
-        module, how = instantiate(obj, name, cfg, cfg_label)
+        module, how = instantiate(obj, cfg, cfg_label)
         built = [f"built as {how}" + (f", cfg = {json.dumps(cfg)}" if how.endswith("(cfg)") else "")]
     elif isinstance(obj, nn.Module):
         module, built = obj, [f"an instance of {type(obj).__name__}"]
@@ -393,14 +395,20 @@ def _apply(fn, x, name):
 
 def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDEN_ATOL) -> Report:
     """Seed 000's spot values, max error against every known form over the grid, and which form it is."""
-    if isinstance(fn, nn.Module):
+    was_training = getattr(fn, "training", None)
+    if was_training is not None:
         fn.eval()
-    x = torch.tensor(GELU_GRID, dtype=torch.float32)
-    got = _apply(fn, x, name)
-    perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-    if not np.allclose(_apply(fn, x[perm], name), got[perm.numpy()], atol=1e-6, equal_nan=True):
-        raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but its output at a point "
-                         "depends on the other points: not elementwise")
+    try:
+        x = torch.tensor(GELU_GRID, dtype=torch.float32)
+        got = _apply(fn, x, name)
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        if not np.allclose(_apply(fn, x[perm], name), got[perm.numpy()], atol=1e-6, equal_nan=True):
+            raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but its output at a point "
+                             "depends on the other points: not elementwise")
+        spot = np.round(_apply(fn, torch.tensor(SPOT_X), name), 4) + 0.0  # + 0.0: -0.0 prints as 0.0
+    finally:
+        if was_training is not None:
+            fn.train(was_training)
     target = TARGET[approximate]
     rows = []
     bad = ~np.isfinite(got)
@@ -408,7 +416,6 @@ def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDE
         rows.append(Row("finite", (len(x),), float("nan"), None, "FAIL",
                         f"NaN/Inf at x = {', '.join(f'{v:g}' for v in GELU_GRID[bad][:4])}"))
     if target == "tanh":
-        spot = np.round(_apply(fn, torch.tensor(SPOT_X), name), 4) + 0.0  # + 0.0: -0.0 prints as 0.0
         ok = np.allclose(spot, SPOT_Y, atol=1e-9)
         rows.append(Row("seed 000 spot values x = -2..2", (5,), float(np.abs(spot - SPOT_Y).max()), None,
                         "PASS" if ok else "FAIL", f"got {spot.tolist()}" + ("" if ok else f", expected {SPOT_Y}")))

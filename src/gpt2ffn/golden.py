@@ -428,8 +428,8 @@ def diagnosed(row: Row, golden: Golden, entry: dict, actual, own_input=None) -> 
         own = case.given(own_input)
         got = actual.reshape(own.expected[stage].shape) if actual.size == own.expected[stage].size else None
         if got is not None and np.abs(got - own.expected[stage]).max() <= row.atol:
-            text = (f"right for its own input: what GPT-2 computes from the candidate's h{L}_ln_2, which is already off; "
-                    "fix the first failing checkpoint before it")
+            text = (f"right for its own input: what GPT-2 computes from the candidate's h{L}_ln_2, which is "
+                    "already off; fix the first failing checkpoint before it")
         elif (d := own.diagnose(stage, actual, row.atol)).key:
             text = f"{d.text} (given the candidate's own h{L}_ln_2)"
     row.note = "; ".join(t for t in (row.note, text) if t)
@@ -503,13 +503,15 @@ def verify_negative(golden: Golden, atol=GOLDEN_ATOL) -> list:
             ok = r.status == "FAIL" and named
             note = ("judge fails it" if r.status == "FAIL" else "NOT caught: the judge passed a wrong FFN") + \
                    f" ({r.max_abs / atol:.3g}x the tolerance); " + ("named" if named else "NOT named")
-            rows.append(Row(v.name, r.checkpoint, L, r.shape, r.max_abs, r.max_rel, atol, "PASS" if ok else "FAIL", note))
+            rows.append(Row(v.name, r.checkpoint, L, r.shape, r.max_abs, r.max_rel, atol, "PASS" if ok else "FAIL",
+                            note))
     return rows
 
 
 def format_rows(rows, title) -> str:
     w = max([34] + [len(r.name) + 2 for r in rows])
-    head = f"{'checkpoint':<11}{'layer':>5}  {'tensor':<{w}}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}  result"
+    head = (f"{'checkpoint':<11}{'layer':>5}  {'tensor':<{w}}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}"
+            "  result")
     lines = [title, head, "-" * len(head)]
     for r in rows:
         ck = f"{r.checkpoint} {SHORT.get(r.checkpoint, '')}" if r.checkpoint else "--"
