@@ -284,17 +284,57 @@ def named_layers(forward):
         """
 
 
+def own_conv1d(forward):
+    """A learner's own GPT-2-style Conv1D ([in, out], as HF stores it) with the given forward."""
+    return f"""
+        class Conv1D(nn.Module):
+            def __init__(self, n_in, n_out):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.02)  # [in, out], as in the checkpoint
+                self.bias = nn.Parameter(torch.zeros(n_out))
+
+            def forward(self, x):
+                {forward}
+
+
+        class FeedForward(nn.Module):
+            def __init__(self, cfg):
+                super().__init__()
+                d = cfg["emb_dim"]
+                self.c_fc = Conv1D(d, 4 * d)
+                self.c_proj = Conv1D(4 * d, d)
+                print("built")  # the learner's prints go to stderr, not into the report
+
+            def forward(self, x):
+                return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        """
+
+
 WRONG = {
     "gelu_exact": sequential(act="nn.GELU()"),
     "gelu_coefficient": sequential().replace("0.044715", "0.055715"),
     "gelu_sqrt2_over_pi": sequential().replace("math.sqrt(2 / math.pi)", "math.sqrt(2) / math.pi"),
     "gelu_no_scale": sequential().replace("math.sqrt(2 / math.pi) * ", ""),
+    "gelu_two_over_pi": sequential().replace("math.sqrt(2 / math.pi)", "2 / math.pi"),
+    "gelu_sigmoid": sequential(act="nn.SiLU()").replace("nn.SiLU()", "GELU()").replace(
+        "return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))",
+        "return x * torch.sigmoid(1.702 * x)"),
     "gelu_identity": sequential(act=""),
     "gelu_relu": sequential(act="nn.ReLU()"),
     "expansion_2x": sequential(first="nn.Linear(d, 2 * d)", last="nn.Linear(2 * d, d)"),
     "c_fc_bias_missing": sequential(first="nn.Linear(d, 4 * d, bias=False)"),
     "c_proj_bias_missing": sequential(last="nn.Linear(4 * d, d, bias=False)"),
+    "biases_missing": sequential(first="nn.Linear(d, 4 * d, bias=False)", last="nn.Linear(4 * d, d, bias=False)"),
     "residual_added": sequential(forward="return x + self.layers(x)"),
+    # Treats the [in, out] checkpoint layout as nn.Linear's [out, in]: a view, then .T, for c_fc only.
+    "c_fc_not_transposed": own_conv1d(
+        "w = self.weight.view(self.weight.shape[1], -1).T if self.weight.shape[0] < self.weight.shape[1] "
+        "else self.weight\n"
+        "                return x @ w + self.bias"),
+    "c_proj_not_transposed": own_conv1d(
+        "w = self.weight.view(self.weight.shape[1], -1).T if self.weight.shape[0] > self.weight.shape[1] "
+        "else self.weight\n"
+        "                return x @ w + self.bias"),
     "c_fc_viewed": named_layers(
         "h = x @ self.c_fc.weight.view(x.shape[-1], -1) + self.c_fc.bias  # weight is [out, in]: .T was meant\n"
         "                return self.c_proj(F.gelu(h, approximate='tanh'))"),
@@ -310,7 +350,7 @@ WRONG = {
 def test_each_wrong_ffn_is_named(key, golden, tmp_path, capsys):
     path = learner_file(tmp_path, WRONG[key])
     code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden, "--json"], capsys)
-    report = json.loads(out)
+    report = json.loads(out)  # valid JSON: anything the learner's code prints went to stderr
     assert code == 1 and not report["passed"], report
     assert report["diagnosis"]["key"] == key, report["verdict"]
     assert report["verdict"].startswith("FAIL (")

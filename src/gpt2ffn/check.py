@@ -11,7 +11,6 @@ diagnosed (gpt2ffn.diagnose). A GELU (a module or function with no linear layer)
 which form it computes.
 """
 
-import contextlib
 import importlib.util
 import inspect
 import json
@@ -25,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from .config import GPT_CONFIG_124M, Config
-from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for
+from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
 from .errors import Gpt2ffnError
 from .tolerances import GOLDEN_ATOL
 
@@ -124,7 +123,7 @@ def _super_message(name, e) -> str:
 
 def load_object(target: str):
     """(object, label) for FILE.py:NAME; the file is imported as a module from its path (its __main__ block
-    does not run, and what it prints goes to stderr)."""
+    does not run)."""
     file, sep, name = target.rpartition(":")
     if not sep or not file or not name:
         raise CheckError(f"expected FILE.py:NAME (a class or an instance in the file), got {target!r}")
@@ -135,8 +134,7 @@ def load_object(target: str):
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # @dataclass and pickling look a class's module up by name
     try:
-        with contextlib.redirect_stdout(sys.stderr):
-            spec.loader.exec_module(module)
+        spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[spec.name]
         who = _super_missing(e)
@@ -329,7 +327,7 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
     finally:
         module.train(was_training)
     from .golden import compare
-    rows, diagnoses = [], []
+    rows, failing = [], []
     for stage in STAGES:
         label = STAGE_LABELS[stage]
         if stage not in first:
@@ -339,9 +337,9 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
         r = compare(label, {"checkpoint": "06", "layer": case.layer}, first[stage], case.expected[stage], atol)
         rows.append(Row(label, tuple(first[stage].shape), r.max_abs, atol, r.status, r.note))
         if r.status == "FAIL" and np.isfinite(first[stage]).all():
-            diagnoses.append(case.diagnose(stage, first[stage], atol))
+            failing.append(stage)
     deterministic = all(np.array_equal(first[k], again[k]) for k in first)
-    diagnosis = next((dg for dg in diagnoses if dg.key), diagnoses[-1] if diagnoses else None)
+    diagnosis = diagnose_stages(case, first, failing, atol)
     if not rows or all(r.status == "PASS" for r in rows):
         verdict = f"PASS: {name} computes GPT-2's FFN (c_fc -> {FORMS[TARGET[case.approximate]][1]} -> c_proj)"
         if not deterministic:
@@ -353,6 +351,21 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
         if not deterministic and (diagnosis is None or diagnosis.key != "dropout"):
             verdict += " (and two runs differ: something random is on at inference)"
     return Report("ffn", name, info, rows, verdict, diagnosis)
+
+
+def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float):
+    """The known mistake that explains the most failing stages (then the earliest, then the closest): both
+    biases missing matches all three stages, c_fc's bias alone only the first two. Else dropout's signature
+    at any stage, else the output's worst element. None when nothing failed."""
+    found = {}  # key -> [stages it matches, variant, first stage, distance there]
+    for stage in failing:
+        for dist, v in case.matching(stage, outputs[stage], atol):
+            found.setdefault(v.key, [0, v, stage, dist])[0] += 1
+    if found:
+        _, v, stage, dist = max(found.values(), key=lambda f: (f[0], -STAGES.index(f[2]), -f[3]))
+        return named(v, stage, dist)
+    plain = [case.diagnose(stage, outputs[stage], atol) for stage in failing]
+    return next((d for d in plain if d.key), plain[-1] if plain else None)
 
 
 def _run(module, l1, l2, x, name) -> dict:

@@ -137,11 +137,13 @@ def cmd_verify(args):
 
 def cmd_check(args):
     """Judge a learner's FFN or GELU module from a .py file, and say what is wrong."""
+    import contextlib
     import json
 
     from .check import check, load_object
-    obj, label = load_object(args.target)
-    report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label)
+    with contextlib.redirect_stdout(sys.stderr):  # what the learner's file prints must not mix into the report
+        obj, label = load_object(args.target)
+        report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.passed else 1
 

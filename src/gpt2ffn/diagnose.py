@@ -168,21 +168,29 @@ def dropout_rate(got, expected, atol):
     return p
 
 
-def diagnose(stage: str, got, expected, known: list, atol: float) -> Diagnosis:
-    """Name the known-wrong variant a failing stage output equals (within atol), or say that none does."""
+def matching(stage: str, got, known: list, atol: float) -> list:
+    """(max |got - variant|, variant) for every known variant the stage output equals within atol, closest first."""
     got = np.asarray(got, np.float64)
-    best = None
+    found = []
     for v in known:
         want = v.stages.get(stage)
         g = _fit(got, want.shape) if want is not None else None
-        if g is None:
-            continue
-        dist = float(np.abs(g - want).max())
-        if dist <= atol and (best is None or dist < best[1]):
-            best = v, dist
-    if best:
-        v, dist = best
-        return Diagnosis(stage, v.key, f"{v.name} (within {dist:.1e} of it): {v.fix}", dist)
+        if g is not None and (dist := float(np.abs(g - want).max())) <= atol:
+            found.append((dist, v))
+    return sorted(found, key=lambda f: f[0])
+
+
+def named(v: Variant, stage: str, dist: float) -> Diagnosis:
+    """The diagnosis that a stage output is variant v: its name, how close, and what to change."""
+    return Diagnosis(stage, v.key, f"{v.name} (within {dist:.1e} of it): {v.fix}", dist)
+
+
+def diagnose(stage: str, got, expected, known: list, atol: float) -> Diagnosis:
+    """Name the known-wrong variant a failing stage output equals (within atol), or say that none does."""
+    got = np.asarray(got, np.float64)
+    found = matching(stage, got, known, atol)
+    if found:
+        return named(found[0][1], stage, found[0][0])
     expected = np.asarray(expected, np.float64)
     g = _fit(got, expected.shape)
     if g is None:
@@ -220,6 +228,9 @@ class FFNCase:
 
     def diagnose(self, stage, got, atol) -> Diagnosis:
         return diagnose(stage, got, self.expected[stage], self.known, atol)
+
+    def matching(self, stage, got, atol) -> list:
+        return matching(stage, got, self.known, atol)
 
     def given(self, x) -> "FFNCase":
         """The same FFN fed another input (an engine's own ln_2 output): expected is the right FFN of x."""
