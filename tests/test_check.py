@@ -438,6 +438,19 @@ def test_python_api_takes_classes_instances_and_functions(golden):
     assert report.as_dict()["rows"][0]["name"] == "after c_fc (1st linear)"
 
 
+@pytest.mark.parametrize("config, code, message", [
+    ("tiny", 0, "built as FeedForward(cfg), cfg = {\"vocab_size\": 512"),
+    ('{"emb_dim": 64}', 0, 'built as FeedForward(cfg), cfg = {"emb_dim": 64}'),
+    ("{oops", 2, "--config '{oops' is not a JSON object or file"),
+    ("[1, 2]", 2, "--config '[1, 2]' holds a list, expected a JSON object"),
+    ("gpt3", 2, "unknown config name 'gpt3'; known: gpt2"),
+])
+def test_config_option(config, code, message, golden, tmp_path, capsys):
+    path = learner_file(tmp_path, SEED_002)
+    got, out, err = run(["check", f"{path}:FeedForward", "--golden", golden, "--config", config], capsys)
+    assert got == code and message in (out if code == 0 else err), out + err
+
+
 def test_load_object_errors(tmp_path):
     with pytest.raises(CheckError, match="expected FILE.py:NAME"):
         load_object("no_colon.py")

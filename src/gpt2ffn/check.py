@@ -158,7 +158,7 @@ def _config(config, ref: Config) -> tuple:
     if isinstance(config, dict):
         return config, "cfg"
     text = str(config)
-    if text.lstrip().startswith("{") or text.endswith(".json"):
+    if text.lstrip().startswith(("{", "[")) or text.endswith(".json"):
         try:
             d = json.loads(Path(text).read_text() if text.endswith(".json") else text)
         except (OSError, json.JSONDecodeError) as e:
