@@ -430,6 +430,7 @@ def test_python_api_takes_classes_instances_and_functions(golden):
     from gpt2ffn import gelu
     ours = check(FeedForward(Config.from_name("tiny")), golden=golden)  # Conv1D layers: [in, out], told by shape
     assert ours.passed and "c_fc = c_fc (Conv1D, [in, out]), c_proj = c_proj (Conv1D, [in, out])" in ours.format()
+    assert ours.verdict.startswith("PASS") and [r.status for r in ours.rows] == ["--", "--", "PASS"]  # fused forward
     assert check(gelu, golden=golden).passed
     learner = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).train()
     report = check(learner, golden=golden)
@@ -449,6 +450,12 @@ def test_config_option(config, code, message, golden, tmp_path, capsys):
     path = learner_file(tmp_path, SEED_002)
     got, out, err = run(["check", f"{path}:FeedForward", "--golden", golden, "--config", config], capsys)
     assert got == code and message in (out if code == 0 else err), out + err
+
+
+def test_non_finite_output_is_named(golden, tmp_path, capsys):
+    path = learner_file(tmp_path, named_layers("return self.c_proj(torch.log(self.c_fc(x)))  # NaN for x < 0"))
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden], capsys)
+    assert code == 1 and out.strip().splitlines()[-1] == "FAIL (after activation): 1069 NaN/Inf values", out
 
 
 def test_load_object_errors(tmp_path):

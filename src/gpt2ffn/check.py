@@ -338,16 +338,17 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
         rows.append(Row(label, tuple(first[stage].shape), r.max_abs, atol, r.status, r.note))
         if r.status == "FAIL" and np.isfinite(first[stage]).all():
             failing.append(stage)
-    deterministic = all(np.array_equal(first[k], again[k]) for k in first)
+    deterministic = all(np.array_equal(first[k], again[k], equal_nan=True) for k in first)
     diagnosis = diagnose_stages(case, first, failing, atol)
-    if not rows or all(r.status == "PASS" for r in rows):
+    if not failing and all(r.status != "FAIL" for r in rows):
         verdict = f"PASS: {name} computes GPT-2's FFN (c_fc -> {FORMS[TARGET[case.approximate]][1]} -> c_proj)"
         if not deterministic:
             verdict = f"FAIL: {name} passes once but two runs differ: something random is on at inference"
             rows.append(Row("2 runs identical", (), 0.0, None, "FAIL", "two runs gave different outputs"))
     else:
-        where = STAGE_LABELS[diagnosis.stage] if diagnosis else "a stage"
-        verdict = f"FAIL ({where}): {diagnosis.text if diagnosis else 'see the notes above'}"
+        bad = next(r for r in rows if r.status == "FAIL")
+        verdict = (f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if diagnosis
+                   else f"FAIL ({bad.name}): {bad.note}")
         if not deterministic and (diagnosis is None or diagnosis.key != "dropout"):
             verdict += " (and two runs differ: something random is on at inference)"
     return Report("ffn", name, info, rows, verdict, diagnosis)
