@@ -55,8 +55,11 @@ def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
 
 
 class CausalSelfAttention(nn.Module):
+    """c_attn -> q, k, v by head -> causal scaled_dot_product_attention -> c_proj."""
+
     def __init__(self, cfg: Config):
         super().__init__()
+        cfg.check_heads()
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
         self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd, cfg.initializer_range)
         self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd, cfg.initializer_range)
@@ -235,6 +238,42 @@ class GPT2(nn.Module):
         elif ids.shape[1] > self.config.n_positions:
             raise Gpt2ffnError(f"{ids.shape[1]} tokens exceed the context of n_positions={self.config.n_positions}")
 
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0,
+                 eos_token_id=None, attention_mask=None):
+        """HF-style generate: (B, T) LongTensor -> (B, T + new) LongTensor of prompt + new ids.
+
+        Defaults as HF's GenerationConfig: greedy unless do_sample (then temperature, top_k=50, top_p; seeded
+        from torch's global RNG, so torch.manual_seed reproduces a run); eos_token_id None means the config's.
+        A batch is left-padded with attention_mask (1 real, 0 padding); a row that ends early is padded
+        with eos_token_id, as HF pads with GPT-2's pad = eos. A thin layer over gpt2ffn.generate.generate."""
+        from .generate import Sampling, generate
+        self.check_ids(input_ids)
+        rows = input_ids.tolist()
+        if attention_mask is None:
+            prompts = rows
+        else:
+            if tuple(attention_mask.shape) != tuple(input_ids.shape):
+                raise ShapeError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
+                                 f"{tuple(input_ids.shape)}, the shape of input_ids")
+            starts = []
+            for b, m in enumerate(attention_mask.tolist()):
+                n = int(sum(m))
+                if n == 0 or m != [0] * (len(m) - n) + [1] * n:
+                    raise InputError(f"attention_mask row {b} is {m}; generate takes left padding: zeros, then "
+                                     "at least one 1, then only 1s (tokenizer.padding_side = 'left')")
+                starts.append(len(m) - n)
+            prompts = [row[s:] for row, s in zip(rows, starts)]
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        seed = int(torch.randint(2**62, (1,))) if do_sample else None
+        new = generate(self, prompts, Sampling(max_new_tokens=max_new_tokens,
+                                               temperature=temperature if do_sample else 0.0,
+                                               top_k=top_k if do_sample else None,
+                                               top_p=top_p if do_sample else None, seed=seed, eos_token_id=eos))
+        width = max(len(n) for n in new)
+        out = [row + n + [eos] * (width - len(n)) for row, n in zip(rows, new)]
+        return torch.tensor(out, dtype=torch.long, device=input_ids.device)
+
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, precision: str | None = "fp32") -> "GPT2":
         """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin).
@@ -287,6 +326,20 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
             else:  # Conv1D weight [in, out]
                 p.copy_(1.5 / p.shape[0] ** 0.5 * torch.randn(p.shape, generator=g))
     return model
+
+
+def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32") -> GPT2:
+    """GPT2 in eval mode from a checkpoint directory or `random:<preset>[:seed]`; weights only, no tokenizer.
+    precision: as GPT2.from_pretrained's."""
+    from pathlib import Path
+    if spec.startswith("random:"):
+        from .precision import quantize
+        cfg, seed, _ = parse_random(spec)
+        model = random_weights_(GPT2(cfg), seed).to(dtype).eval()
+        return quantize(model, precision) if precision is not None and dtype == torch.float32 else model
+    if not Path(spec).is_dir():
+        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
+    return GPT2.from_pretrained(spec, dtype=dtype, precision=precision)
 
 
 def parse_random(spec: str) -> tuple:
