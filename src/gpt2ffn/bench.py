@@ -276,10 +276,19 @@ def run(args):
     out_dir.mkdir(parents=True, exist_ok=True)
     result = {"machine": machine(), "device": device, "repeats": repeats, "quick": args.quick}
     print(f"machine: {result['machine']}")
-    if args.model:
-        result["model"] = bench_model(repeats=repeats // 2)
-        (out_dir / "bench-model.json").write_text(json.dumps(result, indent=1) + "\n")
-        print(f"wrote {out_dir / 'bench-model.json'}")
+    parts = {"kernels": args.kernels, "model": args.model, "accuracy": args.accuracy}
+    if any(parts.values()):
+        precisions = args.precision or (["fp32"] if args.model else ["fp32", "bf16", "int8", "int4"])
+        for part in (k for k, on in parts.items() if on):
+            if part == "kernels":
+                result[part] = bench_kernels(repeats=repeats)
+            elif part == "model":
+                result[part] = bench_model(precisions, repeats=max(5, repeats // 2))
+            else:
+                result[part] = bench_accuracy(args.weights, precisions)
+            file = out_dir / ("accuracy.json" if part == "accuracy" else f"bench-{part}.json")
+            file.write_text(json.dumps({"machine": result["machine"], part: result[part]}, indent=1) + "\n")
+            print(f"wrote {file}")
         return result
     result["forward"] = bench_forward(dims, tokens, repeats, device)
     result["dispatch"] = {str(k): v for k, v in kernels.choices().items()}
@@ -318,69 +327,86 @@ def summarize(result) -> str:
 
 
 
-def bench_model(prompt_tokens=128, new_tokens=64, repeats=5, log=print) -> dict:
-    """Prefill ms and decode tokens/s: gpt2ffn's GPT2 vs HF GPT2LMHeadModel.generate (sdpa, KV cache), the
-    same random gpt2 (124M shape) weights, greedy, in one process. Tokens are checked equal first."""
+def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print) -> dict:
+    """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
+    (sdpa, KV cache, fp32), the same random gpt2 (124M shape) weights, greedy, interleaved rounds in one
+    process. fp32's tokens are checked equal to HF's first. Each precision's floor: the bytes a decode step
+    must read (its packed weights, lm_head included) over the DRAM read bandwidth measured in the same run.
+    The per-step overhead: a decode step of a 1-layer model with tiny widths, where weights cost nothing."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from .generate import Sampling, generate
     from .model import GPT2, KVCache, random_weights_
+    from .precision import packable, quantize
     cfg = Config.from_name("gpt2")
     hf_cfg = GPT2Config(**cfg.to_hf_dict())
     hf_cfg._attn_implementation = "sdpa"
     hf = random_weights_(GPT2LMHeadModel(hf_cfg), 0).eval()
     hf.generation_config.eos_token_id = None
-    ours = GPT2(cfg).eval()
-    ours.load_state_dict(hf.state_dict())
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=new_tokens)
+    out = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "engines": {}}
+    runs = {}
     with torch.no_grad():
-        hf_ids = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:]
-        same = generate(ours, [ids[0].tolist()], s)[0] == hf_ids.tolist()
-        runs = {
-            "gpt2ffn": (lambda: ours(ids, KVCache(cfg, 1, max_len=prompt_tokens + new_tokens), last_only=True),
-                        lambda: generate(ours, [ids[0].tolist()], s)),
-            "HF transformers": (lambda: hf(ids, use_cache=True),
-                                lambda: hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)),
-        }
-        out = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "same_tokens": same,
-               "decode_floor": decode_floor(ours, repeats)}
-        for name, (prefill, gen) in runs.items():
-            p_ms, g_ms = timeit(prefill, repeats), timeit(gen, max(3, repeats // 2))
-            out[name] = {"prefill_ms": p_ms, "generate_ms": g_ms,
-                         "decode_tokens_per_s": new_tokens / (g_ms - p_ms) * 1e3}
-    a, b = out["gpt2ffn"], out["HF transformers"]
-    out["decode_speedup"] = a["decode_tokens_per_s"] / b["decode_tokens_per_s"]
-    out["prefill_speedup"] = b["prefill_ms"] / a["prefill_ms"]
-    log(f"gpt2 (124M shape, random weights), {prompt_tokens} prompt + {new_tokens} new tokens, greedy, "
-        f"same tokens as HF: {same}")
-    for name in ("gpt2ffn", "HF transformers"):
-        r = out[name]
-        log(f"  {name:<16} prefill {r['prefill_ms']:8.1f} ms   decode {r['decode_tokens_per_s']:6.1f} tokens/s")
-    f = out["decode_floor"]
-    log(f"  floor: bare GEMVs over every weight ({f['weight_mb']:.0f} MB fp32) {f['ms']:.1f} ms = "
-        f"{f['tokens_per_s']:.1f} tokens/s ({f['gb_per_s']:.1f} GB/s)")
-    log(f"  gpt2ffn vs HF: prefill {out['prefill_speedup']:.2f}x, decode {out['decode_speedup']:.2f}x")
+        hf_ids = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:].tolist()
+        runs["HF transformers fp32"] = (lambda: hf(ids, use_cache=True),
+                                        lambda: hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+        nbytes = {}
+        for precision in precisions:
+            model = GPT2(cfg).eval()
+            model.load_state_dict(hf.state_dict())
+            quantize(model, precision)
+            got = generate(model, [ids[0].tolist()], s)[0]
+            same = [a == b for a, b in zip(got, hf_ids)]
+            out["engines"][f"gpt2ffn {precision}"] = {"greedy_same_as_hf": sum(same) / len(same)}
+            if precision == "fp32" and not all(same):
+                raise Gpt2ffnError(f"gpt2ffn fp32 greedy tokens differ from HF's at position {same.index(False)}")
+            nbytes[precision] = sum(m.packed.nbytes for m in packable(model))
+            runs[f"gpt2ffn {precision}"] = (
+                lambda m=model: m(ids, KVCache(cfg, 1, max_len=prompt_tokens + new_tokens), last_only=True),
+                lambda m=model: generate(m, [ids[0].tolist()], s))
+        prefill = rounds({k: v[0] for k, v in runs.items()}, repeats)
+        gen = rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2))
+        overhead = step_overhead(precisions, repeats=max(repeats, 50))
+    dram = read_bandwidth()
+    out["dram_read_gb_s"] = dram
+    log(f"gpt2 (124M shape, random weights), {prompt_tokens} prompt + {new_tokens} new tokens, greedy; "
+        f"DRAM read {dram:.1f} GB/s")
+    log(f"  {'engine':<22}{'prefill ms':>11}{'decode tok/s':>14}{'floor tok/s':>13}{'x floor':>9}{'step overhead us':>18}")
+    for name in runs:
+        e = out["engines"].setdefault(name, {})
+        e["prefill_ms"], e["generate_ms"] = prefill[name], gen[name]
+        e["decode_tokens_per_s"] = new_tokens / (gen[name] - prefill[name]) * 1e3
+        precision = name.split()[-1]
+        if name.startswith("gpt2ffn"):
+            e["weight_mb"] = nbytes[precision] / 1e6
+            e["floor_tokens_per_s"] = dram * 1e9 / nbytes[precision]
+            e["of_floor"] = e["decode_tokens_per_s"] / e["floor_tokens_per_s"]
+            e["step_overhead_us"] = overhead[precision]
+        log(f"  {name:<22}{e['prefill_ms']:>11.1f}{e['decode_tokens_per_s']:>14.1f}"
+            + (f"{e['floor_tokens_per_s']:>13.1f}{e['of_floor']:>9.2f}{e['step_overhead_us']:>18.0f}"
+               if "floor_tokens_per_s" in e else ""))
     return out
 
 
-def decode_floor(model, repeats=5) -> dict:
-    """One decode step's unavoidable work: a bare (1, in) @ (in, out) GEMV over every weight matrix, in
-    forward order, plus the (1, d) @ wte^T logits. Above the last-level cache this is DRAM bandwidth."""
-    mats = []
-    for block in model.transformer.h:
-        mats += [block.attn.c_attn.weight, block.attn.c_proj.weight, block.mlp.c_fc.weight, block.mlp.c_proj.weight]
-    mats = [m.detach() for m in mats]
-    wte = model.transformer.wte.weight.detach()
-    x = {m.shape[0]: torch.randn(1, m.shape[0]) for m in mats}
+def step_overhead(precisions, repeats=50) -> dict:
+    """Microseconds of one decode step on a 1-layer GPT-2 with tiny widths (d=64, vocab 256), per precision:
+    what a step costs beyond reading weights (Python, dispatch, threads, allocation)."""
+    from .model import GPT2, KVCache
+    from .precision import quantize
+    cfg = Config(n_embd=64, n_layer=1, n_head=4, n_positions=256, vocab_size=256)
+    out = {}
+    for precision in precisions:
+        model = quantize(GPT2(cfg).eval(), precision)
+        cache = KVCache(cfg, 1)
+        model(torch.tensor([[1, 2, 3]]), cache)
+        nxt = torch.tensor([[5]])
 
-    def step():
-        for m in mats:
-            torch.mm(x[m.shape[0]], m)
-        torch.mm(x[wte.shape[1]], wte.t())
-    ms = timeit(step, repeats)
-    nbytes = sum(m.numel() for m in mats) * 4 + wte.numel() * 4
-    return {"ms": ms, "tokens_per_s": 1e3 / ms, "weight_mb": nbytes / 1e6, "gb_per_s": nbytes / ms / 1e6}
+        def step():
+            cache.length = 3
+            model(nxt, cache, last_only=True)
+        out[precision] = 1e3 * timeit(step, repeats)
+    return out
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
@@ -456,16 +482,81 @@ def bench_kernels(layers: int = 12, repeats: int = 15, log=print) -> dict:
                                                 for (K, _), p in zip(shapes, ps)], sum(p.nbytes for p in ps),
                 lambda p=ps[0], ref=ref: rel_err(kp.linear(xs[shapes[0][0]], p, None, None, "native"),
                                                  torch.from_numpy(ref)))
+    if kp.WHY_NOT_NATIVE is None:
+        from .precision import quantize
+        for precision in ("fp32", "bf16", "int8", "int4"):  # the FFN alone, through FeedForward.forward
+            ffns = [quantize(make_ffn(768, seed=i), precision) for i in range(layers)]
+            x1 = torch.randn(1, 768, generator=g)
+            ref = reference.FFN.from_state_dict(ffns[0].state_dict())
+            add(f"FFN {precision} (c_fc + GELU + c_proj), FeedForward", [lambda f=f: f(x1) for f in ffns],
+                sum(f.c_fc.packed.nbytes + f.c_proj.packed.nbytes for f in ffns),
+                lambda f=ffns[0], ref=ref: rel_err(f(x1), torch.from_numpy(ref(x1.double().numpy()))))
     errors = {name: check() for name, check in checks.items()}
-    ms = rounds(chains, repeats)
+    with torch.no_grad():
+        ms = rounds(chains, repeats)
     dram = read_bandwidth()
     out = {"layers": layers, "fp32_mb": fp32_bytes / 1e6, "dram_read_gb_s": dram, "kernels": {}}
     log(f"one-token GEMV chain over {layers} GPT-2 layers ({fp32_bytes / 1e6:.0f} MB fp32), {torch.get_num_threads()} "
         f"threads; DRAM read {dram:.1f} GB/s")
-    log(f"  {'kernel':<52}{'MB':>7}{'ms':>8}{'GB/s':>7}{'x DRAM':>8}{'rel err':>10}")
+    log(f"  {'kernel':<52}{'MB':>7}{'ms':>8}{'GB/s':>7}{'x DRAM':>8}{'rel err':>10}  (rel err: vs numpy float64 on "
+        f"the kernel's own rounded weights; FFN rows: vs fp32 weights)")
     for name in chains:
         gbs = nbytes[name] / ms[name] / 1e6
         out["kernels"][name] = {"mb": nbytes[name] / 1e6, "ms": ms[name], "gb_s": gbs, "of_dram": gbs / dram,
                                 "rel_err_first_layer": errors[name]}
         log(f"  {name:<52}{nbytes[name] / 1e6:>7.0f}{ms[name]:>8.2f}{gbs:>7.1f}{gbs / dram:>8.2f}{errors[name]:>10.1e}")
+    return out
+
+
+def distribution_metrics(ref, got) -> dict:
+    """llama.cpp perplexity --kl-divergence's measures of `got` logits against `ref` (both (P, vocab)):
+    mean and max KL(p_ref || p_got) in float64, top-1 agreement, max |logit diff|."""
+    lp = torch.log_softmax(ref.double(), -1)
+    lq = torch.log_softmax(got.double(), -1)
+    kld = (lp.exp() * (lp - lq)).sum(-1)
+    return {"mean_kld": float(kld.mean()), "max_kld": float(kld.max()),
+            "top1_agree": float((ref.argmax(-1) == got.argmax(-1)).double().mean()),
+            "max_abs_logit_diff": float((got.double() - ref.double()).abs().max())}
+
+
+def greedy_ids(model, prompt: list, new_tokens: int) -> list:
+    from .generate import Sampling, generate
+    return generate(model, [prompt], Sampling(max_new_tokens=new_tokens))[0]
+
+
+def bench_accuracy(spec: str = "random:gpt2", precisions=("fp32", "bf16", "int8", "int4"), positions: int = 1024,
+                   prompt_tokens: int = 128, new_tokens: int = 64, log=print) -> dict:
+    """Each precision's next-token distributions against fp32 (plain torch modules, HF's numerics within
+    1e-5) over `positions` positions of a fixed token sequence (seeded random ids, one context window),
+    and its greedy tokens over `new_tokens` after a `prompt_tokens` prompt. The reference's greedy path is
+    reported too: a model whose path is one repeated token would make agreement meaningless."""
+    from .model import load_model
+    ref_model = load_model(spec, precision=None)
+    cfg = ref_model.config
+    if positions > cfg.n_positions:
+        raise Gpt2ffnError(f"{positions} positions exceed the context of {cfg.n_positions}")
+    ids = torch.randint(0, cfg.vocab_size, (1, positions), generator=torch.Generator().manual_seed(0))
+    prompt = ids[0, :prompt_tokens].tolist()
+    with torch.no_grad():
+        ref = ref_model(ids)[0]
+        ref_greedy = greedy_ids(ref_model, prompt, new_tokens)
+    out = {"model": spec, "positions": positions, "reference": "fp32, plain torch modules",
+           "reference_greedy_distinct_tokens": len(set(ref_greedy)), "precisions": {}}
+    log(f"accuracy vs fp32 on {spec}: {positions} positions; greedy {new_tokens} tokens after {prompt_tokens} "
+        f"(reference path has {len(set(ref_greedy))} distinct tokens)")
+    log(f"  {'precision':<10}{'mean KLD':>12}{'max KLD':>12}{'top-1 %':>9}{'max |dlogit|':>14}{'greedy same':>13}{'first diff':>11}")
+    del ref_model
+    for precision in precisions:
+        model = load_model(spec, precision=precision)
+        with torch.no_grad():
+            m = distribution_metrics(ref, model(ids)[0])
+            greedy = greedy_ids(model, prompt, new_tokens)
+        same = [a == b for a, b in zip(greedy, ref_greedy)]
+        m["greedy_same"] = sum(same) / len(same)
+        m["greedy_first_diff"] = same.index(False) if False in same else None
+        m["group"] = model.lm_head.packed.group
+        out["precisions"][precision] = m
+        log(f"  {precision:<10}{m['mean_kld']:>12.3e}{m['max_kld']:>12.3e}{100 * m['top1_agree']:>9.2f}"
+            f"{m['max_abs_logit_diff']:>14.3e}{100 * m['greedy_same']:>12.1f}%{str(m['greedy_first_diff']):>11}")
+        del model
     return out

@@ -302,7 +302,13 @@ def build_parser() -> Parser:
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
     p.add_argument("--model", action="store_true", help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF")
     p.add_argument("--precision", choices=PRECISIONS, action="append",
-                   help="with --model: the precisions to time (repeatable; default fp32)")
+                   help="with --model / --accuracy: the precisions (repeatable; default fp32 / all four)")
+    p.add_argument("--kernels", action="store_true",
+                   help="instead: GB/s of one-token GEMVs over 12 GPT-2 layers, per kernel and precision, vs DRAM")
+    p.add_argument("--accuracy", action="store_true",
+                   help="instead: KL divergence, top-1 and greedy agreement of each precision vs fp32")
+    p.add_argument("--weights", default="random:gpt2",
+                   help="with --accuracy: a checkpoint directory or random:<preset>[:seed] (default random:gpt2)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     p.set_defaults(func=cmd_bench)

@@ -128,21 +128,6 @@ class Block(nn.Module):
         x = x + self.attn(self.ln_1(x), layer, cache, mask)
         return x + self.mlp(self.ln_2(x))
 
-    def fused_args(self) -> tuple:
-        """The arguments of gpt2ffn._C.decode_block after the cache ones: LayerNorms, the 4 packed layers
-        (re-packed if their Parameters changed), the activation. Kept while the packed weights are the same."""
-        layers = (self.attn.c_attn, self.attn.c_proj, self.mlp.c_fc, self.mlp.c_proj)
-        ps = tuple(m.current() for m in layers)
-        cached = self.__dict__.get("_fused")
-        if cached is None or cached[0] != tuple(map(id, ps)):
-            empty = torch.empty(0)
-            args = ([self.ln_1.weight, self.ln_1.bias, self.ln_2.weight, self.ln_2.bias], self.ln_1.eps,
-                    [p.w for p in ps], [p.scale if p.scale is not None else empty for p in ps],
-                    [p.bias for p in ps], [p.format for p in ps], [p.N for p in ps], [p.group for p in ps],
-                    self.mlp.config.gelu_approximate)
-            cached = self.__dict__["_fused"] = (tuple(map(id, ps)), ps, args)
-        return cached[2]
-
 
 class GPT2(nn.Module):
     """GPT-2 with HF GPT2LMHeadModel's names; lm_head shares wte's weight."""
@@ -199,18 +184,14 @@ class GPT2(nn.Module):
     def fused_decode(self) -> bool:
         """Whether a one-token step can run each block as one native call (gpt2ffn._C.decode_block): eval(),
         every linear layer packed with the native decode route, no gradient asked, fp32 on CPU."""
-        from .kernels.packed import WHY_NOT_NATIVE
-        if self.training or WHY_NOT_NATIVE is not None or self.config.n_embd // self.config.n_head % 16:
+        if self.training:
             return False
-        wte = self.transformer.wte.weight
-        if wte.dtype != torch.float32 or wte.device.type != "cpu" or (torch.is_grad_enabled() and wte.requires_grad):
+        plan = self.__dict__.get("_plan")
+        if plan is None or not plan.valid():
+            plan = self.__dict__["_plan"] = DecodePlan.build(self)
+        if plan is None:
             return False
-        for block in self.transformer.h:
-            for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
-                if m.packed is None or m.packed.route["decode"] != "native" or (
-                        torch.is_grad_enabled() and m.weight.requires_grad):
-                    return False
-        return True
+        return not torch.is_grad_enabled() or not any(t.requires_grad for t in plan.tensors)
 
     def decode_step(self, ids, cache):
         """One new token per row (B, 1) -> logits (B, 1, vocab), each block one native call."""
@@ -219,8 +200,8 @@ class GPT2(nn.Module):
         x = self.transformer.wte(ids[:, 0]) + self.transformer.wpe.weight[pos]          # (B, d)
         slots = torch.arange(B)
         lens = torch.full((B,), pos, dtype=torch.long)
-        for i, block in enumerate(self.transformer.h):
-            x = _C.decode_block(x, slots, lens, cache.k[i], cache.v[i], *block.fused_args())
+        for i, args in enumerate(self.__dict__["_plan"].args):
+            x = _C.decode_block(x, slots, lens, cache.k[i], cache.v[i], *args)
         cache.length += 1
         return self.lm_head(self.transformer.ln_f(x))[:, None]                          # (B, 1, vocab)
 
@@ -307,6 +288,43 @@ class GPT2(nn.Module):
             from .precision import quantize
             quantize(model, precision)
         return model
+
+
+class DecodePlan:
+    """The arguments of gpt2ffn._C.decode_block for every block, made once, with what they were made from:
+    a step checks the packed weights are the same objects and the Parameters unchanged (version counter and
+    storage) in a few microseconds, instead of rebuilding ~20 arguments per block."""
+
+    def __init__(self, layers, tensors, args):
+        self.layers, self.tensors, self.args = layers, tensors, args
+        self.stamps = [(t.data_ptr(), t._version) for t in tensors]
+
+    @classmethod
+    def build(cls, model) -> "DecodePlan | None":
+        """The plan for `model`, re-packing stale layers first; None if a block cannot run fused."""
+        from .kernels.packed import WHY_NOT_NATIVE
+        cfg, wte = model.config, model.transformer.wte.weight
+        if (WHY_NOT_NATIVE is not None or cfg.n_embd // cfg.n_head % 16 or wte.dtype != torch.float32
+                or wte.device.type != "cpu"):
+            return None
+        layers, tensors, args = [], [], []
+        empty = torch.empty(0)
+        for block in model.transformer.h:
+            mods = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+            if any(m.packed is None or m.packed.route["decode"] != "native" for m in mods):
+                return None
+            ps = [m.current() for m in mods]
+            layers += [(m, p) for m, p in zip(mods, ps)]
+            tensors += [t for m in mods for t in (m.weight, m.bias)]
+            args.append(([block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias], block.ln_1.eps,
+                         [p.w for p in ps], [p.scale if p.scale is not None else empty for p in ps],
+                         [p.bias for p in ps], [p.format for p in ps], [p.N for p in ps], [p.group for p in ps],
+                         block.mlp.config.gelu_approximate))
+        return cls(layers, tensors, args)
+
+    def valid(self) -> bool:
+        return (all(m.packed is p and p.route["decode"] == "native" for m, p in self.layers)
+                and all(t._version == v and t.data_ptr() == ptr for t, (ptr, v) in zip(self.tensors, self.stamps)))
 
 
 def random_weights_(model: nn.Module, seed: int) -> nn.Module:
