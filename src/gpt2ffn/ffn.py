@@ -7,7 +7,14 @@ from . import kernels
 from .config import Config
 from .errors import InputError, ShapeError
 from .gelu import activation
+from .kernels.packed import _C, DECODE_ROWS
 from .precision import PackedLayer
+
+_EMPTY = torch.empty(0)
+
+
+def _scale(p):
+    return p.scale if p.scale is not None else _EMPTY
 
 
 class Conv1D(PackedLayer, nn.Module):
@@ -57,11 +64,15 @@ class FeedForward(nn.Module):
         if c_fc.runs_packed(x) and c_proj.packed is not None:  # after quantize(): packed weights, no dropout
             x2 = x.reshape(-1, x.shape[-1])
             approximate = self.config.gelu_approximate
-            if approximate == "relu":
-                h = c_fc.packed_forward(x2).relu_()
+            p1, p2 = c_fc.current(), c_proj.current()
+            route = "decode" if x2.shape[0] <= DECODE_ROWS else "prefill"
+            if p1.route[route] == p2.route[route] == "native":  # one native call: no Python between the layers
+                y = _C.ffn(x2, [p1.w, p2.w], [_scale(p1), _scale(p2)], [p1.bias, p2.bias], [p1.format, p2.format],
+                           [p1.N, p2.N], [p1.group, p2.group], approximate)
+            elif approximate == "relu":
+                y = c_proj.packed_forward(c_fc.packed_forward(x2).relu_())
             else:
-                h = c_fc.packed_forward(x2, gelu=approximate)           # (N, d) -> (N, hidden), GELU applied
-            y = c_proj.packed_forward(h)                                # (N, hidden) -> (N, d)
+                y = c_proj.packed_forward(c_fc.packed_forward(x2, gelu=approximate))  # (N, d) -> (N, hidden) -> (N, d)
             return y.view(*x.shape[:-1], y.shape[-1])
         # Parameters through the dicts: nn.Module.__getattr__ costs ~1.5 us each, a decode step's budget.
         fc, proj = self._modules["c_fc"]._parameters, self._modules["c_proj"]._parameters

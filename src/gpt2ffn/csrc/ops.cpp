@@ -146,11 +146,28 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
   return lin(hidden, 3).add_(x1);
 }
 
+// The FFN in one call: c_proj(act(c_fc(x))), each a packed layer as in decode_block (2 entries each).
+torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
+                  const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
+                  const std::vector<int64_t>& ns, const std::vector<int64_t>& groups, const std::string& act) {
+  TORCH_CHECK(ws.size() == 2 && scales.size() == 2 && biases.size() == 2 && formats.size() == 2 && ns.size() == 2
+              && groups.size() == 2, "ffn takes 2 linear layers");
+  auto lin = [&](const torch::Tensor& in, int i) {
+    return linear(in, ws[i], scales[i].numel() ? c10::optional<torch::Tensor>(scales[i]) : c10::nullopt,
+                  biases[i], formats[i], ns[i], groups[i]);
+  };
+  auto hidden = lin(x, 0);
+  if (act == "relu") hidden.relu_();
+  else at::gelu_(hidden, act);
+  return lin(hidden, 1);
+}
+
 }  // namespace gpt2ffn
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &gpt2ffn::linear, "y = x @ W + b on packed weights", py::arg("x"), py::arg("w"),
         py::arg("scale"), py::arg("bias"), py::arg("format"), py::arg("N"), py::arg("group"));
+  m.def("ffn", &gpt2ffn::ffn, "c_proj(act(c_fc(x))) on packed weights in one call");
   m.def("decode_block", &gpt2ffn::decode_block, "one GPT-2 block for one new token per row, KV cache by slot");
   m.def("isa", &gpt2ffn::isa, "the instruction set the kernels run on: avx512, avx2 or none");
 }
