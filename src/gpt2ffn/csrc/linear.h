@@ -7,7 +7,7 @@
 //   BF16 uint16   [nsuper][K][64]            (the high half of the float: exact for bf16 values)
 //   I8   int8     [nsuper][K][64]            w = q * scale[k / group]
 //   I4   uint8    [nsuper][K/2][64]          low nibble k even, high nibble k odd; w = (q - 8) * scale[k / group]
-//   scale float   [nsuper][K/group][64]      (I8, I4)
+//   scale fp16    [nsuper][K/group][64]      (I8, I4; as ggml's q8_0 / q4_0 keep theirs)
 //
 // Each output element is summed in one fixed order (fp32 FMAs over k in order, chunk by chunk), whatever the
 // number of rows M or the tiling: results are bitwise independent of the batch (batch-invariant) and
@@ -23,7 +23,7 @@ struct LinearArgs {
   const float* x;       // (M, K) row-major, row stride ldx
   int64_t ldx, M, K;
   const void* w;        // packed weights
-  const float* scale;   // (I8, I4) group scales
+  const uint16_t* scale;  // (I8, I4) group scales, IEEE fp16
   int64_t group;        // (I8, I4) K per scale
   const float* bias;    // (nsuper * 64) or null
   float* y;             // (M, nsuper * 64) row-major, row stride ldy

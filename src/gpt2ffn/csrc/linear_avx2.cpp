@@ -1,5 +1,5 @@
 // The AVX2 build of linear.h: two 256-bit registers per 16 lanes, for CPUs without AVX-512.
-#pragma GCC target("avx2,fma")
+#pragma GCC target("avx2,fma,f16c")
 #include <immintrin.h>
 
 #include <cstdint>
@@ -10,6 +10,10 @@ struct V { __m256 lo, hi; };
 static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 static inline V vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
 static inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline V vload_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
 static inline __m256 bf16x8(const uint16_t* p) {
   const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));

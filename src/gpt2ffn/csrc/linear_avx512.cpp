@@ -1,5 +1,5 @@
 // The AVX-512 build of linear.h: one 512-bit register per 16 lanes.
-#pragma GCC target("avx512f,avx512bw,avx512vl,fma")
+#pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 #include <immintrin.h>
 
 #include <cstdint>
@@ -10,6 +10,7 @@ struct V { __m512 v; };
 static inline V vzero() { return {_mm512_setzero_ps()}; }
 static inline V vset1(float x) { return {_mm512_set1_ps(x)}; }
 static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline V vload_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 static inline V vload_bf16(const uint16_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(h, 16))};

@@ -57,7 +57,7 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
     }
     if constexpr (quantized) {  // the group's scale, once per chunk: acc += s * sum_k x_k q_k
       for (int j = 0; j < NB; j++) {
-        const V s = vload(a.scale + (sb * ngroups + k0 / C) * SUPER + (j0 + j) * 16);
+        const V s = vload_f16(a.scale + (sb * ngroups + k0 / C) * SUPER + (j0 + j) * 16);
         for (int m = 0; m < MR; m++) acc[m][j] = vfma(part[m][j], s, acc[m][j]);
       }
     } else {

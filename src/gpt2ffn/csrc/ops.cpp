@@ -27,7 +27,8 @@ static RangeFn pick() {
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
     return avx512::linear_range;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::linear_range;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return avx2::linear_range;
   return nullptr;
 }
 
@@ -57,12 +58,12 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   TORCH_CHECK(N <= nsuper * 64 && N > nsuper * 64 - 64, "w has ", nsuper, " super-blocks of 64, which does not fit N=", N);
   LinearArgs a{};
   if (format == I8 || format == I4) {
-    TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->scalar_type() == at::kFloat, "scale must be float32");
+    TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->scalar_type() == at::kHalf, "scale must be float16");
     TORCH_CHECK(group > 0 && K % group == 0 && (format == I8 || group % 2 == 0), "group ", group, " must divide K=", K,
                 format == I4 ? " and be even" : "");
     TORCH_CHECK(scale->numel() == nsuper * (K / group) * 64, "scale has ", scale->numel(), " elements, expected ",
                 nsuper * (K / group) * 64);
-    a.scale = scale->data_ptr<float>();
+    a.scale = reinterpret_cast<const uint16_t*>(scale->data_ptr<at::Half>());
     a.group = group;
   }
   if (bias.has_value()) {
