@@ -1,4 +1,5 @@
 import json
+import re
 import shutil
 
 import numpy as np
@@ -75,7 +76,7 @@ def test_verify_round_trip_gpt2_block0(tmp_path, capsys):
     assert {"h0_c_fc", "h0_gelu", "h0_ffn", "h0_attn_probs", "h0_block (chain)", "logits"} <= names
     assert max(r["max_abs"] for r in report["rows"] if r["name"] != "logits") < 1e-4
     logits = next(r for r in report["rows"] if r["name"] == "logits")
-    assert logits["max_rel"] < 1e-6 and logits["atol"] > 1e-4  # the scaled bar: 1e-6 * max|logits|
+    assert logits["max_rel"] < 1e-6 and logits["atol"] >= 1e-4  # max(1e-4, 1e-6 * max|logits|)
 
 
 def candidate_from(golden_dir, out):
@@ -147,7 +148,9 @@ def test_candidate_ffn_failures_are_diagnosed(tiny_golden, tmp_path, capsys):
     np.save(cand / "h0_c_fc.npy", g.load("h0_c_fc")[..., :128])                      # an engine with hidden 2d
     np.save(cand / "h0_gelu.npy", torch.nn.functional.gelu(torch.from_numpy(g.load("h0_c_fc"))).numpy())
     np.save(cand / "h1_ffn.npy", known["residual_input"].stages["ffn"].astype(np.float32))
-    np.save(cand / "h1_gelu.npy", g.load("h1_gelu") + np.float32(3e-3) * (np.arange(256) == 7))  # no known mistake
+    bump = np.zeros_like(g.load("h1_gelu"))
+    bump[0, 0, 7] = 3e-3
+    np.save(cand / "h1_gelu.npy", g.load("h1_gelu") + bump)                             # no known mistake
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
     assert code == 1
@@ -184,7 +187,8 @@ def test_our_failing_ffn_is_diagnosed(tiny_golden, monkeypatch, capsys):
     monkeypatch.setattr(kernels, "ffn", lambda x2, w1, b1, w2, b2, approximate: real(x2, w1, b1, w2, b2, "none"))
     code, out, _ = run(["verify", "--golden", str(tiny_golden)], capsys)
     assert code == 1
-    assert "first failing checkpoint: 06 (FFN (c_fc, GELU, c_proj)), layer 0, h0_ffn: max abs 9.5" in out
+    assert re.search(r"first failing checkpoint: 06 \(FFN \(c_fc, GELU, c_proj\)\), layer 0, h0_ffn: max abs \d\.\d+e-04 "
+                     r"> 0\.0001", out), out
     assert "> 0.0001; exact GELU (erf) where the config says tanh GELU (within " in out
 
 

@@ -331,12 +331,13 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
     """Seeded weights for the random: presets, the same for HF's GPT2LMHeadModel and ours (each parameter
     drawn from its own generator seeded by (seed, name)). Scaled to exercise every stage: std 1.5/sqrt(fan_in)
     so GELU inputs reach |x| ~ 2.7 where its two forms differ most, and non-zero biases and LayerNorm
-    parameters, so a missing one shows."""
+    parameters, so a missing one shows. Embeddings have GPT-2's own scale (std 0.1): with std 1 the tied
+    lm_head made logits O(100), next-token distributions one-hot and the greedy path one repeated token."""
     with torch.no_grad():
         for name, p in model.named_parameters():
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
-            if name.endswith(("wte.weight", "wpe.weight")):
-                p.copy_(torch.randn(p.shape, generator=g))
+            if name.endswith(("wte.weight", "wpe.weight")):  # std 0.1, as GPT-2's own embeddings (and tied lm_head)
+                p.copy_(0.1 * torch.randn(p.shape, generator=g))
             elif ".ln_" in name or "ln_f" in name:
                 p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
             elif name.endswith("bias"):
