@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+from importlib.metadata import version
+
 import numpy as np
 
 THREADS = 2
@@ -158,9 +160,11 @@ class Llama(Stepper):
         self.path = str(models / f"gguf/gpt2-{precision}.gguf")
         self.llm = L(self.path, n_ctx=max_len, n_batch=max_len, n_ubatch=max_len, n_threads=THREADS,
                      n_threads_batch=THREADS, logits_all=False, verbose=False)
+        self.n_vocab = self.llm.n_vocab()
 
     def last(self):
-        return self.llm.scores[self.llm.n_tokens - 1]
+        # Without logits_all, Llama.eval keeps no scores: the context holds the last position's row only.
+        return np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.n_vocab,))
 
     def prefill(self, prompt):
         self.llm.reset()
@@ -209,6 +213,8 @@ class CT2(Stepper):
 
 
 ENGINES = {"gpt2ffn": Gpt2ffn, "hf": HF, "ort": ORT, "llama": Llama, "ct2": CT2}
+DISTRIBUTIONS = {"gpt2ffn": ("gpt2ffn", "torch"), "hf": ("transformers", "torch"), "ort": ("onnxruntime",),
+                 "llama": ("llama_cpp_python",), "ct2": ("ctranslate2",)}
 
 
 def main():
@@ -231,7 +237,8 @@ def main():
     t = time.perf_counter()
     engine = cls(args.precision, args.models, args.prompt_tokens + args.new_tokens + 1)
     out = {"engine": args.engine, "precision": args.precision, "load_s": time.perf_counter() - t,
-           "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "threads": THREADS}
+           "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "threads": THREADS,
+           "versions": {d: version(d) for d in DISTRIBUTIONS[args.engine]}}
     _, _, ids = engine.greedy(prompt, args.new_tokens)  # warm-up
     out["greedy_distinct"] = len(set(ids))
     runs = [engine.greedy(prompt, args.new_tokens) for _ in range(args.repeats)]
