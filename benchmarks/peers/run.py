@@ -205,14 +205,15 @@ def main():
           "greedy agree |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
-        if "prefill_ms" not in r:
-            print(f"| {r['engine']} | {r['precision']} | failed: {r.get('error', '')} ||||||")
-            continue
         greedy = (f"{r['greedy_equal']}/{r['greedy_len']}" + (f" (from {r['greedy_first_divergence']})"
                   if r["greedy_first_divergence"] is not None else "")) if "greedy_equal" in r else "-"
-        print(f"| {r['engine']} | {r['precision']} | {r['prefill_ms']:.1f} | {r['decode_tok_s']:.1f} | "
-              f"{r['x_floor']:.2f} | {fmt(r.get('mean_kld'), '.2e')} | {fmt(r.get('top1_pct'), '.2f')} | "
+        print(f"| {r['engine']} | {r['precision']} | {fmt(r.get('prefill_ms'), '.1f')} | "
+              f"{fmt(r.get('decode_tok_s'), '.1f')} | {fmt(r.get('x_floor'), '.2f')} | "
+              f"{fmt(r.get('mean_kld'), '.2e')} | {fmt(r.get('top1_pct'), '.2f')} | "
               f"{fmt(r.get('max_abs_dlogit'), '.3g')} | {greedy} |")
+    for r in rows:
+        if "error" in r:
+            print(f"\n{r['engine']} {r['precision']} failed ({r['rounds']} of {args.rounds} rounds ran): {r['error']}")
     print(f"\nwrote {args.out}")
 
 
