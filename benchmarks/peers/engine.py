@@ -31,9 +31,8 @@ class Stepper:
     """An engine as two calls: prefill(ids) -> last logits (fresh state), step(token) -> next logits."""
 
     def greedy(self, prompt, n):
-        """(prefill seconds, decode seconds, n greedy ids): the first id from the prefill, n - 1 more steps ...
-
-        ... plus one final step, so n single-token steps are timed, as many as new tokens."""
+        """(prefill seconds, decode seconds, n greedy ids). The first id comes from the prefill; n single-token
+        steps follow (the last one's id is dropped), so the decode time covers as many steps as new tokens."""
         t0 = time.perf_counter()
         logits = self.prefill(prompt)
         t1 = time.perf_counter()
