@@ -144,7 +144,8 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": "hi", "temperature": 5}, 400, "temperature", "less than or equal to 2"),
     ({"model": "tiny-gpt2", "prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     ({"model": "tiny-gpt2", "prompt": 42}, 400, "prompt", ""),
-    ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": 3}, 400, "logprobs", "Extra inputs"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "best_of": 3}, 400, "best_of", "Extra inputs"),
     ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "exceeds the model's context of 128"),
     ({"model": "tiny-gpt2", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
@@ -180,8 +181,8 @@ def test_concurrent_clients_and_metrics(server):
         t.join()
     assert results == [200] * 12
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'gpt2ffn_requests_total{code="200"}' in metrics and "gpt2ffn_queue_depth 0" in metrics
-    assert "gpt2ffn_request_latency_seconds_bucket" in metrics
+    assert 'gpt2ffn_requests_total{code="200"}' in metrics and "gpt2ffn_num_requests_running 0.0" in metrics
+    assert "gpt2ffn_e2e_request_latency_seconds_bucket" in metrics
 
 
 def test_schemathesis_finds_no_5xx(server):
@@ -195,8 +196,9 @@ def test_schemathesis_finds_no_5xx(server):
 
 @pytest.fixture(scope="module")
 def slow_server():
-    """gpt2-sized random weights generate slowly enough (~40 tokens/s here) to fill a queue of 2."""
-    s = Server("random:gpt2", "--max-queue", "2")
+    """gpt2-sized random weights, one running sequence and two waiting: the third concurrent request waits,
+    the fourth is refused."""
+    s = Server("random:gpt2", "--max-batch", "1", "--max-waiting", "2")
     yield s
     s.stop()
 
@@ -223,7 +225,7 @@ def test_full_queue_is_503_with_retry_after(slow_server):
 def test_disconnect_stops_generation(slow_server):
     before = httpx.get(slow_server.url + "/metrics").text
     def cancelled(text):
-        return int(next(line for line in text.splitlines() if line.startswith("gpt2ffn_cancelled_total ")).split()[1])
+        return float(next(line for line in text.splitlines() if line.startswith("gpt2ffn_cancelled_total ")).split()[1])
 
     with httpx.stream("POST", slow_server.url + "/v1/completions", timeout=60,
                       json={"model": slow_server.model, "prompt": "x", "max_tokens": 900, "stream": True}) as r:
@@ -233,7 +235,7 @@ def test_disconnect_stops_generation(slow_server):
     deadline = time.time() + 10
     while time.time() < deadline:
         text = httpx.get(slow_server.url + "/metrics").text
-        if cancelled(text) > cancelled(before) and "gpt2ffn_queue_depth 0" in text:
+        if cancelled(text) > cancelled(before) and "gpt2ffn_num_requests_running 0.0" in text:
             return
         time.sleep(0.1)
     pytest.fail("generation went on after the client disconnected")

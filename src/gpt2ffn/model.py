@@ -41,6 +41,53 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class PagedKVCache:
+    """Keys and values of many sequences in fixed-size blocks, as vLLM's PagedAttention keeps them.
+
+    Per layer one pool (num_blocks, H, block_size, d/H). A sequence owns a list of blocks (its block table),
+    reserved for its whole length when it is admitted, so a running sequence never waits for memory. A
+    forward pass first bind()s the rows' tables and positions; update() then writes each new key at its
+    position and returns each row's own blocks gathered, (B, H, blocks * block_size, d/H): a row sees only
+    its own keys, and forward_paged's mask hides the positions it has not written yet."""
+
+    def __init__(self, cfg: Config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu"):
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (num_blocks, cfg.n_head, block_size, cfg.n_embd // cfg.n_head)
+        # zeros, not empty: a masked key is multiplied by probability 0, and 0 * NaN from stale memory is NaN
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.tables = self.positions = None
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, tokens: int):
+        """Blocks for a sequence of `tokens` positions, or None when the pool has too few free."""
+        n = self.blocks_for(tokens)
+        if n > len(self.free):
+            return None
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, blocks: list):
+        self.free.extend(reversed(blocks))
+
+    def bind(self, tables, positions):
+        """tables (B, nb) block ids per row (padded with any of its own), positions (B, T) of the new tokens."""
+        self.tables, self.positions = tables, positions
+
+    def update(self, layer: int, k, v):
+        """Write k, v (B, H, T, d/H) at their positions; return every row's blocks (B, H, nb * block_size, d/H)."""
+        B, H, T, D = k.shape
+        blk = self.tables.gather(1, self.positions // self.block_size).flatten()   # (B*T,)
+        off = (self.positions % self.block_size).flatten()
+        self.k[layer][blk, :, off] = k.transpose(1, 2).reshape(B * T, H, D)
+        self.v[layer][blk, :, off] = v.transpose(1, 2).reshape(B * T, H, D)
+        nb = self.tables.shape[1]
+        return [pool[layer][self.tables].transpose(1, 2).reshape(B, H, nb * self.block_size, D)  # (B, nb, H, bs, D)
+                for pool in (self.k, self.v)]
+
+
 def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
     """Boolean (B or 1, 1, T, past + T): query i (at position past + i) sees key j <= past + i that is valid.
 
@@ -160,6 +207,20 @@ class GPT2(nn.Module):
             cache.length += T
         if last_only:
             x = x[:, -1:]
+        return self.lm_head(self.transformer.ln_f(x))
+
+    def forward_paged(self, ids, positions, cache: PagedKVCache, tables, logits_for="last"):
+        """Rows of different sequences at once: ids and positions (B, T), tables (B, nb) each row's blocks in
+        the paged cache. A query at position p attends keys 0..p of its own row, nothing else.
+        logits_for: "last" -> (B, vocab) of each row's last token; "all" -> (B, T, vocab)."""
+        S = tables.shape[1] * cache.block_size
+        mask = (torch.arange(S, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+        cache.bind(tables, positions)
+        x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, i, cache, mask)
+        if logits_for == "last":
+            x = x[:, -1]
         return self.lm_head(self.transformer.ln_f(x))
 
     def check_ids(self, ids, cache=None):
