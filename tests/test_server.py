@@ -64,14 +64,23 @@ def model_dir(tmp_path_factory):
     cfg = Config.from_name("tiny")
     random_weights_(GPT2LMHeadModel(GPT2Config(**cfg.to_hf_dict())), 0).save_pretrained(d)
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog. Hello world!"] * 40, vocab_size=320)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog. Hello world!"] * 40, vocab_size=320,
+                            special_tokens=["<|endoftext|>"])  # id 0, the tiny config's EOS
     tok.save(str(d / "tokenizer.json"))
+    from transformers import PreTrainedTokenizerFast  # tokenizer_config.json too, for AutoTokenizer (lm-eval)
+    PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), eos_token="<|endoftext|>",
+                            bos_token="<|endoftext|>").save_pretrained(d)
     return d
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir)
+    (model_dir.parent / "chat.jinja").write_text(CHAT_TEMPLATE)
+    s = Server(model_dir, "--chat-template", str(model_dir.parent / "chat.jinja"))
     yield s
     s.stop()
 
@@ -146,6 +155,24 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": 42}, 400, "prompt", ""),
     ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
     ({"model": "tiny-gpt2", "prompt": "hi", "best_of": 3}, 400, "best_of", "Extra inputs"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "echo": "maybe"}, 400, "echo", "boolean"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
+    ({"model": "tiny-gpt2", "prompt": ["a"] * 20, "n": 8}, 400, "n", "exceed 128 choices"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "less than or equal to 2"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "frequency_penalty": -2.5}, 400, "frequency_penalty", "greater than"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "top_k": -2}, 400, "top_k", "greater than or equal to -1"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "exceeds max_tokens"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "ignore_eos": "x"}, 400, "ignore_eos", "boolean"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "not a token id"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"5000": 1}}, 400, "logit_bias", "not a token id"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "outside [-100, 100]"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "needs echo"),
+    ({"model": "tiny-gpt2", "prompt": [1, 2, 9999]}, 400, "prompt", "outside this model's vocabulary"),
+    ({"model": "tiny-gpt2", "prompt": [[1, 2], []]}, 400, "prompt", "must not be empty"),
+    ({"model": "tiny-gpt2", "prompt": []}, 400, "prompt", "must not be an empty list"),
+    ({"model": "tiny-gpt2", "prompt": [1.5]}, 400, "prompt", ""),
     ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "exceeds the model's context of 128"),
     ({"model": "tiny-gpt2", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
@@ -253,3 +280,126 @@ def test_sigterm_drains_in_flight(model_dir):
                 lines.append(line)
     assert lines[-1] == "data: [DONE]"
     assert s.proc.wait(30) == 0
+
+
+def post(server, **body):
+    r = httpx.post(server.url + "/v1/completions", json={"model": server.model, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_concurrent_greedy_and_seeded_equal_alone(server):
+    """16 clients at once, greedy and seeded: each gets what it got alone."""
+    bodies = [dict(prompt=f"the {w} fox {i}", max_tokens=16, temperature=0) for i, w in
+              enumerate(["quick", "lazy", "brown", "dog"] * 2)]
+    bodies += [dict(prompt=f"Hello {w} {i}", max_tokens=16, temperature=1.0, top_p=0.9, seed=i) for i, w in
+               enumerate(["world", "jumps", "over", "the"] * 2)]
+    solo = [post(server, **b)["choices"][0]["text"] for b in bodies]
+    together = [None] * len(bodies)
+
+    def one(i):
+        together[i] = post(server, **bodies[i])["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == solo
+    assert len(set(solo[8:])) > 1  # the seeds differ, so do the texts
+
+
+def test_prompt_shapes_and_n(server, model_dir):
+    _, tok, _ = load(str(model_dir))
+    ids = tok.encode("the quick brown")
+    text = post(server, prompt="the quick brown", max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert post(server, prompt=ids, max_tokens=8, temperature=0)["choices"][0]["text"] == text
+    r = post(server, prompt=[ids, tok.encode("Hello")], max_tokens=8, temperature=0, n=2)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert r["choices"][0]["text"] == r["choices"][1]["text"] == text
+    r = post(server, prompt="dog", max_tokens=12, temperature=1.0, seed=3, n=2)
+    assert r["choices"][0]["text"] == post(server, prompt="dog", max_tokens=12, temperature=1.0,
+                                           seed=3)["choices"][0]["text"]
+    assert r["choices"][1]["text"] == post(server, prompt="dog", max_tokens=12, temperature=1.0,
+                                           seed=4)["choices"][0]["text"]
+    assert r["usage"]["prompt_tokens"] == 2 * len(tok.encode("dog"))
+
+
+def test_echo_and_logprobs_equal_hf_log_softmax(server, model_dir):
+    import torch
+    from transformers import GPT2LMHeadModel
+    model, tok, _ = load(str(model_dir))
+    hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    ids = tok.encode("the quick brown fox jumps over")
+    full = ids + generate(model, [ids], Sampling(max_new_tokens=4))[0]
+    r = post(server, prompt=ids, max_tokens=4, temperature=0, echo=True, logprobs=2, ignore_eos=True)
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"].startswith(tok.decode(ids)) and len(lp["tokens"]) == len(ids) + 4
+    assert lp["tokens"] == [tok.decode([t]) for t in full]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
+    expected = [ref[i - 1, full[i]].item() for i in range(1, len(full))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    for i in range(1, len(full)):
+        top = lp["top_logprobs"][i]
+        best = ref[i - 1].topk(2)
+        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(best.values[0].item(), abs=1e-4)
+    assert "".join(lp["tokens"]) == c["text"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(full))]
+    # max_tokens 0: the prompt alone (what lm-eval's loglikelihood needs), usage counts no completion tokens
+    r0 = post(server, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert r0["choices"][0]["text"] == tok.decode(ids) and r0["usage"]["completion_tokens"] == 0
+    assert r0["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
+    # no echo: the generated tokens only
+    r1 = post(server, prompt=ids, max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
+    assert r1["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(expected[len(ids) - 1:], abs=1e-4)
+
+
+def test_streaming_logprobs_and_echo(server):
+    chunks = [json.loads(line[6:]) for line in httpx.post(
+        server.url + "/v1/completions", timeout=60, json={"model": server.model, "prompt": "Hello", "max_tokens": 6,
+                                                          "temperature": 0, "stream": True, "logprobs": 1,
+                                                          "echo": True, "ignore_eos": True}).text.splitlines()
+              if line.startswith("data: {")]
+    whole = post(server, prompt="Hello", max_tokens=6, temperature=0, echo=True, ignore_eos=True)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"]) == 6
+
+
+def test_tokenize_detokenize(server, model_dir):
+    _, tok, _ = load(str(model_dir))
+    r = httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": "the lazy dog"}).json()
+    assert r["tokens"] == tok.encode("the lazy dog") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 128
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "the lazy dog"
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_chat_with_template(client, server, model_dir):
+    _, tok, _ = load(str(model_dir))
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0)
+    prompt = "user: the quick brown fox\nassistant:"
+    expected = post(server, prompt=prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices]
+    assert "".join(parts) == expected
+
+
+def test_chat_without_template_names_completions(slow_server):
+    r = httpx.post(slow_server.url + "/v1/chat/completions",
+                   json={"model": slow_server.model, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+
+
+def test_metrics_are_vllm_named(server):
+    post(server, prompt="fox", max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ["gpt2ffn_num_requests_running", "gpt2ffn_num_requests_waiting", "gpt2ffn_kv_cache_usage_perc",
+                 "gpt2ffn_time_to_first_token_seconds_bucket", "gpt2ffn_inter_token_latency_seconds_bucket",
+                 "gpt2ffn_e2e_request_latency_seconds_count", "gpt2ffn_batch_size_bucket",
+                 "gpt2ffn_prompt_tokens_total", "gpt2ffn_generation_tokens_total", "gpt2ffn_kv_cache_blocks_in_use"]:
+        assert f"\n{name}" in text, name

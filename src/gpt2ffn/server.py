@@ -217,8 +217,9 @@ class Service:
             if lp is None:
                 tops_out.append(None)
                 continue
-            entry = {d([i]): v for i, v in zip(*top)}
-            entry.setdefault(d([t]), lp)
+            entry = {}
+            for i, v in [*zip(*top), (t, lp)]:  # two ids may decode alike: the likelier keeps the key
+                entry.setdefault(d([i]), v)
             tops_out.append(entry)
         return {"tokens": [d([t]) for t in ids], "token_logprobs": list(lps), "top_logprobs": tops_out,
                 "text_offset": offsets}
