@@ -403,3 +403,45 @@ def test_metrics_are_vllm_named(server):
                  "gpt2ffn_e2e_request_latency_seconds_count", "gpt2ffn_batch_size_bucket",
                  "gpt2ffn_prompt_tokens_total", "gpt2ffn_generation_tokens_total", "gpt2ffn_kv_cache_blocks_in_use"]:
         assert f"\n{name}" in text, name
+
+
+LM_EVAL_DOCS = [{"context": "the quick brown", "choices": [" fox", " dog", " world"], "label": 0, "answer": "x"},
+                {"context": "Hello", "choices": [" world", " lazy"], "label": 0, "answer": "x"},
+                {"context": "the lazy dog jumps over the", "choices": [" quick", " fox jumps"], "label": 1,
+                 "answer": "x"}]
+
+
+def lm_eval_tasks(d):
+    """Two tasks on a local JSON dataset: multiple choice (loglikelihood) and generate_until."""
+    data = d / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in LM_EVAL_DOCS))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+              "doc_to_text: \"{{context}}\"\n")
+    (d / "mc.yaml").write_text("task: gpt2ffn_mc\n" + common + "output_type: multiple_choice\n"
+                               "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\n"
+                               "metric_list:\n  - metric: acc\n")
+    (d / "gen.yaml").write_text("task: gpt2ffn_gen\n" + common + "output_type: generate_until\n"
+                                "doc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n  until: [\".\"]\n"
+                                "  max_gen_toks: 12\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    return ["gpt2ffn_mc", "gpt2ffn_gen"]
+
+
+def test_lm_eval_local_completions_equals_hf(server, model_dir, tmp_path, monkeypatch):
+    """lm-evaluation-harness through the server gives HF's own loglikelihoods (1e-3) and greedy generations."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = lm_eval_tasks(tmp_path)
+    manager = TaskManager(include_path=str(tmp_path))
+
+    def run(model, args):
+        out = lm_eval.simple_evaluate(model=model, model_args=args, tasks=tasks, task_manager=manager,
+                                      log_samples=True, batch_size=1)
+        return {t: [s["resps"] for s in sorted(out["samples"][t], key=lambda s: s["doc_id"])] for t in tasks}
+
+    ours = run("local-completions", f"model={server.model},base_url={server.url}/v1/completions,"
+                                    f"tokenizer_backend=huggingface,tokenizer={model_dir},max_length=128")
+    hf = run("hf", f"pretrained={model_dir},dtype=float32,device=cpu")
+    lls = [(float(a[0][0]), float(b[0][0])) for x, y in zip(ours["gpt2ffn_mc"], hf["gpt2ffn_mc"]) for a, b in zip(x, y)]
+    assert len(lls) == 7 and all(abs(a - b) < 1e-3 for a, b in lls), lls
+    assert ours["gpt2ffn_gen"] == hf["gpt2ffn_gen"]
