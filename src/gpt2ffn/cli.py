@@ -266,8 +266,8 @@ def build_parser() -> Parser:
                    "openai-community/gpt2 from the local HF cache")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-batch", type=int, help="sequences decoded together (default: as many as fit the KV "
-                   "cache in 40%% of free memory at full context, 32..256)")
+    p.add_argument("--max-batch", type=int, help="sequences decoded together (default 64; the paged KV cache "
+                   "takes up to a quarter of free memory, at most 2 GiB)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the running batch; "
                    "more get 503 + Retry-After (default 256)")
     p.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent "

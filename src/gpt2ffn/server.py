@@ -99,19 +99,6 @@ def error(status: int, message: str, param=None, code=None, kind="invalid_reques
                         status_code=status, headers=headers)
 
 
-def default_limits(cfg, bytes_per_value: int = 4) -> tuple:
-    """(max_batch, kv_tokens): room for every running sequence to reach the full context, in at most 40% of
-    the memory available now; at least 32 sequences, at most 256."""
-    per_token = 2 * cfg.n_layer * cfg.n_embd * bytes_per_value
-    try:
-        budget = 0.4 * os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError):
-        budget = 4 << 30
-    fits = int(budget // (per_token * cfg.n_positions))
-    max_batch = min(256, max(32, fits))
-    return max_batch, min(max_batch * cfg.n_positions, max(int(budget // per_token), cfg.n_positions))
-
-
 class Service:
     """The model, its tokenizer, the engine and the thread that steps it."""
 
@@ -135,13 +122,9 @@ class Service:
             self.model, self.tok, self.name = load(self.model_spec, **kwargs)
         except TypeError as e:
             raise Gpt2ffnError(f"--precision {self.precision} is not available in this build ({e})") from None
-        cfg = self.model.config
-        max_batch, kv_tokens = default_limits(cfg)
-        if self.max_batch is not None:
-            max_batch, kv_tokens = self.max_batch, self.max_batch * cfg.n_positions
-        self.max_batch = max_batch
-        self.engine = Engine(self.model, self.tok.decode, max_batch=max_batch, max_waiting=self.max_waiting,
-                             kv_tokens=kv_tokens, batch_invariant=self.batch_invariant, metrics=self.metrics)
+        self.max_batch = self.max_batch or 64  # a 64-client load never waits
+        self.engine = Engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
+                             batch_invariant=self.batch_invariant, metrics=self.metrics)
         self.loop = Loop(self.engine)
         self.ready.set()
 
