@@ -26,7 +26,7 @@ from pathlib import Path
 
 import httpx
 
-PROMPT = "Request {i}: the quick brown fox jumps over the lazy dog, and then it"
+PROMPT = "Request {i}: the quick brown fox jumps over the lazy dog, and then it runs into the forest where"  # ~22 GPT-2 tokens
 
 
 def free_port() -> int:
