@@ -42,7 +42,10 @@ def staggered(model, ps, samplings, every=3, **kw):
 def test_greedy_in_a_changing_batch_equals_alone(model):
     ps = prompts(12)
     s = Sampling(max_new_tokens=20)
-    assert staggered(model, ps, [s] * 12) == [alone(model, p, s) for p in ps]
+    solo = [alone(model, p, s) for p in ps]
+    assert staggered(model, ps, [s] * 12) == solo
+    # all at once: their prompts are prefilled packed into shared rows of up to `chunk` tokens
+    assert [r.output for r in Engine(model, chunk=64).run([Request(p, s) for p in ps])] == solo
 
 
 def test_seeded_sampling_is_the_same_whatever_runs_beside(model):

@@ -72,15 +72,18 @@ class PagedKVCache:
     def release(self, blocks: list):
         self.free.extend(reversed(blocks))
 
-    def bind(self, tables, positions):
-        """tables (B, nb) block ids per row (padded with any of its own), positions (B, T) of the new tokens."""
-        self.tables, self.positions = tables, positions
+    def bind(self, tables, positions, slots=None):
+        """tables (B, nb) block ids per row (padded with any of its own), positions (B, T) of the new tokens;
+        slots: (blocks, offsets), each (B*T,), where they are written, if not at their positions in their
+        row's blocks (a packed row holds tokens of several sequences)."""
+        if slots is None:
+            slots = (tables.gather(1, positions // self.block_size).flatten(), (positions % self.block_size).flatten())
+        self.tables, self.slots = tables, slots
 
     def update(self, layer: int, k, v):
-        """Write k, v (B, H, T, d/H) at their positions; return every row's blocks (B, H, nb * block_size, d/H)."""
+        """Write k, v (B, H, T, d/H) at their slots; return every row's blocks (B, H, nb * block_size, d/H)."""
         B, H, T, D = k.shape
-        blk = self.tables.gather(1, self.positions // self.block_size).flatten()   # (B*T,)
-        off = (self.positions % self.block_size).flatten()
+        blk, off = self.slots
         self.k[layer][blk, :, off] = k.transpose(1, 2).reshape(B * T, H, D)
         self.v[layer][blk, :, off] = v.transpose(1, 2).reshape(B * T, H, D)
         nb = self.tables.shape[1]
@@ -209,18 +212,23 @@ class GPT2(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.transformer.ln_f(x))
 
-    def forward_paged(self, ids, positions, cache: PagedKVCache, tables, logits_for="last"):
+    def forward_paged(self, ids, positions, cache: PagedKVCache, tables, logits_for="last", mask=None, slots=None):
         """Rows of different sequences at once: ids and positions (B, T), tables (B, nb) each row's blocks in
-        the paged cache. A query at position p attends keys 0..p of its own row, nothing else.
-        logits_for: "last" -> (B, vocab) of each row's last token; "all" -> (B, T, vocab)."""
-        S = tables.shape[1] * cache.block_size
-        mask = (torch.arange(S, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
-        cache.bind(tables, positions)
+        the paged cache. A query at position p attends keys 0..p of its own row, nothing else (or what mask
+        (B, 1, T, nb * block_size) allows, with slots as PagedKVCache.bind takes them: a packed row).
+        logits_for: "last" -> (B, vocab) of each row's last token; "all" -> (B, T, vocab); a list of token
+        indices of row 0 -> (len, vocab)."""
+        if mask is None:
+            S = tables.shape[1] * cache.block_size
+            mask = (torch.arange(S, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+        cache.bind(tables, positions, slots)
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
         for i, block in enumerate(self.transformer.h):
             x = block(x, i, cache, mask)
         if logits_for == "last":
             x = x[:, -1]
+        elif logits_for != "all":
+            x = x[0, logits_for]
         return self.lm_head(self.transformer.ln_f(x))
 
     def check_ids(self, ids, cache=None):

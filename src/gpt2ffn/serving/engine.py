@@ -135,7 +135,7 @@ class Engine:
         return len(self.running), len(self.waiting), self.cache.num_blocks - len(self.cache.free)
 
     # -- one iteration ----------------------------------------------------------------------------------
-    @torch.inference_mode()
+    @torch.no_grad()  # not inference_mode: kernels/ keeps buffers that later plain calls write into
     def step(self) -> list:
         """Admit, prefill up to one chunk of tokens, decode every running sequence once; return the Tokens."""
         events = []
@@ -159,49 +159,81 @@ class Engine:
             self.metrics.step(self, len(decoding), events)
         return events
 
-    def table(self, rows: list):
-        nb = max(len(r.blocks) for r in rows)
-        return torch.tensor([r.blocks + r.blocks[:1] * (nb - len(r.blocks)) for r in rows], device=self.device)
+    def table(self, rows: list, lengths: list):
+        """(B, nb) the blocks holding each row's first `length` positions, padded with its first block."""
+        used = [r.blocks[:self.cache.blocks_for(n)] for r, n in zip(rows, lengths)]
+        nb = max(len(u) for u in used)
+        return torch.tensor([u + u[:1] * (nb - len(u)) for u in used], device=self.device)
 
     def prefill(self, rows: list) -> list:
         """Whole chunks (a prompt is cut at multiples of `chunk`, whatever else runs) up to `chunk` tokens in
-        all, but at least one chunk, so a long prompt delays the running streams by one chunk at most."""
-        events, budget = [], self.chunk
+        all, but at least one chunk, so a long prompt delays the running streams by one chunk at most. The
+        chunks run packed into one row (one forward), except echo's (all positions' logits) and in
+        batch-invariant mode (each chunk alone, so its sums cannot depend on the others)."""
+        plan, budget = [], self.chunk
         for r in rows:
             n = min(self.chunk, len(r.prompt) - r.computed)
             if n > budget and budget < self.chunk:
                 break
             budget -= n
-            start = r.computed
-            ids = torch.tensor([r.prompt[start:start + n]], device=self.device)
-            pos = torch.arange(start, start + n, device=self.device)[None]
-            logits = self.model.forward_paged(ids, pos, self.cache, self.table([r]),
-                                              "all" if r.params.prompt_logprobs else "last")
+            plan.append((r, r.computed, n))
+        alone = [p for p in plan if self.batch_invariant or p[0].params.prompt_logprobs]
+        packed = [p for p in plan if p not in alone]
+        events = [ev for p in alone for ev in self.prefill_alone(*p)]
+        return events + (self.prefill_packed(packed) if packed else [])
+
+    def prefill_packed(self, chunks: list) -> list:
+        """Chunks of several prompts as one row of sum(n) tokens; each token attends its own sequence only."""
+        bs, dev = self.cache.block_size, self.device
+        pos = [p for _, s, n in chunks for p in range(s, s + n)]
+        ids = torch.tensor([[t for r, s, n in chunks for t in r.prompt[s:s + n]]], device=dev)
+        positions = torch.tensor([pos], device=dev)                                   # (1, T)
+        slots = (torch.tensor([r.blocks[p // bs] for r, s, n in chunks for p in range(s, s + n)], device=dev),
+                 positions[0] % bs)
+        used = [r.blocks[:self.cache.blocks_for(s + n)] for r, s, n in chunks]
+        table = torch.tensor([[b for u in used for b in u]], device=dev)             # (1, nb)
+        key_seq = torch.tensor([i for i, u in enumerate(used) for _ in range(len(u) * bs)], device=dev)
+        key_pos = torch.cat([torch.arange(len(u) * bs, device=dev) for u in used])
+        q_seq = torch.tensor([i for i, (_, _, n) in enumerate(chunks) for _ in range(n)], device=dev)
+        mask = ((key_seq[None] == q_seq[:, None]) & (key_pos[None] <= positions[0][:, None]))[None, None]
+        last = list(itertools.accumulate(n for _, _, n in chunks))
+        logits = self.model.forward_paged(ids, positions, self.cache, table, [e - 1 for e in last], mask, slots)
+        events = []
+        for i, (r, s, n) in enumerate(chunks):
             r.computed += n
-            if r.params.prompt_logprobs:
-                logits = logits[0]                                               # (n, V)
-                if start == 0:
-                    r.prompt_logprobs.append((None, ((), ())))
-                following = r.prompt[start + 1:start + n + 1]                    # the token each position predicts
-                lp, top = logprobs_of(logits[:len(following)], following, r.params.logprobs or 0)
-                r.prompt_logprobs += list(zip(lp, top))
-                logits = logits[-1:]
             if r.computed == len(r.prompt):
-                if r.params.max_new_tokens == 0:
-                    events.append(self.finish(r, "length"))
-                else:
-                    events.append(self.emit(r, logits, 0))
+                events.append(self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, i))
         return events
+
+    def prefill_alone(self, r: Request, start: int, n: int) -> list:
+        ids = torch.tensor([r.prompt[start:start + n]], device=self.device)
+        pos = torch.arange(start, start + n, device=self.device)[None]
+        logits = self.model.forward_paged(ids, pos, self.cache, self.table([r], [start + n]),
+                                          "all" if r.params.prompt_logprobs else "last")
+        r.computed += n
+        if r.params.prompt_logprobs:
+            logits = logits[0]                                               # (n, V)
+            if start == 0:
+                r.prompt_logprobs.append((None, ((), ())))
+            following = r.prompt[start + 1:start + n + 1]                    # the token each position predicts
+            lp, top = logprobs_of(logits[:len(following)], following, r.params.logprobs or 0)
+            r.prompt_logprobs += list(zip(lp, top))
+            logits = logits[-1:]
+        if r.computed < len(r.prompt):
+            return []
+        return [self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, 0)]
 
     def decode_step(self, rows: list) -> list:
         """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant)."""
         ids = torch.tensor([[r.output[-1]] for r in rows], device=self.device)
         pos = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device)
+        lengths = [len(r.prompt) + len(r.output) for r in rows]
         if self.batch_invariant:  # each row through the same M=1 path: its logits cannot depend on the others
             logits = torch.cat([self.model.forward_paged(ids[i:i + 1], pos[i:i + 1], self.cache,
-                                                         self.table([r])) for i, r in enumerate(rows)])
+                                                         self.table([r], lengths[i:i + 1]))
+                                for i, r in enumerate(rows)])
         else:
-            logits = self.model.forward_paged(ids, pos, self.cache, self.table(rows))    # (B, V)
+            logits = self.model.forward_paged(ids, pos, self.cache, self.table(rows, lengths))    # (B, V)
         picked = next_tokens(logits, rows)
         return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
 
