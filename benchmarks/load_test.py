@@ -63,7 +63,7 @@ def stop(proc):
 
 def gpt2ffn_cmd(args, port):
     cmd = [sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", args.hf_dir, "--port", str(port),
-           "--precision", args.precision]
+           "--precision", args.precision, "--threads", str(args.threads)]
     return cmd + (["--batch-invariant"] if args.batch_invariant else [])
 
 
@@ -161,7 +161,7 @@ def main():
     p.add_argument("--gguf", help="the GGUF llama-server loads")
     p.add_argument("--parallel", type=int, default=32, help="llama-server -np")
     p.add_argument("--ctx", type=int, default=32768, help="llama-server -c")
-    p.add_argument("--threads", type=int, default=2, help="llama-server -t")
+    p.add_argument("--threads", type=int, default=2, help="llama-server -t and gpt2ffn serve --threads")
     p.add_argument("--url", help="an already running server instead (one series, named 'server')")
     p.add_argument("--clients", default="1,8,32,64", help="comma-separated client counts")
     p.add_argument("--requests-per-client", type=int, default=4)

@@ -201,7 +201,7 @@ def cmd_serve(args):
     except ImportError:
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
     serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,
-          args.chat_template)
+          args.chat_template, args.threads)
     return 0
 
 
@@ -274,6 +274,7 @@ def build_parser() -> Parser:
                    "of what runs beside it (slower: rows are computed one at a time)")
     p.add_argument("--precision", choices=["fp32", "bf16", "int8", "int4"], default="fp32",
                    help="weights' precision (default fp32)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (as HF's apply_chat_template "
                    "uses): enables /v1/chat/completions")
     p.set_defaults(func=cmd_serve)

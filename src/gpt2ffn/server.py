@@ -103,8 +103,9 @@ class Service:
     """The model, its tokenizer, the engine and the thread that steps it."""
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
-                 chat_template=None):
+                 chat_template=None, threads=None):
         self.model_spec, self.max_batch, self.max_waiting = model_spec, max_batch, max_waiting
+        self.threads = threads
         self.batch_invariant, self.precision = batch_invariant, precision
         self.template = None
         if chat_template:
@@ -117,6 +118,9 @@ class Service:
 
     def load(self):
         from .generate import load
+        if self.threads:
+            import torch
+            torch.set_num_threads(self.threads)
         kwargs = {} if self.precision == "fp32" else {"precision": self.precision}
         try:
             self.model, self.tok, self.name = load(self.model_spec, **kwargs)
@@ -472,7 +476,7 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
 
 
 def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
-          precision="fp32", chat_template=None):
+          precision="fp32", chat_template=None, threads=None):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first)."""
     import uvicorn
     from pathlib import Path
@@ -480,7 +484,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
     if chat_template and not Path(chat_template).is_file():
         raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
-    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template)
+    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads)
     app = create_app(svc)
     print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on http://{host}:{port} "
           "(OpenAPI: /docs, /openapi.json)", flush=True)
