@@ -3,7 +3,8 @@
 For each server and each client count, N concurrent clients send streamed completions (the same prompts,
 temperature 0, `ignore_eos` so every request makes exactly max_tokens tokens, `cache_prompt: false` so
 llama-server redoes each prompt as gpt2ffn does) until M requests are done. Reported per point: completion
-tokens/s, requests/s, time to first token and latency p50/p99, errors and status codes. The servers run one
+tokens/s, requests/s, time to first token and latency p50/p99, errors and status codes, and how many answers
+differ from the same prompt's answer with nothing else running (measured first, one request at a time). The servers run one
 after the other (never together) and are started here on loopback, or given by --url.
 
     python benchmarks/load_test.py --hf-dir DIR --llama-server /path/llama-server --gguf DIR/gpt2-f32.gguf \\
@@ -26,6 +27,7 @@ from pathlib import Path
 
 import httpx
 
+VARIANTS = 16  # distinct prompts: each answer under load is checked against the same prompt's answer alone
 PROMPT = "Request {i}: the quick brown fox jumps over the lazy dog, and then it runs into the forest where"  # ~22 GPT-2 tokens
 
 
@@ -73,11 +75,11 @@ def llama_cmd(args, port):
 
 
 async def one(http, url, model, i, max_tokens):
-    """One streamed completion: (status, ttft_s, latency_s, completion tokens, error text)."""
-    body = {"model": model, "prompt": PROMPT.format(i=i), "max_tokens": max_tokens, "temperature": 0,
+    """One streamed completion: (status, ttft_s, latency_s, completion tokens, text or error text)."""
+    body = {"model": model, "prompt": PROMPT.format(i=i % VARIANTS), "max_tokens": max_tokens, "temperature": 0,
             "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True, "cache_prompt": False}
     t0 = time.perf_counter()
-    ttft, tokens, chunks = None, None, 0
+    ttft, tokens, chunks, text = None, None, 0, ""
     async with http.stream("POST", url + "/v1/completions", json=body) as r:
         if r.status_code != 200:
             return r.status_code, None, None, 0, (await r.aread()).decode()[:200]
@@ -89,10 +91,12 @@ async def one(http, url, model, i, max_tokens):
                 tokens = d["usage"]["completion_tokens"]
             elif d.get("timings", {}).get("predicted_n"):  # llama-server without usage in the stream
                 tokens = d["timings"]["predicted_n"]
-            if any(c.get("text") for c in d.get("choices") or []):
+            delta = "".join(c.get("text") or "" for c in d.get("choices") or [])
+            if delta:
                 chunks += 1
+                text += delta
                 ttft = ttft or time.perf_counter() - t0
-    return 200, ttft, time.perf_counter() - t0, tokens if tokens is not None else chunks, None
+    return 200, ttft, time.perf_counter() - t0, tokens if tokens is not None else chunks, text
 
 
 def pct(xs, q):
@@ -100,12 +104,20 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(q * len(xs)))] if xs else None
 
 
-async def load(url, clients, requests, max_tokens, timeout):
+async def alone(url, max_tokens, timeout):
+    """Each prompt variant's answer with nothing else running (temperature 0): the reference under load."""
+    model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
+    async with httpx.AsyncClient(timeout=timeout) as http:
+        return [(await one(http, url, model, i, max_tokens))[4] for i in range(VARIANTS)]
+
+
+async def load(url, clients, requests, max_tokens, timeout, reference):
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     todo = list(range(requests))
-    done, codes, errors = [], {}, []
+    done, codes, errors, differ = [], {}, [], 0
 
     async def client(http):
+        nonlocal differ
         while todo:
             i = todo.pop()
             try:
@@ -115,6 +127,7 @@ async def load(url, clients, requests, max_tokens, timeout):
             codes[status] = codes.get(status, 0) + 1
             if status == 200:
                 done.append((ttft, lat, tokens))
+                differ += err != reference[i % VARIANTS]
             else:
                 errors.append(f"{status}: {err}")
 
@@ -130,7 +143,7 @@ async def load(url, clients, requests, max_tokens, timeout):
             "requests_per_s": round(len(done) / wall, 3),
             "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
             "latency_p50_s": statistics.median(lats) if lats else None, "latency_p99_s": pct(lats, 0.99),
-            "errors": len(errors), "status_codes": {str(k): v for k, v in codes.items()}, "first_errors": errors[:3]}
+            "differ_from_alone": differ, "errors": len(errors), "status_codes": {str(k): v for k, v in codes.items()}, "first_errors": errors[:3]}
 
 
 def plot(result, path):
@@ -187,12 +200,14 @@ def main():
             port = free_port()
             proc, url = start(cmd(args, port), port)
         try:
+            reference = asyncio.run(alone(url, args.max_tokens, args.timeout))
             for n in clients:
-                r = asyncio.run(load(url, n, n * args.requests_per_client, args.max_tokens, args.timeout))
+                r = asyncio.run(load(url, n, n * args.requests_per_client, args.max_tokens, args.timeout, reference))
                 result["servers"].setdefault(name, []).append(r)
                 print(f"{name:32s} {n:3d} clients: {r['tokens_per_s']:8.1f} tok/s {r['requests_per_s']:6.2f} req/s  "
                       f"TTFT p50 {r['ttft_p50_s'] or 0:6.2f} s  latency p50 {r['latency_p50_s'] or 0:6.2f} "
-                      f"p99 {r['latency_p99_s'] or 0:6.2f} s  errors {r['errors']}", flush=True)
+                      f"p99 {r['latency_p99_s'] or 0:6.2f} s  errors {r['errors']}  differ from alone "
+                      f"{r['differ_from_alone']}", flush=True)
         finally:
             if proc is not None:
                 stop(proc)
