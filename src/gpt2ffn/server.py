@@ -288,9 +288,9 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
         text = svc.tok.decode(body.tokens)
         return {"prompt": text, "content": text}
 
-    async def run(request: Request, prompts: list, samplings: list, on_event, t0):
-        """Submit one engine request per choice; feed (choice, Token) to on_event until all finish.
-        Returns None, or an error response (503 when the queue is full, 499 when the client left)."""
+    def submit(prompts: list, samplings: list):
+        """One engine request per choice, queued: (requests, their event queue), or an error response (503
+        beyond --max-waiting), before any byte of the answer is sent."""
         loop, events = asyncio.get_running_loop(), asyncio.Queue()
         reqs = []
         for c, s in enumerate(samplings):
@@ -305,6 +305,11 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
         except Gpt2ffnError as e:
             return refuse(400, str(e), param="prompt")
         svc.metrics.counts(svc.engine)
+        return reqs, events
+
+    async def run(request: Request, reqs: list, events, on_event):
+        """Feed (choice, Token) to on_event until every request finishes. Returns None, or an error response
+        (499 when the client left, 500 when the engine failed)."""
         left = len(reqs)
         try:
             while left:
@@ -326,7 +331,6 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
 
     def complete(body, prompts, samplings, echo_text, chat=False):
         """Non-streaming or streaming response for either endpoint."""
-        t0 = time.perf_counter()
         cid, created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         n_choices = len(samplings)
         per_prompt = n_choices // len(prompts)
@@ -376,7 +380,10 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
 
         if not body.stream:
             async def whole(request: Request):
-                failed = await run(request, prompts, samplings, collect, t0)
+                queued = submit(prompts, samplings)
+                if not isinstance(queued, tuple):
+                    return queued
+                failed = await run(request, *queued, collect)
                 if failed is not None:
                     return failed
                 svc.metrics.requests.labels("200").inc()
@@ -395,6 +402,9 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
 
         async def streamed(request: Request):
             out = asyncio.Queue()
+            queued = submit(prompts, samplings)
+            if not isinstance(queued, tuple):
+                return queued
 
             async def push(c, ev):
                 first = not started[c]
@@ -409,7 +419,7 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
                     await out.put(head(chunk_obj, [delta(c, text, ev.finish_reason, lp)]))
 
             async def events():
-                task = asyncio.ensure_future(run(request, prompts, samplings, push, t0))
+                task = asyncio.ensure_future(run(request, *queued, push))
                 status = 200
                 try:
                     if chat:
