@@ -1,6 +1,7 @@
 """Shared helpers: seeded random HF GPT-2 parts (our reference), and checkpoints the tests make themselves."""
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -9,6 +10,9 @@ from transformers import GPT2Config, GPT2LMHeadModel
 from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 from gpt2ffn import Config
+
+# The kernel probe's cache (gpt2ffn.kernels.packed) in a directory of this test run, not the user's.
+os.environ.setdefault("GPT2FFN_CACHE", tempfile.mkdtemp(prefix="gpt2ffn-cache-"))
 
 # The widths of gpt2, -medium, -large, -xl, and an odd one whose hidden is not 4d.
 WIDTHS = [Config(n_embd=768), Config(n_embd=1024, n_head=16), Config(n_embd=1280, n_head=20),

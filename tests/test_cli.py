@@ -42,7 +42,7 @@ def test_errors_are_one_line_exit_2(argv, message, capsys):
     assert message in err and err.count("\n") == 1
 
 
-@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["gelu", "--help"]])
+@pytest.mark.parametrize("argv", [["--help"], ["demo", "--help"], ["gelu", "--help"], ["check", "--help"]])
 def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)

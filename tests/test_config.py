@@ -45,7 +45,6 @@ def test_activation_map():
     ({"n_inner": -4}, "n_inner must be a positive int or None, got -4"),
     ({"activation_function": "swish"}, "activation_function 'swish' is not supported; known: gelu_new"),
     ({"resid_pdrop": 1.5}, r"resid_pdrop must be in \[0, 1\), got 1.5"),
-    ({"n_embd": 100, "n_head": 12}, "n_embd=100 must divide by n_head=12"),
 ])
 def test_bad_values(kwargs, message):
     with pytest.raises(ConfigError, match=message):
@@ -83,3 +82,16 @@ def test_to_hf_dict_round_trips_through_hf():
     cfg = Config.from_name("gpt2-medium", n_inner=3000, activation_function="gelu")
     assert Config.from_dict(GPT2Config(**cfg.to_hf_dict()).to_dict(), ignore_unknown=True) == \
         Config.from_name("gpt2-medium", n_inner=3000, activation_function="gelu")
+
+
+def test_an_ffn_only_config_has_no_heads_to_check():
+    """Regression (issue 12): an FFN has no heads, so n_embd need not divide by n_head until attention is built."""
+    from gpt2ffn import FeedForward
+    from gpt2ffn.model import GPT2, Block
+    assert Config(n_embd=200, n_inner=600).hidden == 600
+    assert FeedForward({"n_embd": 200, "n_inner": 600}).c_fc.weight.shape == (200, 600)
+    book = {**GPT_CONFIG_124M, "emb_dim": 100}
+    assert FeedForward(book).c_proj.weight.shape == (400, 100)
+    for build in (GPT2, Block):
+        with pytest.raises(ConfigError, match="Config.n_embd=100 must divide by n_head=12: attention splits"):
+            build(Config.from_dict(book))

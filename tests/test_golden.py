@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from gpt2ffn import golden
+from gpt2ffn import FeedForward, golden
 from gpt2ffn.cli import main
 
 IDS = "5,17,42,7,99,3,250,11"
@@ -126,14 +126,79 @@ def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
     assert run(["verify", "--golden", str(tiny_golden), "--candidate", str(only_missing), "--strict"], capsys)[0] == 1
 
 
-def test_negative_variants_all_fail(tiny_golden, capsys):
+def test_negative_variants_all_fail_and_are_named(tiny_golden, capsys):
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--negative", "--json"], capsys)
     rows = json.loads(out)["rows"]
-    assert code == 0 and len(rows) == 2 * 6
-    assert all(r["status"] == "PASS" and r["max_abs"] > 1e-4 for r in rows)
+    known = golden.Golden(tiny_golden).ffn_case(0).known
+    assert code == 0 and len(known) == 18 and len(rows) == 2 * 18
+    assert all(r["status"] == "PASS" and r["max_abs"] > 1e-4 and r["note"].endswith("; named") for r in rows)
     labels = {r["name"] for r in rows}
-    assert {"exact GELU (erf) instead of tanh", "2x expansion instead of 4x", "c_fc weight not transposed",
-            "no c_fc bias", "GELU left out"} <= labels
+    assert {"exact GELU (erf) where the config says tanh GELU", "cubic coefficient 0.055715 instead of 0.044715",
+            "sqrt(2)/pi instead of sqrt(2/pi)", "sqrt(2/pi) left out", "hidden width 128 (2x n_embd) instead of 256 (4x)",
+            "c_fc weight not transposed ([in, out] data read as [out, in])", "c_proj bias missing", "c_fc bias missing",
+            "GELU left out", "ReLU instead of GELU", "FFN fed the residual stream instead of ln_2's output"} <= labels
+
+
+def test_candidate_ffn_failures_are_diagnosed(tiny_golden, tmp_path, capsys):
+    """Each failing FFN file of an engine says what it is: a known mistake, an inherited error, or none."""
+    g = golden.Golden(tiny_golden)
+    known = {v.key: v for v in g.ffn_case(1).known}
+    cand = candidate_from(tiny_golden, tmp_path / "cand")
+    np.save(cand / "h0_c_fc.npy", g.load("h0_c_fc")[..., :128])                      # an engine with hidden 2d
+    np.save(cand / "h0_gelu.npy", torch.nn.functional.gelu(torch.from_numpy(g.load("h0_c_fc"))).numpy())
+    np.save(cand / "h1_ffn.npy", known["residual_input"].stages["ffn"].astype(np.float32))
+    np.save(cand / "h1_gelu.npy", g.load("h1_gelu") + np.float32(3e-3) * (np.arange(256) == 7))  # no known mistake
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert code == 1
+    assert rows["h0_c_fc"]["note"].startswith("shape (1, 8, 128), expected (1, 8, 256); hidden width 128 (2x n_embd)")
+    assert rows["h0_gelu"]["note"].startswith("exact GELU (erf) where the config says tanh GELU (within ")
+    assert rows["h1_ffn"]["note"].startswith("FFN fed the residual stream instead of ln_2's output (within ")
+    assert rows["h1_gelu"]["note"] == "matches no known mistake; worst element [0, 0, 7]: got " \
+        f"{g.load('h1_gelu')[0, 0, 7] + 3e-3:.6g}, expected {g.load('h1_gelu')[0, 0, 7]:.6g}"
+    assert rows["h0_ln_1"]["note"] == "" and rows["h0_ffn"]["status"] == "PASS"
+
+
+def test_candidate_ffn_inheriting_an_earlier_error_says_so(tiny_golden, tmp_path, capsys):
+    """Block 1's FFN is right but fed a drifted ln_2: the FFN rows say so instead of blaming the FFN."""
+    g = golden.Golden(tiny_golden)
+    cand = candidate_from(tiny_golden, tmp_path / "cand")
+    drifted = g.load("h1_ln_2") * np.float32(1.001)
+    ffn = FeedForward(g.config).eval()
+    ffn.load_state_dict(g.ffn_weights(1))
+    stages = ffn.intermediates(torch.from_numpy(drifted))
+    np.save(cand / "h1_ln_2.npy", drifted)
+    for s in ("c_fc", "gelu", "ffn"):
+        np.save(cand / f"h1_{s}.npy", stages[s].numpy())
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert code == 1 and rows["h1_ln_2"]["status"] == "FAIL"
+    assert rows["h1_ffn"]["note"].startswith("right for its own input: what GPT-2 computes from the candidate's "
+                                             "h1_ln_2, which is already off")
+
+
+def test_our_failing_ffn_is_diagnosed(tiny_golden, monkeypatch, capsys):
+    """Negative control for verify's own path: our FFN forced to exact GELU fails and is named."""
+    from gpt2ffn import kernels
+    real = kernels.ffn
+    monkeypatch.setattr(kernels, "ffn", lambda x2, w1, b1, w2, b2, approximate: real(x2, w1, b1, w2, b2, "none"))
+    code, out, _ = run(["verify", "--golden", str(tiny_golden)], capsys)
+    assert code == 1
+    assert "first failing checkpoint: 06 (FFN (c_fc, GELU, c_proj)), layer 0, h0_ffn: max abs 9.5" in out
+    assert "> 0.0001; exact GELU (erf) where the config says tanh GELU (within " in out
+
+
+def test_verify_plot(tiny_golden, tmp_path, capsys):
+    cand = candidate_from(tiny_golden, tmp_path / "cand")
+    np.save(cand / "h1_ffn.npy", np.load(cand / "h1_ffn.npy") + np.float32(1e-3))
+    png = tmp_path / "report.png"
+    code, out, err = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json",
+                          "--plot", str(png)], capsys)
+    assert code == 1 and json.loads(out)["first_failure"]["name"] == "h1_ffn" and f"wrote {png}" in err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    from gpt2ffn.plot import plot_verify
+    with pytest.raises(golden.Gpt2ffnError, match="nothing to plot"):
+        plot_verify([], tmp_path / "empty.png", "t")
 
 
 def test_errors(tiny_golden, tmp_path, capsys):
@@ -202,3 +267,14 @@ def test_real_gpt2_whole_chain(real_gpt2, tmp_path, capsys):
     assert run(["verify", "--golden", str(out), "--repeat", "2"], capsys)[0] == 0
     assert run(["verify", "--golden", str(out), "--negative"], capsys)[0] == 0
     assert run(["verify", "--golden", str(out), "--candidate", str(out)], capsys)[0] == 0
+
+
+def test_verify_needs_no_tokenizer(hf_dir, tmp_path, capsys):
+    """Regression (issue 12): a save_pretrained directory without tokenizer files verifies end to end."""
+    assert not list(hf_dir.glob("*token*")) and not (hf_dir / "vocab.json").exists()
+    out = tmp_path / "g"
+    assert main(["extract", "--model", str(hf_dir), "--ids", "5,17,42", "--out", str(out), "--quiet"]) == 0
+    capsys.readouterr()
+    code, text, err = run(["verify", "--golden", str(out)], capsys)
+    assert code == 0 and err == "", err
+    assert "logits " in text and "SKIP" not in text

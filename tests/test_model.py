@@ -285,3 +285,62 @@ def test_text_stream_never_shows_part_of_a_stop_string():
     assert "w" not in out[1][0]  # "wo" was held back: it could start "wor"
     ts = TextStream(lambda ids: "".join(pieces[i] for i in ids), [])
     assert "".join(ts.push(t)[0] for t in (1, 2, 3, 4)) + ts.finish() == "Hello, world!!"
+
+
+def test_top_level_exports():
+    """Regression (issue 12): `from gpt2ffn import GPT2, generate, check` works; submodules keep importing."""
+    import gpt2ffn
+    from gpt2ffn import GPT2 as top_gpt2, check, generate as top_generate
+    from gpt2ffn.check import Report
+    assert top_gpt2 is GPT2 and top_generate is generate and callable(check) and Report
+    assert {"GPT2", "generate", "check"} <= set(gpt2ffn.__all__)
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=["gelu_new", "gelu_exact_odd"])
+def test_generate_method_greedy_equals_hf(cfg):
+    """GPT2.generate(input_ids, ...) as HF's: (B, T + new) LongTensor, left padding with attention_mask."""
+    hf, ours = pair(cfg, seed=2)
+    ids = ids_of(9, cfg.vocab_size, seed=3, batch=2)
+    eos = cfg.eos_token_id  # both stop at the config's eos and pad with it (GPT-2's pad is its eos)
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=eos)
+    got = ours.generate(ids, max_new_tokens=24)
+    assert got.dtype == torch.long and got.shape == (2, 9 + 24) and torch.equal(got, expected)
+    # A left-padded batch: row 1 is 4 pad tokens then 5 real ones.
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    padded = ids.clone()
+    padded[1, :4] = 0
+    with torch.no_grad():
+        expected = hf.generate(padded, attention_mask=mask, max_new_tokens=24, do_sample=False, pad_token_id=eos)
+    got = ours.generate(padded, max_new_tokens=24, attention_mask=mask)
+    assert torch.equal(got, expected)
+    assert torch.equal(got[1, 9:], ours.generate(ids[1:, 4:], max_new_tokens=24)[0, 5:])
+
+
+def test_generate_method_pads_rows_that_stop_with_eos():
+    cfg = CONFIGS[0]
+    hf, ours = pair(cfg, seed=2)
+    ids = ids_of(6, cfg.vocab_size, seed=8, batch=2)
+    free = ours.generate(ids, max_new_tokens=16)
+    eos = int(free[0, 6 + 3])  # row 0 stops at its 4th new token
+    assert eos not in free[1, 6:].tolist(), "pick a seed where row 1 does not hit the same token"
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+    got = ours.generate(ids, max_new_tokens=16, eos_token_id=eos)
+    assert torch.equal(got, expected)
+    assert got[0, 6 + 3:].tolist() == [eos] * 13 and torch.equal(got[1], free[1])
+
+
+def test_generate_method_sampling_follows_torch_seed_and_checks_mask():
+    _, ours = pair(CONFIGS[0])
+    ids = ids_of(5, CONFIGS[0].vocab_size)
+    torch.manual_seed(3)
+    a = ours.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.5, top_k=None)
+    torch.manual_seed(3)
+    b = ours.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.5, top_k=None)
+    torch.manual_seed(4)
+    c = ours.generate(ids, max_new_tokens=12, do_sample=True, temperature=1.5, top_k=None)
+    assert torch.equal(a, b) and not torch.equal(a, c) and torch.equal(a[:, :5], ids)
+    with pytest.raises(InputError, match=r"attention_mask row 0 is \[1, 1, 1, 1, 0\]; generate takes left padding"):
+        ours.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))

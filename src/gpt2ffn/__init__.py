@@ -1,8 +1,13 @@
 """gpt2ffn: the GPT-2 feed-forward network, proven against HuggingFace.
 
-    from gpt2ffn import Config, FeedForward, gelu
+    from gpt2ffn import Config, FeedForward, GPT2, check, gelu
     ffn = FeedForward(Config.from_name("gpt2"))           # c_fc -> GELU (tanh) -> c_proj
     ffn = FeedForward.from_pretrained("gpt2-dir", layer=0)  # real HF weights, block 0
+    model = GPT2.from_pretrained("gpt2-dir")              # the whole GPT-2; model.generate(ids, max_new_tokens=20)
+    print(check(MyFeedForward).format())                 # a learner's FFN or GELU, judged and diagnosed
+
+`gpt2ffn.generate` and `gpt2ffn.check` are the functions; their modules import as
+`from gpt2ffn.generate import Sampling` and `from gpt2ffn.check import Report`.
 """
 
 import os
@@ -19,13 +24,18 @@ from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, Shap
 from .ffn import FeedForward  # noqa: E402
 from .gelu import GELU, gelu  # noqa: E402
 from .hf import patch_hf  # noqa: E402
+from .precision import PRECISIONS, quantize  # noqa: E402
 from .tolerances import GOLDEN_ATOL, TOLERANCES, tolerance  # noqa: E402
 from .weights import Checkpoint, save_ffn  # noqa: E402
+from .model import GPT2  # noqa: E402
+from .generate import generate  # noqa: E402  (the function; the module stays importable by its full name)
+from .check import check  # noqa: E402  (the function, as above)
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf",
+    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf", "quantize", "PRECISIONS",
+    "GPT2", "generate", "check",
     "Gpt2ffnError", "ConfigError", "ShapeError", "InputError", "CheckpointError",
     "TOLERANCES", "GOLDEN_ATOL", "tolerance",
 ]

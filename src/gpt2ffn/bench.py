@@ -381,3 +381,91 @@ def decode_floor(model, repeats=5) -> dict:
     ms = timeit(step, repeats)
     nbytes = sum(m.numel() for m in mats) * 4 + wte.numel() * 4
     return {"ms": ms, "tokens_per_s": 1e3 / ms, "weight_mb": nbytes / 1e6, "gb_per_s": nbytes / ms / 1e6}
+
+
+def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
+    """DRAM read GB/s with torch's threads: the median time to sum a float32 tensor far larger than the L3."""
+    t = torch.ones(int(gib * 2**30) // 4)
+    ms = timeit(lambda: t.sum(), repeats)
+    return t.nbytes / ms / 1e6
+
+
+def _gpt2_layer_shapes(cfg: Config) -> list:
+    d, h = cfg.n_embd, cfg.hidden
+    return [(d, 3 * d), (d, d), (d, h), (h, d)]  # c_attn, attn.c_proj, c_fc, mlp.c_proj as (K, N)
+
+
+def bench_kernels(layers: int = 12, repeats: int = 15, log=print) -> dict:
+    """GB/s of weights read by one-token GEMVs over a chain of GPT-2 (124M) layers, per kernel and precision:
+    torch's own kernels beside gpt2ffn's native ones, each checked against numpy float64 on its own rounded
+    weights first. The chain (340 MB in fp32) is larger than any L3 here, as a decode step's weights are."""
+    from .kernels import packed as kp
+    from .precision import Packed
+    g = torch.Generator().manual_seed(0)
+    shapes = _gpt2_layer_shapes(Config.from_name("gpt2")) * layers
+    ws = [0.02 * torch.randn(K, N, generator=g) for K, N in shapes]
+    bs = [0.1 * torch.randn(N, generator=g) for _, N in shapes]
+    xs = {K: torch.randn(1, K, generator=g) for K, _ in shapes}
+    fp32_bytes = sum(w.nbytes for w in ws)
+    chains, nbytes, checks = {}, {}, {}
+
+    def add(name, calls, bytes_read, check):
+        chains[name] = lambda: [f() for f in calls]
+        nbytes[name] = bytes_read
+        checks[name] = check
+
+    def rel_err(y, want):
+        return float((y.double() - want).abs().max() / want.abs().max())
+
+    want0 = (xs[shapes[0][0]].double() @ ws[0].double() + bs[0].double())
+    wts = [w.t().contiguous() for w in ws]
+    add("fp32 F.linear (MKL)", [lambda x=xs[K], w=w, b=b: torch.nn.functional.linear(x, w, b)
+                                for (K, _), w, b in zip(shapes, wts, bs)], fp32_bytes,
+        lambda: rel_err(torch.nn.functional.linear(xs[shapes[0][0]], wts[0], bs[0]), want0))
+    wn = [w.numpy() for w in ws]
+    add("fp32 numpy (OpenBLAS)", [lambda x=xs[K].numpy(), w=w: x @ w for (K, _), w in zip(shapes, wn)], fp32_bytes,
+        lambda: rel_err(torch.from_numpy(xs[shapes[0][0]].numpy() @ wn[0]) + bs[0], want0))
+    if torch.backends.mkldnn.is_available():
+        wp = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in wts]
+        add("fp32 oneDNN prepacked", [lambda x=xs[K], w=w, b=b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+                                      for (K, _), w, b in zip(shapes, wp, bs)], fp32_bytes,
+            lambda: rel_err(torch.ops.mkldnn._linear_pointwise(xs[shapes[0][0]], wp[0], bs[0], "none", [], ""), want0))
+        w16 = [w.bfloat16() for w in wts]
+        wp16 = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in w16]
+        xb = {K: x.bfloat16() for K, x in xs.items()}
+        b16 = [b.bfloat16() for b in bs]
+        add("bf16 oneDNN prepacked, bias + GELU fused", [
+            lambda x=xb[K], w=w, b=b: torch.ops.mkldnn._linear_pointwise(x, w, b, "gelu", [], "tanh")
+            for (K, _), w, b in zip(shapes, wp16, b16)], fp32_bytes // 2, lambda: float("nan"))
+        add("bf16 F.linear (bf16 activations)", [lambda x=xb[K], w=w, b=b: torch.nn.functional.linear(x, w, b)
+                                                 for (K, _), w, b in zip(shapes, w16, b16)], fp32_bytes // 2,
+            lambda: rel_err(torch.nn.functional.linear(xb[shapes[0][0]], w16[0], b16[0]).float(), want0))
+    q8 = []
+    for w in wts:  # torch's int8 weight-only op: per output channel, bf16 activations
+        s = w.abs().amax(1) / 127
+        q8.append((torch.round(w / s[:, None]).to(torch.int8), s.bfloat16()))
+    add("int8 aten._weight_int8pack_mm (bf16 activations)", [
+        lambda x=xb[K], q=q, s=s: torch.ops.aten._weight_int8pack_mm(x, q, s) for (K, _), (q, s) in zip(shapes, q8)],
+        sum(q.nbytes + s.nbytes for q, s in q8),
+        lambda: rel_err(torch.ops.aten._weight_int8pack_mm(xb[shapes[0][0]], *q8[0]).float() + bs[0], want0))
+    if kp.WHY_NOT_NATIVE is None:
+        for precision in ("fp32", "bf16", "int8", "int4"):
+            ps = [Packed(w, b, precision) for w, b in zip(ws, bs)]
+            ref = kp.reference(xs[shapes[0][0]], ps[0], ws[0], bs[0])
+            add(f"{precision} gpt2ffn native", [lambda x=xs[K], p=p: kp.linear(x, p, None, None, "native")
+                                                for (K, _), p in zip(shapes, ps)], sum(p.nbytes for p in ps),
+                lambda p=ps[0], ref=ref: rel_err(kp.linear(xs[shapes[0][0]], p, None, None, "native"),
+                                                 torch.from_numpy(ref)))
+    errors = {name: check() for name, check in checks.items()}
+    ms = rounds(chains, repeats)
+    dram = read_bandwidth()
+    out = {"layers": layers, "fp32_mb": fp32_bytes / 1e6, "dram_read_gb_s": dram, "kernels": {}}
+    log(f"one-token GEMV chain over {layers} GPT-2 layers ({fp32_bytes / 1e6:.0f} MB fp32), {torch.get_num_threads()} "
+        f"threads; DRAM read {dram:.1f} GB/s")
+    log(f"  {'kernel':<52}{'MB':>7}{'ms':>8}{'GB/s':>7}{'x DRAM':>8}{'rel err':>10}")
+    for name in chains:
+        gbs = nbytes[name] / ms[name] / 1e6
+        out["kernels"][name] = {"mb": nbytes[name] / 1e6, "ms": ms[name], "gb_s": gbs, "of_dram": gbs / dram,
+                                "rel_err_first_layer": errors[name]}
+        log(f"  {name:<52}{nbytes[name] / 1e6:>7.0f}{ms[name]:>8.2f}{gbs:>7.1f}{gbs / dram:>8.2f}{errors[name]:>10.1e}")
+    return out

@@ -2,19 +2,11 @@
 
 import argparse
 import sys
+from pathlib import Path
 
+from .config import GPT_CONFIG_124M
 from .errors import Gpt2ffnError
-
-# Seed 000's book-style config for GPT-2 124M, as the course writes it.
-GPT_CONFIG_124M = {
-    "vocab_size": 50257,
-    "context_length": 1024,
-    "emb_dim": 768,
-    "n_heads": 12,
-    "n_layers": 12,
-    "drop_rate": 0.1,
-    "qkv_bias": False,
-}
+from .precision import PRECISIONS
 
 
 class UsageError(Gpt2ffnError):
@@ -132,11 +124,29 @@ def cmd_verify(args):
               f"{sum(r.status == 'FAIL' for r in rows)} failed" + (f", {missing} missing" if missing else "")
               + (f", {skipped} skipped" if skipped else ""))
         if first:
+            size = f"max abs {first.max_abs:.3e} > {first.atol:g}" if first.max_abs == first.max_abs else ""
             print(f"first failing checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)}), "
-                  f"layer {first.layer}, {first.name}: {first.note or f'max abs {first.max_abs:.3e} > {first.atol:g}'}")
+                  f"layer {first.layer}, {first.name}: {'; '.join(t for t in (size, first.note) if t)}")
         elif not judged:
             print("nothing was judged: no candidate file matches a golden name")
+    if args.plot:
+        from .plot import plot_verify
+        plot_verify(rows, args.plot, f"{title} vs golden {Path(args.golden).name} ({gold.manifest['model']['source']})")
+        print(f"wrote {args.plot}", file=sys.stderr)
     return 1 if failed or not judged else 0
+
+
+def cmd_check(args):
+    """Judge a learner's FFN or GELU module from a .py file, and say what is wrong."""
+    import contextlib
+    import json
+
+    from .check import check, load_object
+    with contextlib.redirect_stdout(sys.stderr):  # what the learner's file prints must not mix into the report
+        obj, label = load_object(args.target)
+        report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label)
+    print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
+    return 0 if report.passed else 1
 
 
 def cmd_gelu_effect(args):
@@ -175,7 +185,7 @@ def cmd_generate(args):
 
     from .generate import Sampling, TextStream, load, stream
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model, tok, name = load(args.model, dtype)
+    model, tok, name = load(args.model, dtype, precision=args.precision if dtype == torch.float32 else None)
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt)
@@ -238,7 +248,19 @@ def build_parser() -> Parser:
     p.add_argument("--repeat", type=int, default=1, help="also check that N runs are bit-identical")
     p.add_argument("--strict", action="store_true", help="a missing candidate file counts as a failure")
     p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--plot", metavar="FILE", help="also write a PNG: max abs diff per checkpoint and layer, "
+                   "tolerance as a line, failing bars marked")
     p.set_defaults(func=cmd_verify)
+
+    p = sub.add_parser("check", help="judge your own FFN or GELU module (FILE.py:NAME) and say what is wrong")
+    p.add_argument("target", metavar="FILE.py:NAME", help="a class or an instance in the file (imported from its path)")
+    p.add_argument("--golden", help="a directory written by gpt2ffn extract, or random:<preset>[:seed] "
+                   "(default random:gpt2:0, computed offline)")
+    p.add_argument("--layer", type=int, default=0, help="the block whose FFN weights and input to use (default 0)")
+    p.add_argument("--config", help="what a class is built with: JSON (text or .json file) or a preset name; "
+                   "default: the book-style dict of the reference's width (GPT_CONFIG_124M for gpt2)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_check)
 
     p = sub.add_parser("gelu-effect", help="measure how far exact GELU lands from GPT-2 (FFN outputs, logits)")
     p.add_argument("--model", required=True, help="HF checkpoint directory, or random:<preset>[:seed]")
@@ -258,7 +280,10 @@ def build_parser() -> Parser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
+                   help="dtype of every tensor (activations too); float32 is needed for --precision")
+    p.add_argument("--precision", choices=PRECISIONS, default="fp32",
+                   help="weights of the linear layers: fp32 (default, exact), bf16, int8 or int4; activations fp32")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve OpenAI-compatible /v1/completions over HTTP")
@@ -287,6 +312,8 @@ def build_parser() -> Parser:
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
     p.add_argument("--model", action="store_true", help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF")
+    p.add_argument("--precision", choices=PRECISIONS, action="append",
+                   help="with --model: the precisions to time (repeatable; default fp32)")
     p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     p.set_defaults(func=cmd_bench)

@@ -25,6 +25,17 @@ BOOK_KEYS = {
     "drop_rate": ("resid_pdrop", "embd_pdrop", "attn_pdrop"),
 }
 
+# Seed 000's book-style config for GPT-2 124M, as the course writes it.
+GPT_CONFIG_124M = {
+    "vocab_size": 50257,
+    "context_length": 1024,
+    "emb_dim": 768,
+    "n_heads": 12,
+    "n_layers": 12,
+    "drop_rate": 0.1,
+    "qkv_bias": False,
+}
+
 # HF GPT2Config's attribute_map aliases.
 HF_ALIASES = {
     "hidden_size": "n_embd",
@@ -45,7 +56,7 @@ class Config:
     embd_pdrop: float = 0.1             # dropout after token + position embeddings
     attn_pdrop: float = 0.1             # dropout on attention probabilities
     n_layer: int = 12                   # transformer blocks
-    n_head: int = 12                    # attention heads; n_embd must divide by it
+    n_head: int = 12                    # attention heads; n_embd must divide by it (checked where attention is built)
     n_positions: int = 1024             # context length
     vocab_size: int = 50257             # GPT-2 BPE vocabulary
     layer_norm_epsilon: float = 1e-5    # eps of ln_1, ln_2, ln_f
@@ -68,8 +79,6 @@ class Config:
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"Config.{name} must be in [0, 1), got {value!r}")
-        if self.n_embd % self.n_head:
-            raise ConfigError(f"Config.n_embd={self.n_embd} must divide by n_head={self.n_head}")
 
     @property
     def hidden(self) -> int:
@@ -135,6 +144,18 @@ class Config:
         if isinstance(cfg, str):
             return cls.from_name(cfg)
         raise ConfigError(f"expected a Config, a dict or a preset name, got {type(cfg).__name__}")
+
+    def check_heads(self):
+        """Raise unless n_embd splits into n_head heads: attention needs it, an FFN alone does not."""
+        if self.n_embd % self.n_head:
+            raise ConfigError(f"Config.n_embd={self.n_embd} must divide by n_head={self.n_head}: attention splits "
+                              f"n_embd into n_head heads")
+
+    def to_book_dict(self) -> dict:
+        """The seeds' book-style dict for this config (GPT_CONFIG_124M's keys), as a learner's class reads it."""
+        return {"vocab_size": self.vocab_size, "context_length": self.n_positions, "emb_dim": self.n_embd,
+                "n_heads": self.n_head, "n_layers": self.n_layer, "drop_rate": self.resid_pdrop,
+                "qkv_bias": self.qkv_bias}
 
     def to_hf_dict(self) -> dict:
         """Keyword arguments for transformers.GPT2Config (n_inner stays None when it is 4d)."""

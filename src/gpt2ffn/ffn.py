@@ -7,10 +7,13 @@ from . import kernels
 from .config import Config
 from .errors import InputError, ShapeError
 from .gelu import activation
+from .precision import PackedLayer
 
 
-class Conv1D(nn.Module):
-    """GPT-2's linear layer: weight stored [in, out] (HF/OpenAI layout), y = x @ W + b."""
+class Conv1D(PackedLayer, nn.Module):
+    """GPT-2's linear layer: weight stored [in, out] (HF/OpenAI layout), y = x @ W + b.
+
+    After gpt2ffn.quantize, eval() forward runs on packed weights at the chosen precision."""
 
     def __init__(self, n_in: int, n_out: int, std: float = 0.02):
         super().__init__()
@@ -18,8 +21,15 @@ class Conv1D(nn.Module):
         self.bias = nn.Parameter(torch.zeros(n_out))
         nn.init.normal_(self.weight, std=std)
 
+    def weight_kn(self):
+        return self.weight
+
     def forward(self, x):
-        y = torch.addmm(self.bias, x.reshape(-1, x.shape[-1]), self.weight)  # (N, in) -> (N, out)
+        x2 = x.reshape(-1, x.shape[-1])
+        if self.runs_packed(x):
+            y = self.packed_forward(x2)
+        else:
+            y = torch.addmm(self.bias, x2, self.weight)  # (N, in) -> (N, out)
         return y.view(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self):
@@ -43,6 +53,16 @@ class FeedForward(nn.Module):
     def forward(self, x):
         """x: (..., n_embd) float tensor -> (..., n_embd), through the fastest path that fits (kernels/)."""
         self.check_input(x)
+        c_fc, c_proj = self._modules["c_fc"], self._modules["c_proj"]
+        if c_fc.runs_packed(x) and c_proj.packed is not None:  # after quantize(): packed weights, no dropout
+            x2 = x.reshape(-1, x.shape[-1])
+            approximate = self.config.gelu_approximate
+            if approximate == "relu":
+                h = c_fc.packed_forward(x2).relu_()
+            else:
+                h = c_fc.packed_forward(x2, gelu=approximate)           # (N, d) -> (N, hidden), GELU applied
+            y = c_proj.packed_forward(h)                                # (N, hidden) -> (N, d)
+            return y.view(*x.shape[:-1], y.shape[-1])
         # Parameters through the dicts: nn.Module.__getattr__ costs ~1.5 us each, a decode step's budget.
         fc, proj = self._modules["c_fc"]._parameters, self._modules["c_proj"]._parameters
         y = kernels.ffn(x.reshape(-1, x.shape[-1]), fc["weight"], fc["bias"],  # (N, d) -> (N, d)
@@ -75,13 +95,20 @@ class FeedForward(nn.Module):
             raise InputError(f"FeedForward input is on {x.device} but its weights are on {w.device}")
 
     @classmethod
-    def from_pretrained(cls, path, layer: int = 0, config=None, dtype=torch.float32) -> "FeedForward":
-        """Block `layer`'s FFN from an HF GPT-2 checkpoint (a directory or a file); reads only its 4 tensors."""
+    def from_pretrained(cls, path, layer: int = 0, config=None, dtype=torch.float32,
+                        precision: str | None = None) -> "FeedForward":
+        """Block `layer`'s FFN from an HF GPT-2 checkpoint (a directory or a file); reads only its 4 tensors.
+
+        precision ('fp32', 'bf16', 'int8', 'int4'): pack the weights for fast inference (gpt2ffn.quantize)."""
         from .weights import load_ffn_state
         cfg, state = load_ffn_state(path, layer, config)
         ffn = cls(cfg)
         ffn.load_state_dict(state)
-        return ffn.to(dtype).eval()
+        ffn = ffn.to(dtype).eval()
+        if precision is not None:
+            from .precision import quantize
+            quantize(ffn, precision)
+        return ffn
 
     def extra_repr(self):
         c = self.config

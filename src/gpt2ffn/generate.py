@@ -87,9 +87,20 @@ def hf_cache_gpt2():
     return None
 
 
-def load(spec=None, dtype=torch.float32):
-    """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache."""
-    from .model import parse_random, random_weights_
+def load(spec=None, dtype=torch.float32, precision: str | None = "fp32"):
+    """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
+
+    precision: the linear layers' weights, 'fp32' (default), 'bf16', 'int8' or 'int4' (gpt2ffn.quantize);
+    it applies to float32 models (with dtype=bfloat16 everything runs in bf16 instead)."""
+    from .precision import check_precision
+    if precision is not None:
+        check_precision(precision)
+        if dtype != torch.float32:
+            if precision != "fp32":
+                raise Gpt2ffnError(f"precision={precision!r} quantizes a float32 model's weights; it does not "
+                                   f"combine with dtype={dtype}")
+            precision = None
+    from .model import load_model, parse_random
     from .tokenizer import ByteTokenizer, load_tokenizer
     if spec is None:
         found = hf_cache_gpt2()
@@ -98,10 +109,8 @@ def load(spec=None, dtype=torch.float32):
                                "`huggingface-cli download openai-community/gpt2`, then pass --model DIR "
                                "(or try --model random:gpt2)")
         spec = str(found)
+    model = load_model(spec, dtype, precision)
     if spec.startswith("random:"):
-        cfg, seed, name = parse_random(spec)
-        return random_weights_(GPT2(cfg), seed).to(dtype).eval(), ByteTokenizer(), name
+        return model, ByteTokenizer(), parse_random(spec)[2]
     from pathlib import Path
-    if not Path(spec).is_dir():
-        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
-    return GPT2.from_pretrained(spec, dtype=dtype), load_tokenizer(spec), Path(spec).name
+    return model, load_tokenizer(spec), Path(spec).name

@@ -16,6 +16,8 @@ import numpy as np
 import torch
 
 from .config import Config
+from .diagnose import STAGES as FFN_STAGES
+from .diagnose import FFNCase
 from .errors import CheckpointError, Gpt2ffnError
 from .model import parse_random, random_weights_
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
@@ -253,7 +255,7 @@ class Golden:
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise Gpt2ffnError(f"{file} is corrupt: {e}") from None
         self.manifest = m
-        self._cache = {}
+        self._cache, self._cases = {}, {}
 
     def __contains__(self, name):
         return name in self.tensors
@@ -282,6 +284,18 @@ class Golden:
         """Block `layer`'s FFN as a GPT2MLP state dict of torch tensors."""
         return {k.removeprefix("mlp."): torch.from_numpy(self.load(f"h{layer}_{BLOCK_WEIGHTS[k]}"))
                 for k in ("mlp.c_fc.weight", "mlp.c_fc.bias", "mlp.c_proj.weight", "mlp.c_proj.bias")}
+
+    def ffn_case(self, layer: int) -> FFNCase:
+        """Block `layer`'s FFN with its golden input, residual stream and stage outputs, for diagnosis."""
+        if layer not in self.layers:
+            raise Gpt2ffnError(f"layer {layer} is not in golden set {self.dir} (it has layers {self.layers})")
+        if layer not in self._cases:
+            self._cases[layer] = FFNCase(
+                source=self.manifest["model"]["source"], layer=layer, approximate=self.config.gelu_approximate,
+                weights={k: v.numpy() for k, v in self.ffn_weights(layer).items()},
+                x=self.load(f"h{layer}_ln_2"), resid=self.load(f"h{layer}_attn_resid"),
+                expected={s: self.load(f"h{layer}_{s}") for s in FFN_STAGES})
+        return self._cases[layer]
 
 
 # ---- judging ------------------------------------------------------------------------------------------
@@ -340,8 +354,9 @@ def tolerance_for(entry, tolerances: dict, default: float, expected=None) -> flo
 
 def rebuild_model(golden: Golden):
     """gpt2ffn's GPT2 for the golden set's model: random presets are rebuilt from their seed, a directory is
-    read if its weight files still match the manifest's sha256. (model, None) or (None, why not)."""
-    from .generate import load
+    read if its weight files still match the manifest's sha256; no tokenizer is needed (the manifest holds the
+    token ids). (model, None) or (None, why not)."""
+    from .model import load_model
     info = golden.manifest["model"]
     source = info["source"]
     if not source.startswith("random:"):
@@ -351,7 +366,7 @@ def rebuild_model(golden: Golden):
         changed = [f for f, h in info["files"].items() if not (path / f).is_file() or sha256(path / f) != h]
         if changed:
             return None, f"model files changed since extraction: {', '.join(changed)}"
-    return load(source)[0], None
+    return load_model(source), None
 
 
 def run_ours(golden: Golden) -> tuple:
@@ -397,7 +412,32 @@ def run_ours(golden: Golden) -> tuple:
     return {k: v.numpy() for k, v in ours.items()}, skipped
 
 
+def diagnosed(row: Row, golden: Golden, entry: dict, actual, own_input=None) -> Row:
+    """A failing FFN stage row (c_fc, GELU, FFN output) with what went wrong in its note: the known mistake
+    the output equals, or its worst element. own_input, an engine's own ln_2 output for this block, is tried
+    when the golden input explains nothing: an FFN may be right and only inherit an earlier error."""
+    stage, L = entry["stage"], entry["layer"]
+    if row.status != "FAIL" or stage not in FFN_STAGES or L not in golden.layers \
+            or not np.isfinite(actual).all() or actual.dtype != np.float32:
+        return row
+    case = golden.ffn_case(L)
+    d = case.diagnose(stage, actual, row.atol)
+    text = d.text if d.key or not row.note else ""  # a shape note says it already when no mistake explains it
+    if own_input is not None and own_input.shape == case.x.shape and not np.array_equal(own_input, case.x) \
+            and not d.key:
+        own = case.given(own_input)
+        got = actual.reshape(own.expected[stage].shape) if actual.size == own.expected[stage].size else None
+        if got is not None and np.abs(got - own.expected[stage]).max() <= row.atol:
+            text = (f"right for its own input: what GPT-2 computes from the candidate's h{L}_ln_2, which is "
+                    "already off; fix the first failing checkpoint before it")
+        elif (d := own.diagnose(stage, actual, row.atol)).key:
+            text = f"{d.text} (given the candidate's own h{L}_ln_2)"
+    row.note = "; ".join(t for t in (row.note, text) if t)
+    return row
+
+
 def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> list:
+    """gpt2ffn's own stages and whole model against the golden set; failing FFN stages are diagnosed."""
     tolerances = tolerances or {}
     first, skipped = run_ours(golden)
     rows = []
@@ -406,7 +446,8 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
         tol = tolerance_for(entry, tolerances, atol, golden.load(n))
         for name in (n, f"{n} (chain)"):
             if name in first:
-                rows.append(compare(name, entry, first[name], golden.load(n), tol))
+                rows.append(diagnosed(compare(name, entry, first[name], golden.load(n), tol), golden, entry,
+                                      first[name]))
         if n in skipped:
             rows.append(Row(n, entry["checkpoint"], entry["layer"], tuple(entry["shape"]), float("nan"),
                             float("nan"), tol, "SKIP", skipped[n]))
@@ -422,12 +463,13 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
 
 
 def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATOL) -> list:
-    """Judge another engine's .npy files, written under the golden names, against the golden set."""
+    """Judge another engine's .npy files, written under the golden names, against the golden set; failing FFN
+    stages are diagnosed."""
     candidate = Path(candidate)
     if not candidate.is_dir():
         raise Gpt2ffnError(f"candidate directory {candidate} does not exist")
     tolerances = tolerances or {}
-    rows = []
+    rows, loaded = [], {}  # loaded: the candidate's arrays so far (forward order), for its own FFN inputs
     for name in golden.activations():
         entry, expected = golden.tensors[name], golden.load(name)
         tol = tolerance_for(entry, tolerances, atol, expected)
@@ -442,48 +484,38 @@ def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATO
             rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
                             float("nan"), float("nan"), tol, "FAIL", f"unreadable .npy: {e}"))
             continue
-        rows.append(compare(name, entry, actual, expected, tol))
+        own = loaded.get(f"h{entry['layer']}_ln_2")
+        rows.append(diagnosed(compare(name, entry, actual, expected, tol), golden, entry, actual, own))
+        loaded[name] = actual
     return rows
 
 
-def negative_variants(w1, b1, w2, b2, approximate="tanh"):
-    """Known-wrong FFNs, each a function of x: the mistakes seed 001 lists. All must fail the judge."""
-    from .reference import ACTIVATIONS, ffn_forward
-    d, hidden = w1.shape
-    half = hidden // 2
-    return {
-        "exact GELU (erf) instead of tanh": lambda x: ffn_forward(x, w1, b1, w2, b2, "none"),
-        "2x expansion instead of 4x": lambda x: ffn_forward(x, w1[:, :half], b1[:half], w2[:half], b2, approximate),
-        "c_fc weight not transposed": lambda x: ffn_forward(x, w1.reshape(hidden, d).T, b1, w2, b2, approximate),
-        "no c_fc bias": lambda x: ffn_forward(x, w1, np.zeros_like(b1), w2, b2, approximate),
-        "GELU left out": lambda x: (x @ w1 + b1) @ w2 + b2,
-        "ReLU instead of GELU": lambda x: ACTIVATIONS["relu"](x @ w1 + b1) @ w2 + b2,
-    }
-
-
 def verify_negative(golden: Golden, atol=GOLDEN_ATOL) -> list:
-    """Run every wrong variant on each layer's golden ln_2; a row PASSes when the judge FAILs the variant."""
-    approximate = golden.config.gelu_approximate
+    """Every known-wrong FFN (gpt2ffn.diagnose) on each layer's golden ln_2: a row PASSes when the judge FAILs
+    the variant and the diagnosis names it."""
     rows = []
     for L in golden.layers:
-        w = {k: v.numpy() for k, v in golden.ffn_weights(L).items()}
-        x, expected = golden.load(f"h{L}_ln_2"), golden.load(f"h{L}_ffn")
-        for label, f in negative_variants(w["c_fc.weight"], w["c_fc.bias"], w["c_proj.weight"], w["c_proj.bias"],
-                                          approximate).items():
-            r = compare(f"h{L}_ffn", golden.tensors[f"h{L}_ffn"], f(x).astype(np.float32), expected, atol)
-            caught = r.status == "FAIL"
-            rows.append(Row(label, r.checkpoint, L, r.shape, r.max_abs, r.max_rel, atol, "PASS" if caught else "FAIL",
-                            f"judge fails it: {r.max_abs / atol:.3g}x the tolerance" if caught
-                            else "NOT caught: the judge passed a wrong FFN"))
+        case, entry = golden.ffn_case(L), golden.tensors[f"h{L}_ffn"]
+        for v in case.known:
+            got = v.stages["ffn"].astype(np.float32)
+            r = compare(f"h{L}_ffn", entry, got, case.expected["ffn"], atol)
+            named = case.diagnose("ffn", got, atol).key == v.key
+            ok = r.status == "FAIL" and named
+            note = ("judge fails it" if r.status == "FAIL" else "NOT caught: the judge passed a wrong FFN") + \
+                   f" ({r.max_abs / atol:.3g}x the tolerance); " + ("named" if named else "NOT named")
+            rows.append(Row(v.name, r.checkpoint, L, r.shape, r.max_abs, r.max_rel, atol, "PASS" if ok else "FAIL",
+                            note))
     return rows
 
 
 def format_rows(rows, title) -> str:
-    head = f"{'checkpoint':<11}{'layer':>5}  {'tensor':<34}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}  result"
+    w = max([34] + [len(r.name) + 2 for r in rows])
+    head = (f"{'checkpoint':<11}{'layer':>5}  {'tensor':<{w}}{'shape':<20}{'max abs':>11}{'max rel':>11}{'tol':>9}"
+            "  result")
     lines = [title, head, "-" * len(head)]
     for r in rows:
         ck = f"{r.checkpoint} {SHORT.get(r.checkpoint, '')}" if r.checkpoint else "--"
-        lines.append(f"{ck:<11}{'' if r.layer is None else r.layer:>5}  {r.name:<34}{str(tuple(r.shape)):<20}"
+        lines.append(f"{ck:<11}{'' if r.layer is None else r.layer:>5}  {r.name:<{w}}{str(tuple(r.shape)):<20}"
                      f"{r.max_abs:>11.3e}{r.max_rel:>11.3e}{r.atol:>9.0e}  {r.status}{'  ' + r.note if r.note else ''}")
     return "\n".join(lines)
 

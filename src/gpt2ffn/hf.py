@@ -29,7 +29,7 @@ def patch_hf(model: nn.Module) -> int:
         raise Gpt2ffnError(f"patch_hf found no GPT2MLP in {type(model).__name__} (already patched?)")
     for parent, name, mlp in targets:
         d, hidden = mlp.c_fc.weight.shape
-        cfg = Config(n_embd=d, n_inner=hidden, n_head=1, activation_function=config.activation_function,
+        cfg = Config(n_embd=d, n_inner=hidden, activation_function=config.activation_function,
                      resid_pdrop=config.resid_pdrop)
         ffn = FeedForward(cfg).to(device=mlp.c_fc.weight.device, dtype=mlp.c_fc.weight.dtype)
         for sub in ("c_fc", "c_proj"):

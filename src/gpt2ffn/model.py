@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from .config import Config
 from .errors import CheckpointError, Gpt2ffnError, InputError, ShapeError
 from .ffn import Conv1D, FeedForward
+from .precision import PackedLayer
 
 
 class KVCache:
@@ -104,8 +105,11 @@ def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
 
 
 class CausalSelfAttention(nn.Module):
+    """c_attn -> q, k, v by head -> causal scaled_dot_product_attention -> c_proj."""
+
     def __init__(self, cfg: Config):
         super().__init__()
+        cfg.check_heads()
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
         self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd, cfg.initializer_range)
         self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd, cfg.initializer_range)
@@ -147,6 +151,19 @@ class CausalSelfAttention(nn.Module):
         return self.resid_dropout(self.c_proj(y))
 
 
+class LMHead(PackedLayer, nn.Linear):
+    """The logits layer, nn.Linear (weight [vocab, d], tied to wte); packed by gpt2ffn.quantize like Conv1D."""
+
+    def weight_kn(self):
+        return self.weight.t()
+
+    def forward(self, x):
+        if self.runs_packed(x):
+            y = self.packed_forward(x.reshape(-1, x.shape[-1]))     # (N, d) -> (N, vocab)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return super().forward(x)
+
+
 class Block(nn.Module):
     """x + attn(ln_1(x)), then x + mlp(ln_2(x)); mlp is gpt2ffn's FeedForward."""
 
@@ -160,6 +177,21 @@ class Block(nn.Module):
     def forward(self, x, layer=0, cache=None, mask=None):
         x = x + self.attn(self.ln_1(x), layer, cache, mask)
         return x + self.mlp(self.ln_2(x))
+
+    def fused_args(self) -> tuple:
+        """The arguments of gpt2ffn._C.decode_block after the cache ones: LayerNorms, the 4 packed layers
+        (re-packed if their Parameters changed), the activation. Kept while the packed weights are the same."""
+        layers = (self.attn.c_attn, self.attn.c_proj, self.mlp.c_fc, self.mlp.c_proj)
+        ps = tuple(m.current() for m in layers)
+        cached = self.__dict__.get("_fused")
+        if cached is None or cached[0] != tuple(map(id, ps)):
+            empty = torch.empty(0)
+            args = ([self.ln_1.weight, self.ln_1.bias, self.ln_2.weight, self.ln_2.bias], self.ln_1.eps,
+                    [p.w for p in ps], [p.scale if p.scale is not None else empty for p in ps],
+                    [p.bias for p in ps], [p.format for p in ps], [p.N for p in ps], [p.group for p in ps],
+                    self.mlp.config.gelu_approximate)
+            cached = self.__dict__["_fused"] = (tuple(map(id, ps)), ps, args)
+        return cached[2]
 
 
 class GPT2(nn.Module):
@@ -175,7 +207,7 @@ class GPT2(nn.Module):
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
         ))
-        self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         for name, p in self.named_parameters():
             if name.endswith("wte.weight") or name.endswith("wpe.weight"):
@@ -195,6 +227,8 @@ class GPT2(nn.Module):
         last_only: logits of the last position only, (B, 1, vocab): all generation needs, and it skips
         T - 1 rows of the largest GEMM (vocab x d)."""
         self.check_ids(ids, cache)
+        if cache is not None and attention_mask is None and ids.shape[1] == 1 and self.fused_decode():
+            return self.decode_step(ids, cache)
         past = cache.length if cache is not None else 0
         T = ids.shape[1]
         mask = None
@@ -231,6 +265,34 @@ class GPT2(nn.Module):
             x = x[0, logits_for]
         return self.lm_head(self.transformer.ln_f(x))
 
+    def fused_decode(self) -> bool:
+        """Whether a one-token step can run each block as one native call (gpt2ffn._C.decode_block): eval(),
+        every linear layer packed with the native decode route, no gradient asked, fp32 on CPU."""
+        from .kernels.packed import WHY_NOT_NATIVE
+        if self.training or WHY_NOT_NATIVE is not None or self.config.n_embd // self.config.n_head % 16:
+            return False
+        wte = self.transformer.wte.weight
+        if wte.dtype != torch.float32 or wte.device.type != "cpu" or (torch.is_grad_enabled() and wte.requires_grad):
+            return False
+        for block in self.transformer.h:
+            for m in (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj):
+                if m.packed is None or m.packed.route["decode"] != "native" or (
+                        torch.is_grad_enabled() and m.weight.requires_grad):
+                    return False
+        return True
+
+    def decode_step(self, ids, cache):
+        """One new token per row (B, 1) -> logits (B, 1, vocab), each block one native call."""
+        from . import _C
+        B, pos = ids.shape[0], cache.length
+        x = self.transformer.wte(ids[:, 0]) + self.transformer.wpe.weight[pos]          # (B, d)
+        slots = torch.arange(B)
+        lens = torch.full((B,), pos, dtype=torch.long)
+        for i, block in enumerate(self.transformer.h):
+            x = _C.decode_block(x, slots, lens, cache.k[i], cache.v[i], *block.fused_args())
+        cache.length += 1
+        return self.lm_head(self.transformer.ln_f(x))[:, None]                          # (B, 1, vocab)
+
     def check_ids(self, ids, cache=None):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise InputError(f"ids must be an int64 tensor of token ids (B, T), got "
@@ -245,9 +307,49 @@ class GPT2(nn.Module):
         elif ids.shape[1] > self.config.n_positions:
             raise Gpt2ffnError(f"{ids.shape[1]} tokens exceed the context of n_positions={self.config.n_positions}")
 
+    @torch.no_grad()
+    def generate(self, input_ids, max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0,
+                 eos_token_id=None, attention_mask=None):
+        """HF-style generate: (B, T) LongTensor -> (B, T + new) LongTensor of prompt + new ids.
+
+        Defaults as HF's GenerationConfig: greedy unless do_sample (then temperature, top_k=50, top_p; seeded
+        from torch's global RNG, so torch.manual_seed reproduces a run); eos_token_id None means the config's.
+        A batch is left-padded with attention_mask (1 real, 0 padding); a row that ends early is padded
+        with eos_token_id, as HF pads with GPT-2's pad = eos. A thin layer over gpt2ffn.generate.generate."""
+        from .generate import Sampling, generate
+        self.check_ids(input_ids)
+        rows = input_ids.tolist()
+        if attention_mask is None:
+            prompts = rows
+        else:
+            if tuple(attention_mask.shape) != tuple(input_ids.shape):
+                raise ShapeError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
+                                 f"{tuple(input_ids.shape)}, the shape of input_ids")
+            starts = []
+            for b, m in enumerate(attention_mask.tolist()):
+                n = int(sum(m))
+                if n == 0 or m != [0] * (len(m) - n) + [1] * n:
+                    raise InputError(f"attention_mask row {b} is {m}; generate takes left padding: zeros, then "
+                                     "at least one 1, then only 1s (tokenizer.padding_side = 'left')")
+                starts.append(len(m) - n)
+            prompts = [row[s:] for row, s in zip(rows, starts)]
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        seed = int(torch.randint(2**62, (1,))) if do_sample else None
+        new = generate(self, prompts, Sampling(max_new_tokens=max_new_tokens,
+                                               temperature=temperature if do_sample else 0.0,
+                                               top_k=top_k if do_sample else None,
+                                               top_p=top_p if do_sample else None, seed=seed, eos_token_id=eos))
+        width = max(len(n) for n in new)
+        out = [row + n + [eos] * (width - len(n)) for row, n in zip(rows, new)]
+        return torch.tensor(out, dtype=torch.long, device=input_ids.device)
+
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32) -> "GPT2":
-        """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin)."""
+    def from_pretrained(cls, path, dtype=torch.float32, precision: str | None = "fp32") -> "GPT2":
+        """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin).
+
+        precision ('fp32', 'bf16', 'int8', 'int4'): the linear layers' weights for inference, packed by
+        gpt2ffn.quantize (activations stay fp32); fp32 is exact and takes this machine's fastest kernels;
+        None leaves plain torch modules (and with dtype other than float32, precision must be None)."""
         from .weights import Checkpoint
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
@@ -269,7 +371,11 @@ class GPT2(nn.Module):
                     raise ShapeError(f"{name} has shape {tuple(t.shape)}; the config from {directory / 'config.json'} "
                                      f"expects {tuple(target.shape)}")
                 target.copy_(t)
-        return model.to(dtype).eval()
+        model = model.to(dtype).eval()
+        if precision is not None and dtype == torch.float32:
+            from .precision import quantize
+            quantize(model, precision)
+        return model
 
 
 def random_weights_(model: nn.Module, seed: int) -> nn.Module:
@@ -289,6 +395,20 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
             else:  # Conv1D weight [in, out]
                 p.copy_(1.5 / p.shape[0] ** 0.5 * torch.randn(p.shape, generator=g))
     return model
+
+
+def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32") -> GPT2:
+    """GPT2 in eval mode from a checkpoint directory or `random:<preset>[:seed]`; weights only, no tokenizer.
+    precision: as GPT2.from_pretrained's."""
+    from pathlib import Path
+    if spec.startswith("random:"):
+        from .precision import quantize
+        cfg, seed, _ = parse_random(spec)
+        model = random_weights_(GPT2(cfg), seed).to(dtype).eval()
+        return quantize(model, precision) if precision is not None and dtype == torch.float32 else model
+    if not Path(spec).is_dir():
+        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
+    return GPT2.from_pretrained(spec, dtype=dtype, precision=precision)
 
 
 def parse_random(spec: str) -> tuple:

@@ -121,11 +121,7 @@ class Service:
         if self.threads:
             import torch
             torch.set_num_threads(self.threads)
-        kwargs = {} if self.precision == "fp32" else {"precision": self.precision}
-        try:
-            self.model, self.tok, self.name = load(self.model_spec, **kwargs)
-        except TypeError as e:
-            raise Gpt2ffnError(f"--precision {self.precision} is not available in this build ({e})") from None
+        self.model, self.tok, self.name = load(self.model_spec, precision=self.precision)
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
         self.engine = Engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
                              batch_invariant=self.batch_invariant, metrics=self.metrics)

@@ -1,0 +1,31 @@
+"""Builds gpt2ffn._C, the packed-weight CPU kernels (src/gpt2ffn/csrc), with torch's cpp_extension.
+
+The extension is optional: where it cannot be built (no C++ compiler, a platform that is not x86-64),
+the install goes on without it and gpt2ffn runs every precision on torch's own ops (gpt2ffn.kernels.native
+says why). Everything else about the package is in pyproject.toml.
+"""
+
+import platform
+import sys
+
+from setuptools import setup
+
+ext_modules, cmdclass = [], {}
+if platform.machine().lower() in ("x86_64", "amd64"):
+    from torch.utils.cpp_extension import BuildExtension, CppExtension
+
+    class OptionalBuild(BuildExtension):
+        """BuildExtension that warns and carries on when the compiler fails."""
+
+        def run(self):
+            try:
+                super().run()
+            except Exception as e:  # noqa: BLE001 - any build failure leaves the torch fallback
+                print(f"gpt2ffn: the C++ kernels were not built ({e}); torch's ops will be used", file=sys.stderr)
+
+    src = "src/gpt2ffn/csrc/"
+    ext_modules = [CppExtension("gpt2ffn._C", [src + "ops.cpp", src + "linear_avx512.cpp", src + "linear_avx2.cpp"],
+                                extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
+    cmdclass = {"build_ext": OptionalBuild.with_options(use_ninja=False)}
+
+setup(ext_modules=ext_modules, cmdclass=cmdclass)

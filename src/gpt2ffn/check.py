@@ -1,0 +1,457 @@
+"""Check a learner's FFN or GELU against GPT-2: PASS/FAIL per stage, and what is wrong, by name.
+
+    gpt2ffn check my_gpt.py:FeedForward                 # a class, built with GPT_CONFIG_124M
+    gpt2ffn check my_gpt.py:ffn --golden golden/        # an instance, fed a golden set's ln_2 output
+    print(gpt2ffn.check(FeedForward).format())          # the same from Python: a Report
+
+An FFN (a module with two linear layers) gets one GPT-2 block's c_fc and c_proj weights loaded into its
+layers, runs in eval() on that block's ln_2 output, and each stage that can be hooked (after the first linear,
+the second linear's input, the output) is compared with what HF's own modules returned; a failing stage is
+diagnosed (gpt2ffn.diagnose). A GELU (a module or function with no linear layer) runs over a grid and is told
+which form it computes.
+"""
+
+import importlib.util
+import inspect
+import json
+import sys
+from dataclasses import dataclass, field
+from functools import lru_cache
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn as nn
+
+from .config import GPT_CONFIG_124M, Config
+from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
+from .errors import Gpt2ffnError
+from .tolerances import GOLDEN_ATOL
+
+DEFAULT_REFERENCE = "random:gpt2:0"
+# Seed 001's prompt "Hello, my dog is cute" in GPT-2's BPE: a random: model has no tokenizer.
+TOKEN_IDS = [15496, 11, 616, 3290, 318, 13779]
+GPT2_WIDTHS = (768, 1024, 1280, 1600)
+STAGE_LABELS = {"c_fc": "after c_fc (1st linear)", "gelu": "after activation", "ffn": "output"}
+# Seed 000's spot check of its GELU, to 4 decimals.
+SPOT_X = [-2.0, -1.0, 0.0, 1.0, 2.0]
+SPOT_Y = [-0.0454, -0.1588, 0.0, 0.8412, 1.9546]
+GELU_GRID = np.concatenate([np.linspace(-10.0, 10.0, 2001), [-400.0, 400.0]])
+# A GELU "is" a form within this: fp32 rounding of a right one is ~2.4e-7; tanh and exact differ by 4.7e-4.
+FORM_ATOL = 1e-5
+
+
+class CheckError(Gpt2ffnError):
+    """What stops a check from running, in one line."""
+
+
+@dataclass
+class Row:
+    """One judged line: an FFN stage or a GELU measurement."""
+
+    name: str
+    shape: tuple
+    max_abs: float
+    atol: float | None   # None: shown for information, not judged
+    status: str          # PASS, FAIL, or "--" for information
+    note: str = ""
+
+    def as_dict(self):
+        return {**self.__dict__, "shape": list(self.shape)}
+
+
+@dataclass
+class Report:
+    """A check's outcome. kind is 'ffn' or 'gelu'; verdict is the one-line conclusion."""
+
+    kind: str
+    subject: str
+    info: list
+    rows: list
+    verdict: str
+    diagnosis: Diagnosis | None = None
+    passed: bool = field(init=False)
+
+    def __post_init__(self):
+        self.passed = all(r.status != "FAIL" for r in self.rows)
+
+    def format(self) -> str:
+        w = max(len(r.name) for r in self.rows) + 2
+        head = f"{'stage' if self.kind == 'ffn' else 'measure':<{w}}{'shape':<16}{'max abs':>11}{'tol':>9}  result"
+        lines = [f"{self.kind.upper()} check of {self.subject}", *[f"  {i}" for i in self.info], head, "-" * len(head)]
+        for r in self.rows:
+            tol = f"{r.atol:>9.0e}" if r.atol is not None else f"{'':>9}"
+            lines.append(f"{r.name:<{w}}{str(tuple(r.shape)):<16}{r.max_abs:>11.3e}{tol}  {r.status}"
+                         + (f"  {r.note}" if r.note else ""))
+        return "\n".join(lines + [self.verdict])
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "subject": self.subject, "passed": self.passed, "info": self.info,
+                "rows": [r.as_dict() for r in self.rows], "verdict": self.verdict,
+                "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None}
+
+
+# ---- finding and building what to check ----------------------------------------------------------------
+
+def _where(e, path) -> str:
+    """' (line N)' of the deepest traceback frame in the learner's file."""
+    line, tb = None, e.__traceback__
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename) == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f" (line {line})" if line else ""
+
+
+def _super_missing(e):
+    """The module class whose __init__ assigned a layer before calling super().__init__(), or None."""
+    if not (isinstance(e, AttributeError) and "before Module.__init__() call" in str(e)):
+        return None
+    name, tb = None, e.__traceback__
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "__init__" and isinstance(me, nn.Module):
+            name = type(me).__name__
+        tb = tb.tb_next
+    return name
+
+
+def _super_message(name, e) -> str:
+    return (f"{name}.__init__ never calls super().__init__(): add super().__init__() as its first line "
+            f"(nn.Module sets itself up there; without it torch says: {e})")
+
+
+def load_object(target: str):
+    """(object, label) for FILE.py:NAME; the file is imported as a module from its path (its __main__ block
+    does not run)."""
+    file, sep, name = target.rpartition(":")
+    if not sep or not file or not name:
+        raise CheckError(f"expected FILE.py:NAME (a class or an instance in the file), got {target!r}")
+    path = Path(file).resolve()
+    if not path.is_file():
+        raise CheckError(f"no file {file}")
+    spec = importlib.util.spec_from_file_location(f"gpt2ffn_check_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # @dataclass and pickling look a class's module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[spec.name]
+        who = _super_missing(e)
+        why = _super_message(who, e) if who else f"{type(e).__name__}: {e}"
+        raise CheckError(f"importing {file} failed{_where(e, path)}: {why}".splitlines()[0]) from None
+    if not hasattr(module, name):
+        found = [n for n, v in vars(module).items() if not n.startswith("_") and (
+            isinstance(v, nn.Module) or inspect.isclass(v) and issubclass(v, nn.Module) and v.__module__ == spec.name)]
+        raise CheckError(f"{file} has no {name!r}; its modules: {', '.join(found) or 'none'}")
+    return getattr(module, name), f"{Path(file).name}:{name}"
+
+
+def _config(config, ref: Config) -> tuple:
+    """(the dict a class is built with, how to show it). Default: the book-style dict of the reference's width."""
+    if config is None:
+        if (ref.n_embd, ref.hidden) == (768, 3072):
+            return GPT_CONFIG_124M, "GPT_CONFIG_124M"
+        return ref.to_book_dict(), "cfg"
+    if isinstance(config, Config):
+        return config.to_book_dict(), "cfg"
+    if isinstance(config, dict):
+        return config, "cfg"
+    text = str(config)
+    if text.lstrip().startswith(("{", "[")) or text.endswith(".json"):
+        try:
+            d = json.loads(Path(text).read_text() if text.endswith(".json") else text)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckError(f"--config {text!r} is not a JSON object or file: {e}") from None
+        if not isinstance(d, dict):
+            raise CheckError(f"--config {text!r} holds a {type(d).__name__}, expected a JSON object")
+        return d, "cfg"
+    return Config.from_name(text).to_book_dict(), "cfg"
+
+
+def instantiate(cls, cfg: dict, cfg_label: str):
+    """cls(cfg) when its constructor takes one argument, cls() when it takes none; (instance, how it was built)."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        sig = None
+    params = [] if sig is None else [p for p in sig.parameters.values()
+                                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(params) > 1 or (params and params[0].kind is inspect.Parameter.KEYWORD_ONLY):
+        raise CheckError(f"{cls.__name__}{sig} wants {', '.join(p.name for p in params)}; check builds a class with "
+                         f"one config dict ({cfg_label}): make an instance in your file (ffn = {cls.__name__}(...)) "
+                         f"and check that (FILE.py:ffn)")
+    how = f"{cls.__name__}({cfg_label if params else ''})"
+    try:
+        return cls(*([cfg] if params else [])), how
+    except Exception as e:
+        who = _super_missing(e)
+        if who:
+            raise CheckError(_super_message(who, e)) from None
+        hint = f": it reads a key {cfg_label} does not have ({', '.join(cfg)})" if isinstance(e, KeyError) else ""
+        raise CheckError(f"{how} raised {type(e).__name__}: {e}{hint}".splitlines()[0]) from None
+
+
+def linear_layers(module: nn.Module) -> list:
+    """(name, submodule) of every submodule holding a 2-D `weight` (nn.Linear, Conv1D-style), in order."""
+    return [(n, m) for n, m in module.named_modules()
+            if m is not module and isinstance(m._parameters.get("weight"), torch.Tensor)
+            and m._parameters["weight"].dim() == 2]
+
+
+def layout(m: nn.Module, d: int, side: str) -> tuple:
+    """(layout, n_in, n_out) of a linear layer whose `side` ('in' for c_fc, 'out' for c_proj) is n_embd=d.
+
+    nn.Linear stores [out, in]; any other module is told apart by which side of its weight is d."""
+    a, b = m._parameters["weight"].shape
+    if isinstance(m, nn.Linear):
+        return "[out, in]", b, a
+    if (a if side == "in" else b) == d:
+        return "[in, out]", a, b
+    if (b if side == "in" else a) == d:
+        return "[out, in]", b, a
+    return None, a, b
+
+
+def _width(n: int) -> str:
+    return "" if n in GPT2_WIDTHS else f"; {n} fits no GPT-2 width ({', '.join(map(str, GPT2_WIDTHS))})"
+
+
+def _load(m: nn.Module, w, b, lay: str, name: str) -> str:
+    """Copy HF-layout weight w [in, out] (transposed for [out, in]) and bias b into m; '' or a note."""
+    with torch.no_grad():
+        m._parameters["weight"].copy_(torch.from_numpy(np.ascontiguousarray(w if lay == "[in, out]" else w.T)))
+        bias = m._parameters.get("bias")
+        if bias is None:
+            return "no bias"
+        if tuple(bias.shape) != b.shape:
+            raise CheckError(f"{name}.bias has shape {tuple(bias.shape)}; its layer needs {b.shape}")
+        bias.copy_(torch.from_numpy(b))
+    return ""
+
+
+# ---- the reference ------------------------------------------------------------------------------------
+
+@lru_cache(maxsize=4)
+def random_case(source: str, layer: int) -> FFNCase:
+    """Block `layer`'s FFN of a seeded random HF GPT-2, computed here (offline), on seed 001's prompt ids."""
+    from .golden import capture, load_reference
+    model, cfg, info = load_reference(source)
+    if not 0 <= layer < cfg.n_layer:
+        raise CheckError(f"--layer {layer} is out of range: {source} has layers 0..{cfg.n_layer - 1}")
+    ids = [i % cfg.vocab_size for i in TOKEN_IDS]
+    t = capture(model, cfg, ids, [layer])
+    return FFNCase(source=info["source"], layer=layer, approximate=cfg.gelu_approximate,
+                   weights={k: v.float().numpy() for k, v in model.transformer.h[layer].mlp.state_dict().items()},
+                   x=t[f"h{layer}_ln_2"], resid=t[f"h{layer}_attn_resid"],
+                   expected={s: t[f"h{layer}_{s}"] for s in STAGES})
+
+
+def reference(golden=None) -> tuple:
+    """(Config, a function of layer giving the FFNCase) for a golden directory or a random: preset."""
+    source = str(golden) if golden is not None else DEFAULT_REFERENCE
+    if source.startswith("random:"):
+        from .model import parse_random
+        return parse_random(source)[0], lambda layer: random_case(source, layer)
+    from .golden import Golden
+    g = Golden(source)
+    return g.config, g.ffn_case
+
+
+# ---- the checks ---------------------------------------------------------------------------------------
+
+def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None) -> Report:
+    """Check a learner's FFN or GELU: an nn.Module class (built with one config dict), an instance, or a
+    GELU function. golden: a directory from `gpt2ffn extract`, or random:<preset>[:seed] (default
+    random:gpt2:0, offline); layer: its block; config: the dict, preset name or JSON a class is built with
+    (default: the seeds' book-style dict of the reference's width, GPT_CONFIG_124M for gpt2)."""
+    name = name or getattr(obj, "__name__", type(obj).__name__)
+    ref_cfg, case_of = reference(golden)
+    if inspect.isclass(obj):
+        if not issubclass(obj, nn.Module):
+            raise CheckError(f"{name} is a class but not an nn.Module; check takes an FFN or GELU module")
+        cfg, cfg_label = _config(config, ref_cfg)
+        module, how = instantiate(obj, cfg, cfg_label)
+        built = [f"built as {how}" + (f", cfg = {json.dumps(cfg)}" if how.endswith("(cfg)") else "")]
+    elif isinstance(obj, nn.Module):
+        module, built = obj, [f"an instance of {type(obj).__name__}"]
+    elif callable(obj):
+        return check_gelu(obj, name, ref_cfg.gelu_approximate, ["a function"])
+    else:
+        raise CheckError(f"{name} is a {type(obj).__name__}; check takes an nn.Module class or instance, "
+                         "or a GELU function")
+    linears = linear_layers(module)
+    if not linears:
+        return check_gelu(module, name, ref_cfg.gelu_approximate, built)
+    if len(linears) != 2:
+        raise CheckError(f"{name} has {len(linears)} linear layers ({', '.join(n for n, _ in linears)}); "
+                         "an FFN has two, c_fc then c_proj")
+    return check_ffn(module, linears, name, built, case_of(layer))
+
+
+def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase,
+              atol: float = GOLDEN_ATOL) -> Report:
+    """Load the case's weights into the two linear layers, run in eval(), judge and diagnose each stage."""
+    (n1, l1), (n2, l2) = linears
+    d, hidden = case.weights["c_fc.weight"].shape
+    lay1, i1, o1 = layout(l1, d, "in")
+    if lay1 is None or i1 != d:
+        shape = tuple(l1._parameters["weight"].shape)
+        maps = f"maps {i1} -> {o1}" if lay1 else f"has weight {shape}, neither side n_embd={d}"
+        raise CheckError(f"{name}'s first linear layer {n1} {maps}; GPT-2 here ({case.source}) has n_embd={d}, "
+                         f"c_fc maps {d} -> {hidden}{_width(i1) if lay1 else ''}")
+    lay2, i2, o2 = layout(l2, d, "out")
+    if lay2 is None or (i2, o2) != (o1, d):
+        raise CheckError(f"{name}'s second linear layer {n2} has weight {tuple(l2._parameters['weight'].shape)}; "
+                         f"after {n1} ({d} -> {o1}) c_proj maps {o1} -> {d}")
+    if o1 > hidden:
+        raise CheckError(f"{name}'s hidden width is {o1} ({o1 / d:g}x n_embd), wider than GPT-2's {hidden} "
+                         f"({hidden / d:g}x): no GPT-2 weights fit it; use nn.Linear(emb_dim, 4 * emb_dim)")
+    w = case.weights
+    notes = [_load(l1, w["c_fc.weight"][:, :o1], w["c_fc.bias"][:o1], lay1, n1),
+             _load(l2, w["c_proj.weight"][:o1], w["c_proj.bias"], lay2, n2)]
+    info = built + [f"c_fc = {n1} ({type(l1).__name__}, {lay1}), c_proj = {n2} ({type(l2).__name__}, {lay2})"
+                    + "".join(f"; {n} has {note}" for n, note in zip((n1, n2), notes) if note)]
+    if o1 < hidden:
+        info.append(f"hidden width {o1} ({o1 / d:g}x n_embd), GPT-2's is {hidden} ({hidden / d:g}x): "
+                    f"loaded the first {o1} of c_fc's units")
+    T = case.x.shape[1]
+    info.append(f"fed {case.source} layer {case.layer}'s ln_2 output (1, {T}, {d}) in eval(); "
+                f"compared with HF GPT-2's own stages, tolerance {atol:.0e}")
+    param = next(module.parameters())
+    x = torch.from_numpy(case.x).to(param.dtype)
+    was_training = module.training
+    module.eval()
+    try:
+        first, again = _run(module, l1, l2, x, name), _run(module, l1, l2, x, name)
+    finally:
+        module.train(was_training)
+    from .golden import compare
+    rows, failing = [], []
+    for stage in STAGES:
+        label = STAGE_LABELS[stage]
+        if stage not in first:
+            rows.append(Row(label, (), float("nan"), None, "--", "not hooked: the module uses the layer's "
+                                                                  "weights without calling it"))
+            continue
+        r = compare(label, {"checkpoint": "06", "layer": case.layer}, first[stage], case.expected[stage], atol)
+        rows.append(Row(label, tuple(first[stage].shape), r.max_abs, atol, r.status, r.note))
+        if r.status == "FAIL" and np.isfinite(first[stage]).all():
+            failing.append(stage)
+    deterministic = all(np.array_equal(first[k], again[k], equal_nan=True) for k in first)
+    diagnosis = diagnose_stages(case, first, failing, atol)
+    if not failing and all(r.status != "FAIL" for r in rows):
+        verdict = f"PASS: {name} computes GPT-2's FFN (c_fc -> {FORMS[TARGET[case.approximate]][1]} -> c_proj)"
+        if not deterministic:
+            verdict = f"FAIL: {name} passes once but two runs differ: something random is on at inference"
+            rows.append(Row("2 runs identical", (), 0.0, None, "FAIL", "two runs gave different outputs"))
+    else:
+        bad = next(r for r in rows if r.status == "FAIL")
+        verdict = (f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if diagnosis
+                   else f"FAIL ({bad.name}): {bad.note}")
+        if not deterministic and (diagnosis is None or diagnosis.key != "dropout"):
+            verdict += " (and two runs differ: something random is on at inference)"
+    return Report("ffn", name, info, rows, verdict, diagnosis)
+
+
+def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float):
+    """The known mistake that explains the most failing stages (then the earliest, then the closest): both
+    biases missing matches all three stages, c_fc's bias alone only the first two. Else dropout's signature
+    at any stage, else the output's worst element. None when nothing failed."""
+    found = {}  # key -> [stages it matches, variant, first stage, distance there]
+    for stage in failing:
+        for dist, v in case.matching(stage, outputs[stage], atol):
+            found.setdefault(v.key, [0, v, stage, dist])[0] += 1
+    if found:
+        _, v, stage, dist = max(found.values(), key=lambda f: (f[0], -STAGES.index(f[2]), -f[3]))
+        return named(v, stage, dist)
+    plain = [case.diagnose(stage, outputs[stage], atol) for stage in failing]
+    return next((d for d in plain if d.key), plain[-1] if plain else None)
+
+
+def _run(module, l1, l2, x, name) -> dict:
+    """One forward; the stages it passes through: c_fc's output, c_proj's input, the output (float32 numpy)."""
+    seen = {}
+
+    def keep(key, t):  # returns None: a hook that returns a value replaces the layer's output
+        seen.setdefault(key, t.detach().float().numpy().copy())
+    hooks = [l1.register_forward_hook(lambda m, a, o: keep("c_fc", o)),
+             l2.register_forward_pre_hook(lambda m, a: keep("gelu", a[0]))]
+    try:
+        with torch.no_grad():
+            out = module(x)
+    except Exception as e:
+        who = _super_missing(e)
+        raise CheckError(_super_message(who, e) if who else f"{name} failed on input of shape {tuple(x.shape)}: "
+                         f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    finally:
+        for h in hooks:
+            h.remove()
+    if not isinstance(out, torch.Tensor):
+        raise CheckError(f"{name} returned a {type(out).__name__}; an FFN returns a tensor (B, T, n_embd)")
+    seen["ffn"] = out.detach().float().numpy()
+    return seen
+
+
+def _apply(fn, x, name):
+    try:
+        with torch.no_grad():
+            y = fn(x)
+    except Exception as e:
+        raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but it fails on a float "
+                         f"tensor of shape {tuple(x.shape)}: {type(e).__name__}: {e}".splitlines()[0]) from None
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+        raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but it maps a tensor of "
+                         f"shape {tuple(x.shape)} to {got}: not elementwise")
+    return y.detach().double().numpy()
+
+
+def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDEN_ATOL) -> Report:
+    """Seed 000's spot values, max error against every known form over the grid, and which form it is."""
+    was_training = getattr(fn, "training", None)
+    if was_training is not None:
+        fn.eval()
+    try:
+        x = torch.tensor(GELU_GRID, dtype=torch.float32)
+        got = _apply(fn, x, name)
+        perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
+        if not np.allclose(_apply(fn, x[perm], name), got[perm.numpy()], atol=1e-6, equal_nan=True):
+            raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but its output at a point "
+                             "depends on the other points: not elementwise")
+        spot = np.round(_apply(fn, torch.tensor(SPOT_X), name), 4) + 0.0  # + 0.0: -0.0 prints as 0.0
+    finally:
+        if was_training is not None:
+            fn.train(was_training)
+    target = TARGET[approximate]
+    rows = []
+    bad = ~np.isfinite(got)
+    if bad.any():
+        rows.append(Row("finite", (len(x),), float("nan"), None, "FAIL",
+                        f"NaN/Inf at x = {', '.join(f'{v:g}' for v in GELU_GRID[bad][:4])}"))
+    if target == "tanh":
+        ok = np.allclose(spot, SPOT_Y, atol=1e-9)
+        rows.append(Row("seed 000 spot values x = -2..2", (5,), float(np.abs(spot - SPOT_Y).max()), None,
+                        "PASS" if ok else "FAIL", f"got {spot.tolist()}" + ("" if ok else f", expected {SPOT_Y}")))
+    with np.errstate(over="ignore"):
+        errors = {k: float(np.abs(got - f(GELU_GRID)).max()) for k, (f, *_) in FORMS.items()}
+    for k in dict.fromkeys([target, "tanh", "exact"]):
+        judged = k == target
+        rows.append(Row(f"vs {FORMS[k][1]}", (len(x),), errors[k], atol if judged else None,
+                        ("PASS" if errors[k] <= atol else "FAIL") if judged else "--"))
+    best = min(errors, key=errors.get)
+    info = built + [f"float32 over {len(x)} points: -10..10 step 0.01 and x = +-400; target: "
+                    f"{FORMS[target][2]}"]
+    if errors[best] <= FORM_ATOL:
+        form = f"it is the {FORMS[best][2]}: max error {errors[best]:.1e}"
+        fix = "" if best == target else f"; {fix_for(best, target)}"
+    else:
+        with np.errstate(over="ignore"):
+            want = FORMS[target][0](GELU_GRID)
+        i = int(np.nanargmax(np.abs(got - want)))
+        form = (f"it matches no known form (closest: {FORMS[best][2]}, max error {errors[best]:.1e}); worst point "
+                f"x = {GELU_GRID[i]:g}: got {got[i]:.6g}, {FORMS[target][1]} gives {want[i]:.6g}")
+        fix = ""
+    report = Report("gelu", name, info, rows, "")
+    report.verdict = f"{'PASS' if report.passed else 'FAIL'}: {form}{fix}"
+    return report

@@ -1,0 +1,156 @@
+// gpt2ffn._C: packed-weight linear layers for CPU decode and prefill (see linear.h for the layout).
+// This file holds the torch side: argument checks, threads (at::parallel_for over output super-blocks,
+// torch's own OpenMP pool) and the choice of instruction set, made once from what the CPU reports.
+#include <ATen/Parallel.h>
+#include <torch/extension.h>
+
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "linear.h"
+
+namespace gpt2ffn {
+namespace avx512 {
+void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
+void attend(const AttendArgs& a);
+}
+namespace avx2 {
+void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
+void attend(const AttendArgs& a);
+}
+
+using RangeFn = void (*)(const LinearArgs&, int64_t, int64_t);
+using AttendFn = void (*)(const AttendArgs&);
+
+static RangeFn pick() {
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
+    return avx512::linear_range;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return avx2::linear_range;
+  return nullptr;
+}
+
+static const RangeFn kRange = pick();
+static const AttendFn kAttend = kRange == avx512::linear_range ? avx512::attend
+                              : kRange == avx2::linear_range ? avx2::attend : nullptr;
+
+std::string isa() {
+  return kRange == avx512::linear_range ? "avx512" : kRange == avx2::linear_range ? "avx2" : "none";
+}
+
+// x (M, K) float32 -> y (M, N) float32; `w` and `scale` as Packed in gpt2ffn/precision.py writes them.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                     const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N, int64_t group) {
+  TORCH_CHECK(kRange != nullptr, "gpt2ffn._C.linear needs AVX2+FMA or AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1, "x must have unit stride along K");
+  TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "w must be a contiguous CPU tensor");
+  TORCH_CHECK(format >= F32 && format <= I4, "unknown format ", format);
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(format != I4 || K % 2 == 0, "int4 needs an even K, got ", K);
+  const int64_t rows = format == I4 ? K / 2 : K;
+  const int64_t esize = format == F32 ? 4 : format == BF16 ? 2 : 1;
+  TORCH_CHECK(K > 0 && w.nbytes() % (rows * 64 * esize) == 0, "w holds ", w.nbytes(), " bytes, not whole super-blocks of K=", K);
+  const int64_t nsuper = w.nbytes() / (rows * 64 * esize);
+  TORCH_CHECK(N <= nsuper * 64 && N > nsuper * 64 - 64, "w has ", nsuper, " super-blocks of 64, which does not fit N=", N);
+  LinearArgs a{};
+  if (format == I8 || format == I4) {
+    TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->scalar_type() == at::kFloat, "scale must be float32");
+    TORCH_CHECK(group > 0 && K % group == 0 && (format == I8 || group % 2 == 0), "group ", group, " must divide K=", K,
+                format == I4 ? " and be even" : "");
+    TORCH_CHECK(scale->numel() == nsuper * (K / group) * 64, "scale has ", scale->numel(), " elements, expected ",
+                nsuper * (K / group) * 64);
+    a.scale = scale->data_ptr<float>();
+    a.group = group;
+  }
+  if (bias.has_value()) {
+    TORCH_CHECK(bias->is_contiguous() && bias->scalar_type() == at::kFloat && bias->numel() == nsuper * 64,
+                "bias must be float32 with ", nsuper * 64, " elements (padded to the super-blocks)");
+    a.bias = bias->data_ptr<float>();
+  }
+  auto y = torch::empty({M, nsuper * 64}, x.options());
+  a.x = x.data_ptr<float>();
+  a.ldx = x.stride(0);
+  a.M = M;
+  a.K = K;
+  a.w = w.data_ptr();
+  a.y = y.data_ptr<float>();
+  a.ldy = nsuper * 64;
+  a.format = static_cast<int>(format);
+  const RangeFn fn = kRange;
+  at::parallel_for(0, nsuper, 1, [&](int64_t s0, int64_t s1) { fn(a, s0, s1); });
+  return N == nsuper * 64 ? y : y.narrow(1, 0, N);
+}
+
+// One GPT-2 block for one new token per row, the whole of it in one call (decode: no Python between ops):
+//   x1 = x + attn.c_proj(attend(c_attn(ln_1(x)))),  out = x1 + mlp.c_proj(act(c_fc(ln_2(x1))))
+// Row b's new key and value go to position lens[b] of cache slot slots[b], and its query attends to that
+// slot's positions 0..lens[b] only. Each linear layer is (w, scale, bias, format, N, group) of a Packed;
+// an empty scale tensor stands for none.
+torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, const torch::Tensor& lens,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const std::vector<torch::Tensor>& norms, double eps,
+                           const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
+                           const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
+                           const std::vector<int64_t>& ns, const std::vector<int64_t>& groups,
+                           const std::string& act) {
+  TORCH_CHECK(kAttend != nullptr, "gpt2ffn._C.decode_block needs AVX2+FMA or AVX-512");
+  TORCH_CHECK(norms.size() == 4 && ws.size() == 4 && scales.size() == 4 && biases.size() == 4 && formats.size() == 4
+              && ns.size() == 4 && groups.size() == 4, "decode_block takes 2 LayerNorms and 4 linear layers");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (B, d) float32");
+  const int64_t B = x.size(0), d = x.size(1);
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
+              && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat,
+              "k_cache and v_cache must be contiguous float32 (slots, H, S, hd)");
+  const int64_t H = k_cache.size(1), S = k_cache.size(2), hd = k_cache.size(3);
+  TORCH_CHECK(H * hd == d && hd % 16 == 0, "cache heads ", H, " x ", hd, " do not fit d=", d, " (hd % 16 == 0)");
+  TORCH_CHECK(slots.numel() == B && lens.numel() == B && slots.scalar_type() == at::kLong
+              && lens.scalar_type() == at::kLong, "slots and lens must be int64 with one entry per row");
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const int64_t* len = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; b++)
+    TORCH_CHECK(slot[b] >= 0 && slot[b] < k_cache.size(0) && len[b] >= 0 && len[b] < S,
+                "row ", b, ": slot ", slot[b], " position ", len[b], " outside the cache (", k_cache.size(0), ", ", S, ")");
+  auto lin = [&](const torch::Tensor& in, int i) {
+    return linear(in, ws[i], scales[i].numel() ? c10::optional<torch::Tensor>(scales[i]) : c10::nullopt,
+                  biases[i], formats[i], ns[i], groups[i]);
+  };
+  const auto qkv = lin(at::layer_norm(x, {d}, norms[0], norms[1], eps), 0);  // (B, 3d)
+  const float* qkvp = qkv.data_ptr<float>();
+  const int64_t ldq = qkv.stride(0);
+  float* kc = k_cache.data_ptr<float>();
+  float* vc = v_cache.data_ptr<float>();
+  for (int64_t b = 0; b < B; b++)
+    for (int64_t h = 0; h < H; h++) {
+      const int64_t at = ((slot[b] * H + h) * S + len[b]) * hd;
+      std::memcpy(kc + at, qkvp + b * ldq + d + h * hd, hd * sizeof(float));
+      std::memcpy(vc + at, qkvp + b * ldq + 2 * d + h * hd, hd * sizeof(float));
+    }
+  auto att = torch::empty({B, d}, x.options());
+  float* attp = att.data_ptr<float>();
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> scores(S);
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b = i / H, h = i % H, base = (slot[b] * H + h) * S * hd;
+      kAttend(AttendArgs{qkvp + b * ldq + h * hd, kc + base, vc + base, len[b] + 1, hd, scale, scores.data(),
+                         attp + b * d + h * hd});
+    }
+  });
+  auto x1 = lin(att, 1).add_(x);                                     // (B, d) residual
+  auto hidden = lin(at::layer_norm(x1, {d}, norms[2], norms[3], eps), 2);
+  if (act == "relu") hidden.relu_();
+  else at::gelu_(hidden, act);                                        // "tanh" or "none"
+  return lin(hidden, 3).add_(x1);
+}
+
+}  // namespace gpt2ffn
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &gpt2ffn::linear, "y = x @ W + b on packed weights", py::arg("x"), py::arg("w"),
+        py::arg("scale"), py::arg("bias"), py::arg("format"), py::arg("N"), py::arg("group"));
+  m.def("decode_block", &gpt2ffn::decode_block, "one GPT-2 block for one new token per row, KV cache by slot");
+  m.def("isa", &gpt2ffn::isa, "the instruction set the kernels run on: avx512, avx2 or none");
+}

@@ -1,0 +1,239 @@
+"""What a failing FFN got wrong: every known-wrong variant, computed from the same weights and input.
+
+A failing output "is" a variant when max |got - variant| <= the tolerance it failed (1e-4 by default); the
+closest such variant is named with what to change. Each variant is computed in float64 from HF's weights
+(HF layout: c_fc.weight [d, hidden]), so it is the mistake alone, not the mistake plus rounding.
+
+Dropout left on at inference cannot be computed (its mask is random): it is recognised by its signature,
+a fraction p of the elements exactly 0 and all the others scaled by one factor 1/(1 - p).
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .reference import gelu_exact, gelu_tanh, relu
+
+STAGES = ("c_fc", "gelu", "ffn")
+KEYS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
+TANH_FIX = "use the tanh form, GPT-2's gelu_new: 0.5*x*(1 + tanh(sqrt(2/pi)*(x + 0.044715*x**3))), " \
+           "or F.gelu(x, approximate='tanh')"
+EXACT_FIX = "use the exact form: 0.5*x*(1 + erf(x/sqrt(2))), or F.gelu(x)"
+
+
+def tanh_form(coefficient=0.044715, scale=math.sqrt(2.0 / math.pi)):
+    """0.5 x (1 + tanh(scale (x + coefficient x^3))): GPT-2's GELU at the defaults, a misprint otherwise."""
+    return lambda h: 0.5 * h * (1.0 + np.tanh(scale * (h + coefficient * h ** 3)))
+
+
+def sigmoid_form(h):
+    return h / (1.0 + np.exp(-1.702 * h))
+
+
+# Activation forms a learner writes: key -> (function, short name, what it is, how to get GPT-2's tanh form).
+FORMS = {
+    "tanh": (gelu_tanh, "tanh GELU", "tanh form, as GPT-2's gelu_new", TANH_FIX),
+    "exact": (gelu_exact, "exact GELU (erf)", "exact form (erf), as HF's activation_function='gelu'", TANH_FIX),
+    "coefficient": (tanh_form(coefficient=0.055715), "cubic coefficient 0.055715 instead of 0.044715",
+                    "tanh form with cubic coefficient 0.055715 (GPT-2's is 0.044715)",
+                    "use 0.044715 for the cubic coefficient (seed 002's notes misprint it as 0.055715)"),
+    "sqrt2_over_pi": (tanh_form(scale=math.sqrt(2.0) / math.pi), "sqrt(2)/pi instead of sqrt(2/pi)",
+                      "tanh form scaled by sqrt(2)/pi instead of sqrt(2/pi)",
+                      "scale by sqrt(2/pi) = 0.7979 (math.sqrt(2 / math.pi)), not sqrt(2)/pi = 0.4502"),
+    "two_over_pi": (tanh_form(scale=2.0 / math.pi), "2/pi instead of sqrt(2/pi)",
+                    "tanh form scaled by 2/pi instead of sqrt(2/pi)",
+                    "scale by sqrt(2/pi) = 0.7979, not 2/pi = 0.6366: the square root is missing"),
+    "no_scale": (tanh_form(scale=1.0), "sqrt(2/pi) left out", "tanh form with sqrt(2/pi) left out",
+                 "multiply (x + 0.044715*x**3) by sqrt(2/pi) = 0.7979 inside the tanh"),
+    "sigmoid": (sigmoid_form, "sigmoid approximation x*sigmoid(1.702x) instead of GELU",
+                "sigmoid approximation x*sigmoid(1.702x)", TANH_FIX),
+    "relu": (relu, "ReLU instead of GELU", "ReLU", TANH_FIX),
+    "identity": (lambda h: h, "GELU left out", "no activation (identity)",
+                 "apply GELU between c_fc and c_proj: c_proj(gelu(c_fc(x)))"),
+}
+# Config.gelu_approximate -> the form it asks for.
+TARGET = {"tanh": "tanh", "none": "exact", "relu": "relu"}
+
+
+def fix_for(key: str, target: str) -> str:
+    """What to change when the activation is form `key` and the config asks for form `target`."""
+    if target == "tanh" or key == "identity":
+        return FORMS[key][3]
+    return f"use the config's activation, the {FORMS[target][2]}" + (f": {EXACT_FIX}" if target == "exact" else "")
+
+
+@dataclass
+class Variant:
+    """One known-wrong FFN: a key to test by, its name, what to change, and its output at every stage."""
+
+    key: str
+    name: str
+    fix: str
+    stages: dict = field(repr=False)
+
+
+@dataclass
+class Diagnosis:
+    """What a failing stage output is: a variant (key, name, fix), dropout, or none (with the worst element)."""
+
+    stage: str
+    key: str | None
+    text: str
+    distance: float = float("nan")
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+
+def forward(x, w1, b1, w2, b2, act) -> dict:
+    """Every stage of c_fc -> act -> c_proj, float64."""
+    h = x @ w1 + b1          # (..., d) -> (..., hidden)
+    g = act(h)               # (..., hidden)
+    return {"c_fc": h, "gelu": g, "ffn": g @ w2 + b2}   # (..., hidden) -> (..., d)
+
+
+def variants(x, weights: dict, approximate: str = "tanh", resid=None) -> list:
+    """Every known-wrong FFN on input x (the ln_2 output), from GPT2MLP-keyed weights in HF layout.
+
+    resid, the residual stream ln_2 normalised, adds the variant "fed the residual stream"."""
+    x = np.asarray(x, np.float64)
+    w1, b1, w2, b2 = (np.asarray(weights[k], np.float64) for k in KEYS)
+    d, hidden = w1.shape
+    target = TARGET[approximate]
+    act = FORMS[target][0]
+    out = []
+
+    def add(key, name, fix, stages):
+        out.append(Variant(key, name, fix, stages))
+
+    for key, (f, short, _, _) in FORMS.items():
+        if key == target:
+            continue
+        name = f"{short} where the config says {FORMS[target][1]}" if key in ("tanh", "exact") else short
+        add(f"gelu_{key}", name, fix_for(key, target), forward(x, w1, b1, w2, b2, f))
+    half = hidden // 2
+    add("expansion_2x", f"hidden width {half} ({half / d:g}x n_embd) instead of {hidden} ({hidden / d:g}x)",
+        f"expand to the full hidden width: nn.Linear(emb_dim, {hidden // d if hidden % d == 0 else hidden} * emb_dim)"
+        if hidden % d == 0 else f"use hidden width {hidden}",
+        forward(x, w1[:, :half], b1[:half], w2[:half], b2, act))
+    layouts = {
+        "c_fc": (w1, "[n_embd, hidden]", lambda w: forward(x, w, b1, w2, b2, act)),
+        "c_proj": (w2, "[hidden, n_embd]", lambda w: forward(x, w1, b1, w, b2, act)),
+    }
+    for layer, (w, shape, run) in layouts.items():
+        n_in, n_out = w.shape
+        fix = (f"transpose {layer}: GPT-2's Conv1D stores {layer}.weight as [in, out] = {shape}, nn.Linear as "
+               f"[out, in]; copy {layer}.weight.T into nn.Linear.weight (a reshape or view is not a transpose)")
+        add(f"{layer}_not_transposed", f"{layer} weight not transposed ([in, out] data read as [out, in])", fix,
+            run(w.reshape(n_out, n_in).T))
+        add(f"{layer}_viewed", f"{layer} weight not transposed ([out, in] weight viewed as [in, out])", fix,
+            run(w.T.reshape(n_in, n_out)))
+    add("c_fc_bias_missing", "c_fc bias missing", "add c_fc's bias (nn.Linear(..., bias=True), GPT-2 has one)",
+        forward(x, w1, 0 * b1, w2, b2, act))
+    add("c_proj_bias_missing", "c_proj bias missing", "add c_proj's bias (nn.Linear(..., bias=True), GPT-2 has one)",
+        forward(x, w1, b1, w2, 0 * b2, act))
+    add("biases_missing", "both biases missing (c_fc and c_proj)", "give both linear layers a bias (bias=True)",
+        forward(x, w1, 0 * b1, w2, 0 * b2, act))
+    right = forward(x, w1, b1, w2, b2, act)
+    add("residual_added", "residual added inside the FFN (returns x + FFN(x))",
+        "return c_proj's output; the block adds the residual: x = x + mlp(ln_2(x))", {**right, "ffn": x + right["ffn"]})
+    if resid is not None:
+        add("residual_input", "FFN fed the residual stream instead of ln_2's output",
+            "feed the FFN ln_2's output: x = x + mlp(ln_2(x)), not mlp(x)",
+            forward(np.asarray(resid, np.float64), w1, b1, w2, b2, act))
+    return out
+
+
+def _fit(got, shape):
+    """got reshaped to shape when only leading 1s differ ([T, d] for [1, T, d]); else None."""
+    squeeze = lambda s: tuple(s)[next((i for i, n in enumerate(s) if n != 1), len(s)):]  # noqa: E731
+    return got.reshape(shape) if squeeze(got.shape) == squeeze(shape) else None
+
+
+def dropout_rate(got, expected, atol):
+    """p when got is expected under dropout (a fraction p exactly 0, the rest scaled by 1/(1 - p)); else None."""
+    live = np.abs(expected) > atol
+    if got.shape != expected.shape or live.sum() < 100:
+        return None
+    zero = (got == 0) & live
+    kept = live & ~zero
+    if not 0.01 <= zero.sum() / live.sum() <= 0.9:
+        return None
+    scale = float(np.median(got[kept] / expected[kept]))
+    fits = np.abs(got[kept] - scale * expected[kept]) <= atol + 1e-4 * np.abs(expected[kept])
+    p = 1 - 1 / scale
+    if fits.mean() < 0.99 or abs(p - zero.sum() / live.sum()) > 0.1:
+        return None
+    return p
+
+
+def matching(stage: str, got, known: list, atol: float) -> list:
+    """(max |got - variant|, variant) for every known variant the stage output equals within atol, closest first."""
+    got = np.asarray(got, np.float64)
+    found = []
+    for v in known:
+        want = v.stages.get(stage)
+        g = _fit(got, want.shape) if want is not None else None
+        if g is not None and (dist := float(np.abs(g - want).max())) <= atol:
+            found.append((dist, v))
+    return sorted(found, key=lambda f: f[0])
+
+
+def named(v: Variant, stage: str, dist: float) -> Diagnosis:
+    """The diagnosis that a stage output is variant v: its name, how close, and what to change."""
+    return Diagnosis(stage, v.key, f"{v.name} (within {dist:.1e} of it): {v.fix}", dist)
+
+
+def diagnose(stage: str, got, expected, known: list, atol: float) -> Diagnosis:
+    """Name the known-wrong variant a failing stage output equals (within atol), or say that none does."""
+    got = np.asarray(got, np.float64)
+    found = matching(stage, got, known, atol)
+    if found:
+        return named(found[0][1], stage, found[0][0])
+    expected = np.asarray(expected, np.float64)
+    g = _fit(got, expected.shape)
+    if g is None:
+        return Diagnosis(stage, None, f"shape {tuple(got.shape)} matches no known mistake (expected "
+                                      f"{tuple(expected.shape)})")
+    p = dropout_rate(g, expected, atol)
+    if p is not None:
+        return Diagnosis(stage, "dropout", f"dropout active at inference: {p:.0%} of the elements are 0 and the rest "
+                                           f"scaled by {1 / (1 - p):.4f} = 1/(1 - p): call model.eval(), and use "
+                                           "nn.Dropout or F.dropout(x, p, training=self.training)")
+    diff = np.abs(g - expected)
+    i = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    return Diagnosis(stage, None, f"matches no known mistake; worst element {list(map(int, i))}: got "
+                                  f"{g[i]:.6g}, expected {expected[i]:.6g}", float(diff[i]))
+
+
+@dataclass
+class FFNCase:
+    """One block's FFN as HF computed it: weights (HF layout), input (ln_2 output), residual stream, stages."""
+
+    source: str
+    layer: int
+    approximate: str
+    weights: dict       # c_fc.weight [d, hidden], c_fc.bias, c_proj.weight [hidden, d], c_proj.bias: numpy
+    x: np.ndarray       # ln_2 output (1, T, d), the FFN's input
+    resid: np.ndarray   # the residual stream ln_2 normalised (1, T, d)
+    expected: dict      # c_fc, gelu, ffn as HF's modules returned them
+    _known: list = field(default=None, repr=False)
+
+    @property
+    def known(self) -> list:
+        if self._known is None:
+            self._known = variants(self.x, self.weights, self.approximate, self.resid)
+        return self._known
+
+    def diagnose(self, stage, got, atol) -> Diagnosis:
+        return diagnose(stage, got, self.expected[stage], self.known, atol)
+
+    def matching(self, stage, got, atol) -> list:
+        return matching(stage, got, self.known, atol)
+
+    def given(self, x) -> "FFNCase":
+        """The same FFN fed another input (an engine's own ln_2 output): expected is the right FFN of x."""
+        w = [np.asarray(self.weights[k], np.float64) for k in KEYS]
+        right = forward(np.asarray(x, np.float64), *w, FORMS[TARGET[self.approximate]][0])
+        return FFNCase(self.source, self.layer, self.approximate, self.weights, x, None, right)

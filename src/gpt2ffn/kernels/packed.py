@@ -1,0 +1,170 @@
+"""Linear layers on packed weights (gpt2ffn.precision): the routes that can run them and the probe that picks.
+
+Routes, each computing the same numbers for a precision (validated against numpy before any timing):
+- "native": gpt2ffn._C.linear, our AVX-512 / AVX2 GEMV and small-GEMM kernels on the packed layout
+  (gpt2ffn/csrc). Every output is one fp32 FMA chain over K in order: batch-invariant and deterministic.
+- "torch":  torch.addmm (MKL / oneDNN through aten) on the layer's fp32 weights (fp32: the Parameter;
+  bf16/int8/int4: a dense fp32 copy of the rounded weights, made when this route is first needed).
+- "onednn": fp32 only: oneDNN's prepacked weights (mkldnn._reorder_linear_weight) with bias, and for c_fc
+  GELU, fused into the GEMM's epilogue (mkldnn._linear_pointwise).
+
+Which route runs is chosen per (precision, regime) by `probe`: decode (<= DECODE_ROWS rows: GEMV, bound
+by weight bandwidth) and prefill (more rows: GEMM, bound by compute), timing a chain over the model's own
+layers, once per machine; the choice is cached on disk (GPT2FFN_CACHE, default ~/.cache/gpt2ffn).
+GPT2FFN_ROUTE=<route> forces one.
+"""
+
+import json
+import os
+import platform
+import statistics
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..precision import Packed, dequantize, quantize_groups
+
+try:
+    from .. import _C
+    ISA = _C.isa()
+    WHY_NOT_NATIVE = None if ISA != "none" else "this CPU has neither AVX-512 nor AVX2 with FMA"
+except ImportError as e:  # not built: see setup.py
+    _C, ISA, WHY_NOT_NATIVE = None, "none", f"gpt2ffn._C is not built ({e})"
+
+DECODE_ROWS = 16
+_FORCED = os.environ.get("GPT2FFN_ROUTE")
+_LOCK = threading.Lock()
+
+
+def routes(precision: str, device) -> list:
+    """The routes that can run `precision` on `device`, in the order they are tried."""
+    out = []
+    if _C is not None and WHY_NOT_NATIVE is None and torch.device(device).type == "cpu":
+        out.append("native")
+    out.append("torch")
+    if precision == "fp32" and torch.device(device).type == "cpu" and torch.backends.mkldnn.is_available():
+        out.append("onednn")
+    return out
+
+
+def dense(p: Packed, weight) -> torch.Tensor:
+    """The (K, N) fp32 weights p's precision computes with, on weight's device (cached on p)."""
+    if p.precision == "fp32":
+        return weight
+    if getattr(p, "_dense", None) is None:
+        w = weight.detach().float()
+        if p.precision == "bf16":
+            p._dense = w.to(torch.bfloat16).float()
+        else:
+            p._dense = dequantize(*quantize_groups(w, p.precision, p.group), p.precision)
+    return p._dense
+
+
+def _onednn(p: Packed, weight, bias, batch: int, post: str):
+    """(prepacked weight, bias) for oneDNN, made once per (batch hint, post-op)."""
+    cache = p.__dict__.setdefault("_onednn", {})
+    key = (batch, post)
+    if key not in cache:
+        b = bias.detach() if bias is not None else None
+        cache[key] = (torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous(), batch), b)
+    return cache[key]
+
+
+def linear(x2, p: Packed, weight, bias, route: str, gelu: str | None = None):
+    """(M, K) fp32 -> (M, N): x2 @ W + b through `route`; with gelu ('tanh' or 'none'), GELU applied too."""
+    if route == "native":
+        y = _C.linear(x2, p.w, p.scale, p.bias, p.format, p.N, p.group)
+    elif route == "onednn":
+        post = "gelu" if gelu else "none"
+        wp, b = _onednn(p, weight, bias, 1 if x2.shape[0] <= DECODE_ROWS else 128, post)
+        return torch.ops.mkldnn._linear_pointwise(x2, wp, b, post, [], gelu or "")
+    else:
+        w = dense(p, weight)
+        y = torch.addmm(bias, x2, w) if bias is not None else x2 @ w
+    if gelu:
+        torch.ops.aten.gelu_(y, approximate=gelu)
+    return y
+
+
+def reference(x2, p: Packed, weight, bias) -> np.ndarray:
+    """numpy float64 x @ W + b with the precision's weights: what every route is validated against."""
+    w = dense(p, weight).detach().cpu().double().numpy()
+    y = x2.detach().cpu().double().numpy() @ w
+    return y + bias.detach().cpu().double().numpy() if bias is not None else y
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("GPT2FFN_CACHE") or Path.home() / ".cache" / "gpt2ffn"
+    return Path(root) / "routes.json"
+
+
+def machine_key() -> str:
+    cpu = platform.processor()
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|isa {ISA}"
+
+
+def probe(layers: list, precision: str, device="cpu", log=None) -> dict:
+    """{"decode": route, "prefill": route} for these packed layers [(Packed, weight, bias), ...]: each route is
+    checked against numpy on the first layer, then timed as a chain over all of them, median of 3 after a
+    warm-up; cached on disk by machine, precision and layer shapes."""
+    cands = routes(precision, device)
+    if _FORCED:
+        if _FORCED not in cands:
+            from ..errors import ConfigError
+            raise ConfigError(f"GPT2FFN_ROUTE={_FORCED!r} cannot run {precision} on {device}; possible: {cands}")
+        return {"decode": _FORCED, "prefill": _FORCED}
+    if len(cands) == 1:
+        return {"decode": cands[0], "prefill": cands[0]}
+    shapes = sorted({(p.K, p.N) for p, _, _ in layers})
+    key = f"{machine_key()}|{precision}|{shapes}|{len(layers)} layers"
+    file = _cache_file()
+    with _LOCK:
+        try:
+            cached = json.loads(file.read_text())
+        except (OSError, ValueError):
+            cached = {}
+        if key in cached:
+            return cached[key]["choice"]
+        choice, times = {}, {}
+        g = torch.Generator().manual_seed(0)
+        for regime, rows in (("decode", 1), ("prefill", 128)):
+            xs = {K: torch.randn(rows, K, generator=g).to(device) for K in {p.K for p, _, _ in layers}}
+            best = None
+            for route in cands:
+                p, w, b = layers[0]
+                want = reference(xs[p.K], p, w, b)
+                got = linear(xs[p.K], p, w, b, route).detach().cpu().double().numpy()
+                if not np.allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.abs(want).max())):
+                    times[f"{regime} {route}"] = "WRONG"
+                    continue
+
+                def chain():
+                    for p, w, b in layers:
+                        linear(xs[p.K], p, w, b, route)
+                chain()
+                ms = []
+                for _ in range(3):
+                    t0 = time.perf_counter()
+                    chain()
+                    ms.append(1e3 * (time.perf_counter() - t0))
+                times[f"{regime} {route}"] = statistics.median(ms)
+                if best is None or times[f"{regime} {route}"] < times[f"{regime} {best}"]:
+                    best = route
+            choice[regime] = best
+        cached[key] = {"choice": choice, "ms": times}
+        try:
+            file.parent.mkdir(parents=True, exist_ok=True)
+            file.write_text(json.dumps(cached, indent=1) + "\n")
+        except OSError:
+            pass  # a read-only home: probe again next time
+        if log:
+            log(f"kernel probe ({precision}): {times} -> {choice}")
+        return choice

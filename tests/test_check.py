@@ -1,0 +1,489 @@
+"""gpt2ffn check: the seeds' FFNs as written pass, each wrong FFN a learner writes is named, errors are one line."""
+
+import json
+import textwrap
+
+import numpy as np
+import pytest
+import torch
+from transformers import GPT2LMHeadModel
+
+from conftest import hf_config
+from gpt2ffn import Config, FeedForward, check
+from gpt2ffn.check import CheckError, load_object
+from gpt2ffn.cli import main
+from gpt2ffn.diagnose import FFNCase, diagnose, variants
+from gpt2ffn.model import random_weights_
+
+IDS = "5,17,42,7,99,3,250,11"
+HEADER = """
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+"""
+
+
+@pytest.fixture(scope="module")
+def golden(tmp_path_factory):
+    """A tiny golden set (n_embd 64, 2 blocks): the fast reference for most checks."""
+    out = tmp_path_factory.mktemp("golden_tiny")
+    assert main(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(out), "--layers", "all",
+                 "--quiet"]) == 0
+    return str(out)
+
+
+def learner_file(tmp_path, source, name="learner.py"):
+    path = tmp_path / name
+    path.write_text(HEADER + textwrap.dedent(source))
+    return path
+
+
+def run(argv, capsys):
+    code = main(argv)
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---- the seeds' own code, as written ----------------------------------------------------------------
+
+SEED_000 = '''
+class Elmers(nn.Module):
+    """
+    GELU (Gaussian Error Linear Unit) activation function implementation.
+    """
+    def forward(self, x):
+        return 0.5 * x * (
+            1 + torch.tanh(torch.sqrt(torch.tensor(2.0/torch.pi)) *
+            (x + 0.044715 * torch.pow(x, 3)))
+        )
+
+
+class ConveyorBelt(nn.Module):
+    """
+    Feed-Forward Network (FFN) layer used in transformer architectures.
+    """
+    def __init__(self, cfg):
+        self.layers = nn.Sequential(
+            nn.Linear(cfg["emb_dim"], 4 * cfg["emb_dim"]),  # expand
+            Elmers(),                                       # GELU
+            nn.Linear(4 * cfg["emb_dim"], cfg["emb_dim"]),  # contract
+        )
+
+    def forward(self, x):
+        """
+        x shape: (batch_size, seq_len, emb_dim)
+        Returns same shape (position-wise processing).
+        """
+        return self.layers(x)
+
+
+if __name__ == "__main__":
+    raise SystemExit("the __main__ block must not run under gpt2ffn check")
+'''
+
+SEED_002 = '''
+class GELU(nn.Module):
+    def __init__(self):
+        super().__init__()
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(
+            torch.sqrt(torch.tensor(2.0 / torch.pi)) *
+            (x + 0.044715 * torch.pow(x, 3))
+        ))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Linear(cfg["emb_dim"], 4 * cfg["emb_dim"]),
+            GELU(),
+            nn.Linear(4 * cfg["emb_dim"], cfg["emb_dim"]),
+        )
+
+    def forward(self, x):
+        return self.layers(x)
+'''
+
+SEED_004 = '''
+class GELU(nn.Module):
+    def __init__(self):
+
+        super().__init__()
+
+    def forward(self, x):
+        return 0.5 * x * (1 + torch.tanh(
+            torch.sqrt(torch.tensor(2.0/torch.pi)) * (x + 0.044715 * torch.pow(x, 3))
+        ))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+
+        self.layers = nn.Sequential(
+            nn.Linear(config["emb_dim"], 4 * config["emb_dim"]),
+            GELU(),
+            nn.Linear(4 * config["emb_dim"], config["emb_dim"]),
+        )
+
+    def forward(self, x):
+
+        return self.layers(x)
+        # The output shape is (batch_size, seq_len, emb_dim)
+'''
+
+# Seed 003's MLP (written for MAX) in torch: c_fc and c_proj as Linear, F.gelu(approximate="tanh").
+SEED_003 = '''
+class MLP(nn.Module):
+    def __init__(self, embed_dim, intermediate_size):
+        super().__init__()
+        self.c_fc = nn.Linear(embed_dim, intermediate_size, bias=True)
+        self.c_proj = nn.Linear(intermediate_size, embed_dim, bias=True)
+
+    def forward(self, hidden_states):
+        hidden_states = self.c_fc(hidden_states)
+        hidden_states = F.gelu(hidden_states, approximate="tanh")
+        return self.c_proj(hidden_states)
+
+
+mlp = MLP(64, 256)
+'''
+
+
+@pytest.mark.parametrize("source, name", [
+    (SEED_000.replace('def __init__(self, cfg):\n', 'def __init__(self, cfg):\n        super().__init__()\n'),
+     "ConveyorBelt"),
+    (SEED_002, "FeedForward"),
+    (SEED_004, "FeedForward"),
+    (SEED_003, "mlp"),
+    ("""
+        from dataclasses import dataclass
+
+
+        @dataclass
+        class GPTConfig:  # nanoGPT's style: a dataclass config next to the model
+            n_embd: int = 64
+
+
+        class MLP(nn.Module):
+            def __init__(self, config):
+                super().__init__()
+                self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd)
+                self.gelu = nn.GELU(approximate="tanh")
+                self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd)
+                self.dropout = nn.Dropout(0.1)
+
+            def forward(self, x):
+                return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+        mlp = MLP(GPTConfig()).train()
+        """, "mlp"),
+])
+def test_seed_ffns_as_written_pass(source, name, golden, tmp_path, capsys):
+    path = learner_file(tmp_path, source)
+    code, out, _ = run(["check", f"{path}:{name}", "--golden", golden], capsys)
+    assert code == 0, out
+    assert out.count("PASS") == 4 and "FAIL" not in out
+    assert f"PASS: learner.py:{name} computes GPT-2's FFN (c_fc -> tanh GELU -> c_proj)" in out
+
+
+def test_seed_000_verbatim_says_super_init_is_missing(golden, tmp_path, capsys):
+    path = learner_file(tmp_path, SEED_000)
+    code, out, err = run(["check", f"{path}:ConveyorBelt", "--golden", golden], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert err.startswith("error: ConveyorBelt.__init__ never calls super().__init__(): add super().__init__() "
+                          "as its first line")
+
+
+def test_default_reference_is_gpt2_124m_offline(tmp_path, capsys):
+    """No --golden: built with GPT_CONFIG_124M, fed random:gpt2:0's block 0 (768 wide), as HF computes it."""
+    path = learner_file(tmp_path, SEED_002)
+    code, out, _ = run(["check", f"{path}:FeedForward"], capsys)
+    assert code == 0, out
+    assert "built as FeedForward(GPT_CONFIG_124M)" in out and "random:gpt2:0 layer 0's ln_2 output (1, 6, 768)" in out
+    assert "(1, 6, 3072)" in out
+    wrong = learner_file(tmp_path, SEED_002.replace("0.044715", "0.055715"), "wrong.py")
+    code, out, _ = run(["check", f"{wrong}:FeedForward", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 1 and report["diagnosis"]["key"] == "gelu_coefficient"
+
+
+def test_seed_gelus_pass_with_their_form(golden, tmp_path, capsys):
+    path = learner_file(tmp_path, SEED_000)
+    code, out, _ = run(["check", f"{path}:Elmers", "--golden", golden], capsys)
+    assert code == 0, out
+    assert "seed 000 spot values x = -2..2" in out and "got [-0.0454, -0.1588, 0.0, 0.8412, 1.9546]" in out
+    verdict = out.strip().splitlines()[-1]
+    assert verdict.startswith("PASS: it is the tanh form, as GPT-2's gelu_new: max error ")
+    assert float(verdict.split()[-1]) < 1e-6
+
+
+@pytest.mark.parametrize("body, form, fix", [
+    ("return F.gelu(x)", "exact form (erf)", "use the tanh form"),
+    ("return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.055715 * x ** 3)))",
+     "tanh form with cubic coefficient 0.055715", "use 0.044715"),
+    ("return 0.5 * x * (1 + torch.tanh(math.sqrt(2) / math.pi * (x + 0.044715 * x ** 3)))",
+     "tanh form scaled by sqrt(2)/pi", "not sqrt(2)/pi"),
+    ("return x * torch.sigmoid(1.702 * x)", "sigmoid approximation", "use the tanh form"),
+])
+def test_wrong_gelus_are_named(body, form, fix, golden, tmp_path, capsys):
+    path = learner_file(tmp_path, f"""
+        class MyGELU(nn.Module):
+            def forward(self, x):
+                {body}
+        """)
+    code, out, _ = run(["check", f"{path}:MyGELU", "--golden", golden], capsys)
+    verdict = out.strip().splitlines()[-1]
+    assert code == 1 and verdict.startswith(f"FAIL: it is the {form}") and fix in verdict, out
+
+
+def test_unknown_gelu_shows_worst_point(golden, tmp_path, capsys):
+    path = learner_file(tmp_path, """
+        def gelu(x):
+            return 0.5 * x * (1 + torch.tanh(x))
+        """)
+    code, out, _ = run(["check", f"{path}:gelu", "--golden", golden], capsys)
+    assert code == 1 and "FAIL: it matches no known form" in out and "worst point x = " in out
+
+
+# ---- each wrong FFN, written as a learner would, named -----------------------------------------------
+
+def sequential(first="nn.Linear(d, 4 * d)", act="GELU()", last="nn.Linear(4 * d, d)", forward="return self.layers(x)"):
+    return f"""
+        class GELU(nn.Module):
+            def forward(self, x):
+                return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+
+        class FeedForward(nn.Module):
+            def __init__(self, cfg):
+                super().__init__()
+                d = cfg["emb_dim"]
+                self.layers = nn.Sequential({", ".join(p for p in (first, act, last) if p)})
+
+            def forward(self, x):
+                {forward}
+        """
+
+
+def named_layers(forward):
+    return f"""
+        class FeedForward(nn.Module):
+            def __init__(self, cfg):
+                super().__init__()
+                d = cfg["emb_dim"]
+                self.c_fc = nn.Linear(d, 4 * d)
+                self.c_proj = nn.Linear(4 * d, d)
+
+            def forward(self, x):
+                {forward}
+        """
+
+
+def own_conv1d(forward):
+    """A learner's own GPT-2-style Conv1D ([in, out], as HF stores it) with the given forward."""
+    return f"""
+        class Conv1D(nn.Module):
+            def __init__(self, n_in, n_out):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(n_in, n_out) * 0.02)  # [in, out], as in the checkpoint
+                self.bias = nn.Parameter(torch.zeros(n_out))
+
+            def forward(self, x):
+                {forward}
+
+
+        class FeedForward(nn.Module):
+            def __init__(self, cfg):
+                super().__init__()
+                d = cfg["emb_dim"]
+                self.c_fc = Conv1D(d, 4 * d)
+                self.c_proj = Conv1D(4 * d, d)
+                print("built")  # the learner's prints go to stderr, not into the report
+
+            def forward(self, x):
+                return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        """
+
+
+WRONG = {
+    "gelu_exact": sequential(act="nn.GELU()"),
+    "gelu_coefficient": sequential().replace("0.044715", "0.055715"),
+    "gelu_sqrt2_over_pi": sequential().replace("math.sqrt(2 / math.pi)", "math.sqrt(2) / math.pi"),
+    "gelu_no_scale": sequential().replace("math.sqrt(2 / math.pi) * ", ""),
+    "gelu_two_over_pi": sequential().replace("math.sqrt(2 / math.pi)", "2 / math.pi"),
+    "gelu_sigmoid": sequential(act="nn.SiLU()").replace("nn.SiLU()", "GELU()").replace(
+        "return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))",
+        "return x * torch.sigmoid(1.702 * x)"),
+    "gelu_identity": sequential(act=""),
+    "gelu_relu": sequential(act="nn.ReLU()"),
+    "expansion_2x": sequential(first="nn.Linear(d, 2 * d)", last="nn.Linear(2 * d, d)"),
+    "c_fc_bias_missing": sequential(first="nn.Linear(d, 4 * d, bias=False)"),
+    "c_proj_bias_missing": sequential(last="nn.Linear(4 * d, d, bias=False)"),
+    "biases_missing": sequential(first="nn.Linear(d, 4 * d, bias=False)", last="nn.Linear(4 * d, d, bias=False)"),
+    "residual_added": sequential(forward="return x + self.layers(x)"),
+    # Treats the [in, out] checkpoint layout as nn.Linear's [out, in]: a view, then .T, for c_fc only.
+    "c_fc_not_transposed": own_conv1d(
+        "w = self.weight.view(self.weight.shape[1], -1).T if self.weight.shape[0] < self.weight.shape[1] "
+        "else self.weight\n"
+        "                return x @ w + self.bias"),
+    "c_proj_not_transposed": own_conv1d(
+        "w = self.weight.view(self.weight.shape[1], -1).T if self.weight.shape[0] > self.weight.shape[1] "
+        "else self.weight\n"
+        "                return x @ w + self.bias"),
+    "c_fc_viewed": named_layers(
+        "h = x @ self.c_fc.weight.view(x.shape[-1], -1) + self.c_fc.bias  # weight is [out, in]: .T was meant\n"
+        "                return self.c_proj(F.gelu(h, approximate='tanh'))"),
+    "c_proj_viewed": named_layers(
+        "h = F.gelu(self.c_fc(x), approximate='tanh')\n"
+        "                return h @ self.c_proj.weight.view(h.shape[-1], -1) + self.c_proj.bias"),
+    "dropout": named_layers("h = F.dropout(F.gelu(self.c_fc(x), approximate='tanh'), 0.1)  # training=True by default\n"
+                            "                return self.c_proj(h)"),
+}
+
+
+@pytest.mark.parametrize("key", WRONG)
+def test_each_wrong_ffn_is_named(key, golden, tmp_path, capsys):
+    path = learner_file(tmp_path, WRONG[key])
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden, "--json"], capsys)
+    report = json.loads(out)  # valid JSON: anything the learner's code prints went to stderr
+    assert code == 1 and not report["passed"], report
+    assert report["diagnosis"]["key"] == key, report["verdict"]
+    assert report["verdict"].startswith("FAIL (")
+
+
+def test_wrong_ffn_report_reads_well(golden, tmp_path, capsys):
+    path = learner_file(tmp_path, WRONG["gelu_exact"])
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden, "--layer", "1"], capsys)
+    lines = out.strip().splitlines()
+    assert code == 1
+    assert lines[-1].startswith("FAIL (after activation): exact GELU (erf) where the config says tanh GELU (within ")
+    assert "use the tanh form, GPT-2's gelu_new" in lines[-1]
+    rows = {line.split("  ")[0]: line.split()[-1] for line in lines if line.startswith(("after", "output"))}
+    assert rows == {"after c_fc (1st linear)": "PASS", "after activation": "FAIL", "output": "FAIL"}
+    assert "layer 1's ln_2 output" in out
+
+
+def test_tanh_where_the_config_says_exact(tmp_path, capsys):
+    """A golden set of a GPT-2 with activation_function='gelu' (exact): the tanh form is the mistake there."""
+    cfg = Config(n_embd=64, n_layer=1, n_head=4, n_positions=32, vocab_size=96, activation_function="gelu")
+    random_weights_(GPT2LMHeadModel(hf_config(cfg)), 3).save_pretrained(tmp_path / "m")  # GELU inputs reach ~2.7
+    assert main(["extract", "--model", str(tmp_path / "m"), "--ids", "5,17,42,7,9,3,50,11",
+                 "--out", str(tmp_path / "g"), "--quiet"]) == 0
+    capsys.readouterr()
+    path = learner_file(tmp_path, SEED_002)
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", str(tmp_path / "g"), "--json"], capsys)
+    report = json.loads(out)
+    assert code == 1 and report["diagnosis"]["key"] == "gelu_tanh", report["verdict"]
+    assert "use the config's activation, the exact form (erf)" in report["verdict"]
+    exact = learner_file(tmp_path, sequential(act="nn.GELU()"), "exact.py")
+    assert run(["check", f"{exact}:FeedForward", "--golden", str(tmp_path / "g")], capsys)[0] == 0
+
+
+# ---- what cannot run: one line, exit 2 ---------------------------------------------------------------
+
+@pytest.mark.parametrize("source, target, message", [
+    (SEED_003, "MLP", "MLP(embed_dim, intermediate_size) wants embed_dim, intermediate_size; check builds a "
+                      "class with one config dict"),
+    ("""
+        class Three(nn.Module):
+            def __init__(self, cfg):
+                super().__init__()
+                d = cfg["emb_dim"]
+                self.a, self.b, self.c = nn.Linear(d, 4 * d), nn.Linear(4 * d, 4 * d), nn.Linear(4 * d, d)
+        """, "Three", "Three has 3 linear layers (a, b, c); an FFN has two, c_fc then c_proj"),
+    ("""
+        class Running(nn.Module):
+            def forward(self, x):
+                return torch.cumsum(x, 0)
+        """, "Running", "its output at a point depends on the other points: not elementwise"),
+    ("""
+        class Mean(nn.Module):
+            def forward(self, x):
+                return x.mean(-1)
+        """, "Mean", "maps a tensor of shape (2003,) to (): not elementwise"),
+    (SEED_002 + "\nffn = FeedForward({'emb_dim': 500})\n", "ffn",
+     "first linear layer layers.0 maps 500 -> 2000; GPT-2 here (random:tiny:3) has n_embd=64, c_fc maps 64 -> 256; "
+     "500 fits no GPT-2 width (768, 1024, 1280, 1600)"),
+    (SEED_002.replace("4 * cfg", "8 * cfg"), "FeedForward", "hidden width is 512 (8x n_embd), wider than GPT-2's 256"),
+    ("""
+        class Wants(nn.Module):
+            def __init__(self, cfg):
+                super().__init__()
+                self.c_fc = nn.Linear(cfg["d_model"], cfg["d_ff"])
+        """, "Wants", "Wants(cfg) raised KeyError: 'd_model': it reads a key cfg does not have (vocab_size, "),
+    ("x = 1\n", "Missing", "has no 'Missing'; its modules: none"),
+    ("import nope_not_a_module\n", "X", "failed (line 6): ModuleNotFoundError: No module named 'nope_not_a_module'"),
+])
+def test_what_cannot_run_is_one_line(source, target, message, golden, tmp_path, capsys):
+    path = learner_file(tmp_path, source)
+    code, out, err = run(["check", f"{path}:{target}", "--golden", golden], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_python_api_takes_classes_instances_and_functions(golden):
+    from gpt2ffn import gelu
+    ours = check(FeedForward(Config.from_name("tiny")), golden=golden)  # Conv1D layers: [in, out], told by shape
+    assert ours.passed and "c_fc = c_fc (Conv1D, [in, out]), c_proj = c_proj (Conv1D, [in, out])" in ours.format()
+    assert ours.verdict.startswith("PASS") and [r.status for r in ours.rows] == ["--", "--", "PASS"]  # fused forward
+    assert check(gelu, golden=golden).passed
+    learner = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).train()
+    report = check(learner, golden=golden)
+    assert not report.passed and report.diagnosis.key == "gelu_exact" and report.diagnosis.stage == "gelu"
+    assert learner.training  # check ran it in eval() and gave it back as it was
+    assert report.as_dict()["rows"][0]["name"] == "after c_fc (1st linear)"
+
+
+@pytest.mark.parametrize("config, code, message", [
+    ("tiny", 0, "built as FeedForward(cfg), cfg = {\"vocab_size\": 512"),
+    ('{"emb_dim": 64}', 0, 'built as FeedForward(cfg), cfg = {"emb_dim": 64}'),
+    ("{oops", 2, "--config '{oops' is not a JSON object or file"),
+    ("[1, 2]", 2, "--config '[1, 2]' holds a list, expected a JSON object"),
+    ("gpt3", 2, "unknown config name 'gpt3'; known: gpt2"),
+])
+def test_config_option(config, code, message, golden, tmp_path, capsys):
+    path = learner_file(tmp_path, SEED_002)
+    got, out, err = run(["check", f"{path}:FeedForward", "--golden", golden, "--config", config], capsys)
+    assert got == code and message in (out if code == 0 else err), out + err
+
+
+def test_non_finite_output_is_named(golden, tmp_path, capsys):
+    path = learner_file(tmp_path, named_layers("return self.c_proj(torch.log(self.c_fc(x)))  # NaN for x < 0"))
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden], capsys)
+    assert code == 1 and out.strip().splitlines()[-1] == "FAIL (after activation): 1069 NaN/Inf values", out
+
+
+def test_load_object_errors(tmp_path):
+    with pytest.raises(CheckError, match="expected FILE.py:NAME"):
+        load_object("no_colon.py")
+    with pytest.raises(CheckError, match="no file nope.py"):
+        load_object("nope.py:X")
+
+
+def test_diagnose_names_the_residual_stream_input_and_dropout():
+    """The two mistakes a module check cannot make (its input is given; eval() is on), on arrays directly."""
+    rng = np.random.default_rng(0)
+    d, hidden = 32, 128
+    w = {"c_fc.weight": rng.normal(0, 0.3, (d, hidden)), "c_fc.bias": rng.normal(0, 0.1, hidden),
+         "c_proj.weight": rng.normal(0, 0.1, (hidden, d)), "c_proj.bias": rng.normal(0, 0.1, d)}
+    resid = rng.normal(0, 2, (1, 10, d))
+    x = (resid - resid.mean(-1, keepdims=True)) / resid.std(-1, keepdims=True)
+    known = variants(x, w, "tanh", resid)
+    right = FeedForward(Config(n_embd=d, n_inner=hidden)).eval()
+    right.load_state_dict({k: torch.tensor(v, dtype=torch.float32) for k, v in w.items()})
+    with torch.no_grad():
+        expected = right(torch.tensor(x, dtype=torch.float32)).double().numpy()
+        fed_resid = right(torch.tensor(resid, dtype=torch.float32)).numpy()
+    assert diagnose("ffn", fed_resid, expected, known, 1e-4).key == "residual_input"
+    dropped = expected * (rng.random(expected.shape) > 0.2) / 0.8
+    d = diagnose("ffn", dropped, expected, known, 1e-4)
+    assert d.key == "dropout" and "call model.eval()" in d.text
+    noise = expected + 1e-3 * rng.normal(size=expected.shape)
+    d = diagnose("ffn", noise, expected, known, 1e-4)
+    assert d.key is None and d.text.startswith("matches no known mistake; worst element [0, ")
+    assert FFNCase("s", 0, "tanh", w, x, resid, {"ffn": expected}).diagnose("ffn", fed_resid, 1e-4).key == "residual_input"
