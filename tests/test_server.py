@@ -270,7 +270,7 @@ def test_disconnect_stops_generation(slow_server):
 
 
 def test_sigterm_drains_in_flight(model_dir):
-    s = Server("random:gpt2")
+    s = Server("random:gpt2", "--max-batch", "4")
     lines = []
     with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                       json={"model": s.model, "prompt": "x", "max_tokens": 40, "stream": True}) as r:

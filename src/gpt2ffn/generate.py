@@ -20,10 +20,10 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
     each gets the tokens it would get alone. With decode, stop strings end a sequence."""
     if not prompts:
         raise Gpt2ffnError("every prompt needs at least one token")
-    bs = 16
-    kv = sum(-(-(len(p) + s.max_new_tokens) // bs) * bs for p in prompts)
-    engine = Engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), kv_tokens=max(kv, bs),
-                    block_size=bs, batch_invariant=batch_invariant)
+    longest = max(len(p) for p in prompts) + s.max_new_tokens
+    max_len = min(longest, model.config.n_positions) if longest > 0 else 1
+    engine = Engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,
+                    kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant)
     requests = [Request(list(p), s) for p in prompts]
     row = {r.id: i for i, r in enumerate(requests)}
     engine.add(*requests)

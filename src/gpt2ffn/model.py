@@ -73,13 +73,14 @@ class PagedKVCache:
     def release(self, blocks: list):
         self.free.extend(reversed(blocks))
 
-    def bind(self, tables, positions, slots=None):
+    def bind(self, tables, positions, slots=None, span=None, keys=None):
         """tables (B, nb) block ids per row (padded with any of its own), positions (B, T) of the new tokens;
         slots: (blocks, offsets), each (B*T,), where they are written, if not at their positions in their
-        row's blocks (a packed row holds tokens of several sequences)."""
+        row's blocks (a packed row holds tokens of several sequences); span: keys beyond it are not read; keys:
+        (blocks, offsets) of every key a one-row pass reads, in place of tables."""
         if slots is None:
             slots = (tables.gather(1, positions // self.block_size).flatten(), (positions % self.block_size).flatten())
-        self.tables, self.slots = tables, slots
+        self.tables, self.slots, self.span, self.keys = tables, slots, span, keys
 
     def update(self, layer: int, k, v):
         """Write k, v (B, H, T, d/H) at their slots; return every row's blocks (B, H, nb * block_size, d/H)."""
@@ -87,9 +88,11 @@ class PagedKVCache:
         blk, off = self.slots
         self.k[layer][blk, :, off] = k.transpose(1, 2).reshape(B * T, H, D)
         self.v[layer][blk, :, off] = v.transpose(1, 2).reshape(B * T, H, D)
+        if self.keys is not None:  # one row, its keys listed: (blocks, offsets) each (K,) -> (1, H, K, D)
+            return [pool[layer][self.keys[0], :, self.keys[1]].transpose(0, 1)[None] for pool in (self.k, self.v)]
         nb = self.tables.shape[1]
-        return [pool[layer][self.tables].transpose(1, 2).reshape(B, H, nb * self.block_size, D)  # (B, nb, H, bs, D)
-                for pool in (self.k, self.v)]
+        return [pool[layer][self.tables].transpose(1, 2).reshape(B, H, nb * self.block_size, D)[:, :, :self.span]
+                for pool in (self.k, self.v)]                                           # from (B, nb, H, bs, D)
 
 
 def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
@@ -246,16 +249,18 @@ class GPT2(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.transformer.ln_f(x))
 
-    def forward_paged(self, ids, positions, cache: PagedKVCache, tables, logits_for="last", mask=None, slots=None):
+    def forward_paged(self, ids, positions, cache: PagedKVCache, tables, logits_for="last", mask=None, slots=None,
+                      keys=None):
         """Rows of different sequences at once: ids and positions (B, T), tables (B, nb) each row's blocks in
         the paged cache. A query at position p attends keys 0..p of its own row, nothing else (or what mask
-        (B, 1, T, nb * block_size) allows, with slots as PagedKVCache.bind takes them: a packed row).
+        (B, 1, T, keys) allows, with slots and keys as PagedKVCache.bind takes them: a packed row).
         logits_for: "last" -> (B, vocab) of each row's last token; "all" -> (B, T, vocab); a list of token
         indices of row 0 -> (len, vocab)."""
-        if mask is None:
-            S = tables.shape[1] * cache.block_size
-            mask = (torch.arange(S, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
-        cache.bind(tables, positions, slots)
+        span = None
+        if mask is None:  # keys up to the furthest new position: with one big block per sequence, not all of it
+            span = min(tables.shape[1] * cache.block_size, int(positions.max()) + 1)
+            mask = (torch.arange(span, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+        cache.bind(tables, positions, slots, span, keys)
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
         for i, block in enumerate(self.transformer.h):
             x = block(x, i, cache, mask)
@@ -283,15 +288,21 @@ class GPT2(nn.Module):
 
     def decode_step(self, ids, cache):
         """One new token per row (B, 1) -> logits (B, 1, vocab), each block one native call."""
-        from . import _C
-        B, pos = ids.shape[0], cache.length
-        x = self.transformer.wte(ids[:, 0]) + self.transformer.wpe.weight[pos]          # (B, d)
-        slots = torch.arange(B)
-        lens = torch.full((B,), pos, dtype=torch.long)
-        for i, block in enumerate(self.transformer.h):
-            x = _C.decode_block(x, slots, lens, cache.k[i], cache.v[i], *block.fused_args())
+        B = ids.shape[0]
+        logits = self.decode_slots(ids[:, 0], torch.full((B,), cache.length, dtype=torch.long), cache.k, cache.v,
+                                   torch.arange(B))
         cache.length += 1
-        return self.lm_head(self.transformer.ln_f(x))[:, None]                          # (B, 1, vocab)
+        return logits[:, None]                                                          # (B, 1, vocab)
+
+    def decode_slots(self, ids, positions, k, v, slots):
+        """ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's k[i], v[i]
+        (slots, H, S, d/H) -> logits (B, vocab). Each block one native call; a row attends its own positions
+        0..p only, so rows of different lengths share the step (the serving engine's decode)."""
+        from . import _C
+        x = self.transformer.wte(ids) + self.transformer.wpe.weight[positions]           # (B, d)
+        for i, block in enumerate(self.transformer.h):
+            x = _C.decode_block(x, slots, positions, k[i], v[i], *block.fused_args())
+        return self.lm_head(self.transformer.ln_f(x))
 
     def check_ids(self, ids, cache=None):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):

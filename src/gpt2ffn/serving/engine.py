@@ -23,16 +23,18 @@ from .sampling import Sampling, logprobs_of, next_tokens
 CHUNK = 128
 
 
-def default_kv_tokens(cfg, max_batch: int, dtype) -> int:
+def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False) -> int:
     """Room for max_batch sequences at full context, or a quarter of the free memory (at most 2 GiB) if that
-    is less: requests reserve only prompt + max_tokens, so short ones share what a full context would take."""
+    is less: requests reserve only prompt + max_tokens, so short ones share what a full context would take.
+    slots (a whole context per sequence): max_batch of them if a quarter of the free memory holds them."""
     import os
     per_token = 2 * cfg.n_layer * cfg.n_embd * torch.finfo(dtype).bits // 8
     try:
         free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         free = 4 << 30
-    return max(min(max_batch * cfg.n_positions, int(min(free / 4, 2 << 30) // per_token)), cfg.n_positions)
+    cap = free / 4 if slots else min(free / 4, 2 << 30)
+    return max(min(max_batch * cfg.n_positions, int(cap // per_token)), cfg.n_positions)
 
 
 class QueueFull(Gpt2ffnError):
@@ -81,17 +83,25 @@ class Engine:
     """Continuous batching over a paged KV cache. max_batch: sequences decoded together; max_waiting:
     requests queued beyond them (more: QueueFull); kv_tokens: size of the cache pool in positions
     (default: default_kv_tokens);
-    batch_invariant: each row's logits bitwise independent of its batch mates (see step_rows)."""
+    max_len: the longest prompt + max_new_tokens it takes (default n_positions); batch_invariant: each
+    row's logits bitwise independent of its batch mates (see decode_step)."""
 
     def __init__(self, model: GPT2, decode=None, max_batch: int = 64, max_waiting: int = 256,
-                 kv_tokens: int | None = None, chunk: int = CHUNK, block_size: int = 16,
+                 kv_tokens: int | None = None, chunk: int = CHUNK, block_size: int = 16, max_len: int | None = None,
                  batch_invariant: bool = False, metrics=None):
         cfg = model.config
         self.model, self.decode, self.metrics = model, decode, metrics
         self.max_batch, self.max_waiting, self.chunk = max_batch, max_waiting, chunk
         self.batch_invariant = batch_invariant
         weight = model.transformer.wte.weight
-        kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype)
+        with torch.no_grad():
+            # The native decode block (kernels/, gpt2ffn._C) reads each sequence's cache as one contiguous slot:
+            # then a block is a whole context.
+            self.fused = model.fused_decode() and not batch_invariant
+        self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
+        if self.fused:
+            block_size = self.max_len
+        kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype, slots=self.fused)
         self.cache = PagedKVCache(cfg, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
         self.device = weight.device
         self.waiting, self.running = deque(), []
@@ -104,9 +114,9 @@ class Engine:
             raise Gpt2ffnError("every prompt needs at least one token")
         if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
             raise Gpt2ffnError(f"token ids must be in [0, {cfg.vocab_size}); got min {min(prompt)}, max {max(prompt)}")
-        if len(prompt) + s.max_new_tokens > cfg.n_positions:
+        if len(prompt) + s.max_new_tokens > self.max_len:
             raise Gpt2ffnError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
-                               f"context of {cfg.n_positions} positions")
+                               f"context of {self.max_len} positions")
         if self.cache.blocks_for(len(prompt) + s.max_new_tokens) > self.cache.num_blocks:
             raise Gpt2ffnError(f"prompt + max_new_tokens ({len(prompt) + s.max_new_tokens}) exceed the KV cache "
                                f"of {self.cache.num_blocks * self.cache.block_size} positions")
@@ -190,14 +200,15 @@ class Engine:
         positions = torch.tensor([pos], device=dev)                                   # (1, T)
         slots = (torch.tensor([r.blocks[p // bs] for r, s, n in chunks for p in range(s, s + n)], device=dev),
                  positions[0] % bs)
-        used = [r.blocks[:self.cache.blocks_for(s + n)] for r, s, n in chunks]
-        table = torch.tensor([[b for u in used for b in u]], device=dev)             # (1, nb)
-        key_seq = torch.tensor([i for i, u in enumerate(used) for _ in range(len(u) * bs)], device=dev)
-        key_pos = torch.cat([torch.arange(len(u) * bs, device=dev) for u in used])
+        key_pos = [p for _, s, n in chunks for p in range(s + n)]                    # each sequence's 0..s+n-1
+        keys = (torch.tensor([r.blocks[p // bs] for r, s, n in chunks for p in range(s + n)], device=dev),
+                torch.tensor(key_pos, device=dev) % bs)
+        key_seq = torch.tensor([i for i, (_, s, n) in enumerate(chunks) for _ in range(s + n)], device=dev)
         q_seq = torch.tensor([i for i, (_, _, n) in enumerate(chunks) for _ in range(n)], device=dev)
-        mask = ((key_seq[None] == q_seq[:, None]) & (key_pos[None] <= positions[0][:, None]))[None, None]
+        mask = ((key_seq[None] == q_seq[:, None]) &
+                (torch.tensor(key_pos, device=dev)[None] <= positions[0][:, None]))[None, None]  # (1, 1, T, K)
         last = list(itertools.accumulate(n for _, _, n in chunks))
-        logits = self.model.forward_paged(ids, positions, self.cache, table, [e - 1 for e in last], mask, slots)
+        logits = self.model.forward_paged(ids, positions, self.cache, None, [e - 1 for e in last], mask, slots, keys)
         events = []
         for i, (r, s, n) in enumerate(chunks):
             r.computed += n
@@ -228,7 +239,10 @@ class Engine:
         ids = torch.tensor([[r.output[-1]] for r in rows], device=self.device)
         pos = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device)
         lengths = [len(r.prompt) + len(r.output) for r in rows]
-        if self.batch_invariant:  # each row through the same M=1 path: its logits cannot depend on the others
+        if self.fused:
+            logits = self.model.decode_slots(ids[:, 0], pos[:, 0], self.cache.k, self.cache.v,
+                                             torch.tensor([r.blocks[0] for r in rows], device=self.device))
+        elif self.batch_invariant:  # each row through the same M=1 path: its logits cannot depend on the others
             logits = torch.cat([self.model.forward_paged(ids[i:i + 1], pos[i:i + 1], self.cache,
                                                          self.table([r], lengths[i:i + 1]))
                                 for i, r in enumerate(rows)])
