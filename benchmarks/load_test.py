@@ -31,6 +31,11 @@ VARIANTS = 16  # distinct prompts: each answer under load is checked against the
 PROMPT = "Request {i}: the quick brown fox jumps over the lazy dog, and then it runs into the forest where"  # ~22 GPT-2 tokens
 
 
+# A connection per request: llama-server closes idle keep-alive connections, and a client reusing one gets
+# "Server disconnected"; both servers get the same treatment.
+FRESH = httpx.Limits(max_keepalive_connections=0)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -38,8 +43,11 @@ def free_port() -> int:
 
 
 def start(cmd: list, port: int, health="/health", timeout=300):
-    """Start a server process and wait until it answers 200 on its health endpoint."""
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    """Start a server process and wait until it answers 200 on its health endpoint. Its output goes to a
+    file: a pipe nobody reads fills up and stalls a server that logs every request (llama-server)."""
+    import tempfile
+    log = tempfile.NamedTemporaryFile("w+", prefix=Path(cmd[0]).name + "-", suffix=".log", delete=False)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -49,7 +57,7 @@ def start(cmd: list, port: int, health="/health", timeout=300):
         except httpx.HTTPError:
             pass
         if proc.poll() is not None:
-            raise SystemExit(f"{cmd[0]} exited before it was ready: {proc.stderr.read()[-2000:]}")
+            raise SystemExit(f"{cmd[0]} exited before it was ready: {Path(log.name).read_text()[-2000:]}")
         time.sleep(0.3)
     proc.kill()
     raise SystemExit(f"{cmd[0]} did not become ready in {timeout} s")
@@ -107,7 +115,7 @@ def pct(xs, q):
 async def alone(url, max_tokens, timeout):
     """Each prompt variant's answer with nothing else running (temperature 0): the reference under load."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
-    async with httpx.AsyncClient(timeout=timeout) as http:
+    async with httpx.AsyncClient(timeout=timeout, limits=FRESH) as http:
         return [(await one(http, url, model, i, max_tokens))[4] for i in range(VARIANTS)]
 
 
@@ -131,7 +139,8 @@ async def load(url, clients, requests, max_tokens, timeout, reference):
             else:
                 errors.append(f"{status}: {err}")
 
-    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=clients + 4)) as http:
+    async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=clients + 4,
+                                                                     max_keepalive_connections=0)) as http:
         await one(http, url, model, -1, 4)  # warm-up
         t0 = time.perf_counter()
         await asyncio.gather(*(client(http) for _ in range(clients)))
