@@ -165,7 +165,10 @@ def plot(result, path):
         b.plot(xs, [p["latency_p50_s"] for p in points], "o-", label=name)
     a.set(xscale="log", xlabel="concurrent clients", ylabel="completion tokens/s", title="Throughput")
     b.set(xscale="log", xlabel="concurrent clients", ylabel="p50 latency (s)", title="Latency")
+    clients = sorted({p["clients"] for points in result["servers"].values() for p in points})
     for ax in (a, b):
+        ax.set_xticks(clients, [str(c) for c in clients])
+        ax.minorticks_off()
         ax.grid(True)
         ax.legend()
     fig.suptitle(f"{result['max_tokens']} new tokens per request, {result['machine']}", fontsize=9)
