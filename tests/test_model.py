@@ -129,7 +129,7 @@ def test_eos_and_stop_strings():
 
 
 @pytest.mark.parametrize("kwargs, message", [
-    ({"max_new_tokens": 0}, "max_new_tokens must be an int >= 1"),
+    ({"max_new_tokens": -1}, "max_new_tokens must be an int >= 0"),
     ({"temperature": -1}, "temperature must be in"),
     ({"top_k": 0}, "top_k must be >= 1"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),

@@ -64,14 +64,23 @@ def model_dir(tmp_path_factory):
     cfg = Config.from_name("tiny")
     random_weights_(GPT2LMHeadModel(GPT2Config(**cfg.to_hf_dict())), 0).save_pretrained(d)
     tok = ByteLevelBPETokenizer()
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog. Hello world!"] * 40, vocab_size=320)
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog. Hello world!"] * 40, vocab_size=320,
+                            special_tokens=["<|endoftext|>"])  # id 0, the tiny config's EOS
     tok.save(str(d / "tokenizer.json"))
+    from transformers import PreTrainedTokenizerFast  # tokenizer_config.json too, for AutoTokenizer (lm-eval)
+    PreTrainedTokenizerFast(tokenizer_file=str(d / "tokenizer.json"), eos_token="<|endoftext|>",
+                            bos_token="<|endoftext|>").save_pretrained(d)
     return d
+
+
+CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir)
+    (model_dir.parent / "chat.jinja").write_text(CHAT_TEMPLATE)
+    s = Server(model_dir, "--chat-template", str(model_dir.parent / "chat.jinja"))
     yield s
     s.stop()
 
@@ -144,7 +153,26 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": "hi", "temperature": 5}, 400, "temperature", "less than or equal to 2"),
     ({"model": "tiny-gpt2", "prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     ({"model": "tiny-gpt2", "prompt": 42}, 400, "prompt", ""),
-    ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": 3}, 400, "logprobs", "Extra inputs"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "best_of": 3}, 400, "best_of", "Extra inputs"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "echo": "maybe"}, 400, "echo", "boolean"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
+    ({"model": "tiny-gpt2", "prompt": ["a"] * 20, "n": 8}, 400, "n", "exceed 128 choices"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", "less than or equal to 2"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "frequency_penalty": -2.5}, 400, "frequency_penalty", "greater than"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "top_k": -2}, 400, "top_k", "greater than or equal to -1"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "exceeds max_tokens"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "ignore_eos": "x"}, 400, "ignore_eos", "boolean"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "not a token id"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"5000": 1}}, 400, "logit_bias", "not a token id"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias", "outside [-100, 100]"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": 0}, 400, "max_tokens", "needs echo"),
+    ({"model": "tiny-gpt2", "prompt": [1, 2, 9999]}, 400, "prompt", "outside this model's vocabulary"),
+    ({"model": "tiny-gpt2", "prompt": [[1, 2], []]}, 400, "prompt", "must not be empty"),
+    ({"model": "tiny-gpt2", "prompt": []}, 400, "prompt", "must not be an empty list"),
+    ({"model": "tiny-gpt2", "prompt": [1.5]}, 400, "prompt", ""),
     ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "exceeds the model's context of 128"),
     ({"model": "tiny-gpt2", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
@@ -180,8 +208,8 @@ def test_concurrent_clients_and_metrics(server):
         t.join()
     assert results == [200] * 12
     metrics = httpx.get(server.url + "/metrics").text
-    assert 'gpt2ffn_requests_total{code="200"}' in metrics and "gpt2ffn_queue_depth 0" in metrics
-    assert "gpt2ffn_request_latency_seconds_bucket" in metrics
+    assert 'gpt2ffn_requests_total{code="200"}' in metrics and "gpt2ffn_num_requests_running 0.0" in metrics
+    assert "gpt2ffn_e2e_request_latency_seconds_bucket" in metrics
 
 
 def test_schemathesis_finds_no_5xx(server):
@@ -195,8 +223,9 @@ def test_schemathesis_finds_no_5xx(server):
 
 @pytest.fixture(scope="module")
 def slow_server():
-    """gpt2-sized random weights generate slowly enough (~40 tokens/s here) to fill a queue of 2."""
-    s = Server("random:gpt2", "--max-queue", "2")
+    """gpt2-sized random weights, one running sequence and two waiting: the third concurrent request waits,
+    the fourth is refused."""
+    s = Server("random:gpt2", "--max-batch", "1", "--max-waiting", "2")
     yield s
     s.stop()
 
@@ -204,26 +233,27 @@ def slow_server():
 def test_full_queue_is_503_with_retry_after(slow_server):
     codes, headers = [], []
 
-    def one():
+    def one(stream):
         r = httpx.post(slow_server.url + "/v1/completions",
-                       json={"model": slow_server.model, "prompt": "x", "max_tokens": 40}, timeout=120)
+                       json={"model": slow_server.model, "prompt": "x", "max_tokens": 40, "stream": stream},
+                       timeout=120)
         codes.append(r.status_code)
         headers.append(r.headers.get("retry-after"))
 
-    threads = [threading.Thread(target=one) for _ in range(6)]
+    threads = [threading.Thread(target=one, args=(i % 2 == 1,)) for i in range(6)]  # streamed ones too
     for t in threads:
         t.start()
         time.sleep(0.05)
     for t in threads:
         t.join()
-    assert 503 in codes and 200 in codes and set(codes) <= {200, 503}
+    assert codes.count(503) == 3 and codes.count(200) == 3  # 1 running + 2 waiting; the rest refused at once
     assert all(h == "1" for c, h in zip(codes, headers) if c == 503)
 
 
 def test_disconnect_stops_generation(slow_server):
     before = httpx.get(slow_server.url + "/metrics").text
     def cancelled(text):
-        return int(next(line for line in text.splitlines() if line.startswith("gpt2ffn_cancelled_total ")).split()[1])
+        return float(next(line for line in text.splitlines() if line.startswith("gpt2ffn_cancelled_total ")).split()[1])
 
     with httpx.stream("POST", slow_server.url + "/v1/completions", timeout=60,
                       json={"model": slow_server.model, "prompt": "x", "max_tokens": 900, "stream": True}) as r:
@@ -233,14 +263,14 @@ def test_disconnect_stops_generation(slow_server):
     deadline = time.time() + 10
     while time.time() < deadline:
         text = httpx.get(slow_server.url + "/metrics").text
-        if cancelled(text) > cancelled(before) and "gpt2ffn_queue_depth 0" in text:
+        if cancelled(text) > cancelled(before) and "gpt2ffn_num_requests_running 0.0" in text:
             return
         time.sleep(0.1)
     pytest.fail("generation went on after the client disconnected")
 
 
 def test_sigterm_drains_in_flight(model_dir):
-    s = Server("random:gpt2")
+    s = Server("random:gpt2", "--max-batch", "4")
     lines = []
     with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                       json={"model": s.model, "prompt": "x", "max_tokens": 40, "stream": True}) as r:
@@ -251,3 +281,181 @@ def test_sigterm_drains_in_flight(model_dir):
                 lines.append(line)
     assert lines[-1] == "data: [DONE]"
     assert s.proc.wait(30) == 0
+
+
+def post(server, **body):
+    r = httpx.post(server.url + "/v1/completions", json={"model": server.model, **body}, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_concurrent_greedy_and_seeded_equal_alone(server):
+    """16 clients at once, greedy and seeded: each gets what it got alone."""
+    bodies = [dict(prompt=f"the {w} fox {i}", max_tokens=16, temperature=0) for i, w in
+              enumerate(["quick", "lazy", "brown", "dog"] * 2)]
+    bodies += [dict(prompt=f"Hello {w} {i}", max_tokens=16, temperature=1.0, top_p=0.9, seed=i) for i, w in
+               enumerate(["world", "jumps", "over", "the"] * 2)]
+    solo = [post(server, **b)["choices"][0]["text"] for b in bodies]
+    together = [None] * len(bodies)
+
+    def one(i):
+        together[i] = post(server, **bodies[i])["choices"][0]["text"]
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(bodies))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert together == solo
+    assert len(set(solo[8:])) > 1  # the seeds differ, so do the texts
+
+
+def test_prompt_shapes_and_n(server, model_dir):
+    _, tok, _ = load(str(model_dir))
+    ids = tok.encode("the quick brown")
+    text = post(server, prompt="the quick brown", max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert post(server, prompt=ids, max_tokens=8, temperature=0)["choices"][0]["text"] == text
+    r = post(server, prompt=[ids, tok.encode("Hello")], max_tokens=8, temperature=0, n=2)
+    assert [c["index"] for c in r["choices"]] == [0, 1, 2, 3]
+    assert r["choices"][0]["text"] == r["choices"][1]["text"] == text
+    r = post(server, prompt="dog", max_tokens=12, temperature=1.0, seed=3, n=2)
+    assert r["choices"][0]["text"] == post(server, prompt="dog", max_tokens=12, temperature=1.0,
+                                           seed=3)["choices"][0]["text"]
+    assert r["choices"][1]["text"] == post(server, prompt="dog", max_tokens=12, temperature=1.0,
+                                           seed=4)["choices"][0]["text"]
+    assert r["usage"]["prompt_tokens"] == 2 * len(tok.encode("dog"))
+
+
+def test_echo_and_logprobs_equal_hf_log_softmax(server, model_dir):
+    import torch
+    from transformers import GPT2LMHeadModel
+    model, tok, _ = load(str(model_dir))
+    hf = GPT2LMHeadModel.from_pretrained(model_dir).eval()
+    ids = tok.encode("the quick brown fox jumps over")
+    full = ids + generate(model, [ids], Sampling(max_new_tokens=4))[0]
+    r = post(server, prompt=ids, max_tokens=4, temperature=0, echo=True, logprobs=2, ignore_eos=True)
+    c = r["choices"][0]
+    lp = c["logprobs"]
+    assert c["text"].startswith(tok.decode(ids)) and len(lp["tokens"]) == len(ids) + 4
+    assert lp["tokens"] == [tok.decode([t]) for t in full]
+    with torch.no_grad():
+        ref = torch.log_softmax(hf(torch.tensor([full])).logits[0].double(), -1)
+    expected = [ref[i - 1, full[i]].item() for i in range(1, len(full))]
+    assert lp["token_logprobs"][0] is None and lp["top_logprobs"][0] is None
+    assert lp["token_logprobs"][1:] == pytest.approx(expected, abs=1e-4)
+    for i in range(1, len(full)):
+        top = lp["top_logprobs"][i]
+        best = ref[i - 1].topk(2)
+        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(best.values[0].item(), abs=1e-4)
+    assert "".join(lp["tokens"]) == c["text"]
+    assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(full))]
+    # max_tokens 0: the prompt alone (what lm-eval's loglikelihood needs), usage counts no completion tokens
+    r0 = post(server, prompt=ids, max_tokens=0, echo=True, logprobs=0)
+    assert r0["choices"][0]["text"] == tok.decode(ids) and r0["usage"]["completion_tokens"] == 0
+    assert r0["choices"][0]["logprobs"]["token_logprobs"] == lp["token_logprobs"][:len(ids)]
+    # no echo: the generated tokens only
+    r1 = post(server, prompt=ids, max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
+    assert r1["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(expected[len(ids) - 1:], abs=1e-4)
+
+
+def test_streaming_logprobs_and_echo(server):
+    chunks = [json.loads(line[6:]) for line in httpx.post(
+        server.url + "/v1/completions", timeout=60, json={"model": server.model, "prompt": "Hello", "max_tokens": 6,
+                                                          "temperature": 0, "stream": True, "logprobs": 1,
+                                                          "echo": True, "ignore_eos": True}).text.splitlines()
+              if line.startswith("data: {")]
+    whole = post(server, prompt="Hello", max_tokens=6, temperature=0, echo=True, ignore_eos=True)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
+    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"]) == 6
+
+
+def test_tokenize_detokenize(server, model_dir):
+    _, tok, _ = load(str(model_dir))
+    r = httpx.post(server.url + "/tokenize", json={"model": server.model, "prompt": "the lazy dog"}).json()
+    assert r["tokens"] == tok.encode("the lazy dog") and r["count"] == len(r["tokens"]) and r["max_model_len"] == 128
+    assert httpx.post(server.url + "/detokenize", json={"tokens": r["tokens"]}).json()["prompt"] == "the lazy dog"
+    bad = httpx.post(server.url + "/detokenize", json={"tokens": [99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_chat_with_template(client, server, model_dir):
+    _, tok, _ = load(str(model_dir))
+    messages = [{"role": "user", "content": "the quick brown fox"}]
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0)
+    prompt = "user: the quick brown fox\nassistant:"
+    expected = post(server, prompt=prompt, max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert r.choices[0].message.content == expected and r.choices[0].message.role == "assistant"
+    parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
+        model=server.model, messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices]
+    assert "".join(parts) == expected
+
+
+def test_chat_without_template_names_completions(slow_server):
+    r = httpx.post(slow_server.url + "/v1/chat/completions",
+                   json={"model": slow_server.model, "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and "/v1/completions" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("body, param, text", [
+    ({"messages": []}, "messages", "at least 1 item"),
+    ({"messages": [{"role": "user"}]}, "messages.0.content", "Field required"),
+    ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens",
+     "greater than or equal to 1"),
+    ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+])
+def test_chat_bad_input(server, body, param, text):
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": server.model, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and text in r.json()["error"]["message"]
+
+
+def test_metrics_are_vllm_named(server):
+    post(server, prompt="fox", max_tokens=4)
+    text = httpx.get(server.url + "/metrics").text
+    for name in ["gpt2ffn_num_requests_running", "gpt2ffn_num_requests_waiting", "gpt2ffn_kv_cache_usage_perc",
+                 "gpt2ffn_time_to_first_token_seconds_bucket", "gpt2ffn_inter_token_latency_seconds_bucket",
+                 "gpt2ffn_e2e_request_latency_seconds_count", "gpt2ffn_batch_size_bucket",
+                 "gpt2ffn_prompt_tokens_total", "gpt2ffn_generation_tokens_total", "gpt2ffn_kv_cache_blocks_in_use"]:
+        assert f"\n{name}" in text, name
+
+
+LM_EVAL_DOCS = [{"context": "the quick brown", "choices": [" fox", " dog", " world"], "label": 0, "answer": "x"},
+                {"context": "Hello", "choices": [" world", " lazy"], "label": 0, "answer": "x"},
+                {"context": "the lazy dog jumps over the", "choices": [" quick", " fox jumps"], "label": 1,
+                 "answer": "x"}]
+
+
+def lm_eval_tasks(d):
+    """Two tasks on a local JSON dataset: multiple choice (loglikelihood) and generate_until."""
+    data = d / "docs.jsonl"
+    data.write_text("".join(json.dumps(doc) + "\n" for doc in LM_EVAL_DOCS))
+    common = (f"dataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {data}\ntest_split: test\n"
+              "doc_to_text: \"{{context}}\"\n")
+    (d / "mc.yaml").write_text("task: gpt2ffn_mc\n" + common + "output_type: multiple_choice\n"
+                               "doc_to_choice: \"{{choices}}\"\ndoc_to_target: label\n"
+                               "metric_list:\n  - metric: acc\n")
+    (d / "gen.yaml").write_text("task: gpt2ffn_gen\n" + common + "output_type: generate_until\n"
+                                "doc_to_target: \"{{answer}}\"\ngeneration_kwargs:\n  until: [\".\"]\n"
+                                "  max_gen_toks: 12\n  do_sample: false\nmetric_list:\n  - metric: exact_match\n")
+    return ["gpt2ffn_mc", "gpt2ffn_gen"]
+
+
+def test_lm_eval_local_completions_equals_hf(server, model_dir, tmp_path, monkeypatch):
+    """lm-evaluation-harness through the server gives HF's own loglikelihoods (1e-3) and greedy generations."""
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    tasks = lm_eval_tasks(tmp_path)
+    manager = TaskManager(include_path=str(tmp_path))
+
+    def run(model, args):
+        out = lm_eval.simple_evaluate(model=model, model_args=args, tasks=tasks, task_manager=manager,
+                                      log_samples=True, batch_size=1)
+        return {t: [s["resps"] for s in sorted(out["samples"][t], key=lambda s: s["doc_id"])] for t in tasks}
+
+    ours = run("local-completions", f"model={server.model},base_url={server.url}/v1/completions,"
+                                    f"tokenizer_backend=huggingface,tokenizer={model_dir},max_length=128")
+    hf = run("hf", f"pretrained={model_dir},dtype=float32,device=cpu")
+    lls = [(float(a[0][0]), float(b[0][0])) for x, y in zip(ours["gpt2ffn_mc"], hf["gpt2ffn_mc"]) for a, b in zip(x, y)]
+    assert len(lls) == 7 and all(abs(a - b) < 1e-3 for a, b in lls), lls
+    assert ours["gpt2ffn_gen"] == hf["gpt2ffn_gen"]

@@ -210,7 +210,8 @@ def cmd_serve(args):
         from .server import serve
     except ImportError:
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
-    serve(args.model, args.host, args.port, args.max_queue)
+    serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,
+          args.chat_template, args.threads)
     return 0
 
 
@@ -290,7 +291,17 @@ def build_parser() -> Parser:
                    "openai-community/gpt2 from the local HF cache")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--max-queue", type=int, default=16, help="requests waiting beyond this get 503 + Retry-After")
+    p.add_argument("--max-batch", type=int, help="sequences decoded together (default 64; the paged KV cache "
+                   "takes up to a quarter of free memory, at most 2 GiB)")
+    p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the running batch; "
+                   "more get 503 + Retry-After (default 256)")
+    p.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent "
+                   "of what runs beside it (slower: rows are computed one at a time)")
+    p.add_argument("--precision", choices=["fp32", "bf16", "int8", "int4"], default="fp32",
+                   help="weights' precision (default fp32)")
+    p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
+    p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (as HF's apply_chat_template "
+                   "uses): enables /v1/chat/completions")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")

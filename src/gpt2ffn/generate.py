@@ -1,109 +1,45 @@
-"""Text generation with the KV cache: greedy or sampled (temperature, top-k, top-p), seeded, batched.
+"""Text generation: greedy or sampled (temperature, top-k, top-p, penalties), seeded, batched.
 
-A batch of prompts of different lengths is left-padded; the attention mask hides the padding and positions
-count real tokens only, so each sequence gets the same tokens as when run alone.
+Many prompts run through the serving engine's continuous batching (serving/engine.py): each row has its
+own positions and its own blocks of the paged KV cache, so each gets the tokens it would get alone.
 """
-
-from dataclasses import dataclass, field
 
 import torch
 
 from .errors import Gpt2ffnError
-from .model import GPT2, KVCache
-
-
-@dataclass
-class Sampling:
-    """How to pick the next token. temperature 0 means greedy."""
-
-    max_new_tokens: int = 32
-    temperature: float = 0.0
-    top_k: int | None = None
-    top_p: float | None = None
-    seed: int | None = None
-    eos_token_id: int | None = None
-    stop: list = field(default_factory=list)  # stop strings (need a decode function)
-
-    def __post_init__(self):
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
-            raise Gpt2ffnError(f"max_new_tokens must be an int >= 1, got {self.max_new_tokens!r}")
-        if not 0 <= self.temperature <= 100:
-            raise Gpt2ffnError(f"temperature must be in [0, 100], got {self.temperature!r}")
-        if self.top_k is not None and self.top_k < 1:
-            raise Gpt2ffnError(f"top_k must be >= 1, got {self.top_k!r}")
-        if self.top_p is not None and not 0 < self.top_p <= 1:
-            raise Gpt2ffnError(f"top_p must be in (0, 1], got {self.top_p!r}")
-
-
-def pick(logits, s: Sampling, generator):
-    """(B, V) logits -> (B,) next ids."""
-    if s.temperature == 0:
-        return logits.argmax(-1)
-    logits = logits.float() / s.temperature
-    if s.top_k is not None:
-        kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if s.top_p is not None and s.top_p < 1:
-        sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= s.top_p  # keep the smallest prefix reaching top_p
-        logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
-    return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
+from .model import GPT2
+from .serving.engine import Engine, Request
+from .serving.sampling import Sampling, pick  # noqa: F401  (the public names of generation)
 
 
 @torch.no_grad()
-def stream(model: GPT2, prompts: list, s: Sampling, decode=None):
-    """Yield, after each step, the list of new token ids per prompt (None where a sequence has finished)."""
-    if not prompts or any(len(p) == 0 for p in prompts):
+def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False):
+    """Yield, after each engine step that made tokens, the new token id per prompt (None: none this step).
+
+    The prompts run through the serving engine (continuous batching), the one batching path of gpt2ffn;
+    each gets the tokens it would get alone. With decode, stop strings end a sequence."""
+    if not prompts:
         raise Gpt2ffnError("every prompt needs at least one token")
-    cfg = model.config
-    longest = max(len(p) for p in prompts)
-    if longest + s.max_new_tokens > cfg.n_positions:
-        raise Gpt2ffnError(f"prompt ({longest} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the context "
-                           f"of {cfg.n_positions} positions")
-    device = model.transformer.wte.weight.device
-    pad = s.eos_token_id if s.eos_token_id is not None else 0
-    B = len(prompts)
-    ids = torch.tensor([[pad] * (longest - len(p)) + list(p) for p in prompts], device=device)
-    mask = torch.tensor([[0] * (longest - len(p)) + [1] * len(p) for p in prompts], device=device)
-    padded = bool((mask == 0).any())
-    cache = KVCache(cfg, B, dtype=model.transformer.wte.weight.dtype, device=device,
-                    max_len=longest + s.max_new_tokens)
-    generator = torch.Generator(device=device)
-    if s.seed is not None:
-        generator.manual_seed(s.seed)
-    else:
-        generator.seed()
-    done = [False] * B
-    texts = [[] for _ in range(B)]
-    logits = model(ids, cache, mask if padded else None, last_only=True)[:, -1]
-    for _ in range(s.max_new_tokens):
-        nxt = pick(logits, s, generator)
-        out = []
-        for b in range(B):
-            if done[b]:
-                out.append(None)
-                continue
-            t = int(nxt[b])
-            texts[b].append(t)
-            out.append(t)
-            if t == s.eos_token_id:
-                done[b] = True
-            elif s.stop and decode is not None and any(stop in decode(texts[b]) for stop in s.stop):
-                done[b] = True
-        yield out
-        if all(done):
-            return
-        nxt = torch.where(torch.tensor(done, device=device), torch.full_like(nxt, pad), nxt)
-        if padded:
-            mask = torch.cat([mask, torch.ones(B, 1, dtype=mask.dtype, device=device)], dim=1)
-        logits = model(nxt[:, None], cache, mask if padded else None, last_only=True)[:, -1]
+    longest = max(len(p) for p in prompts) + s.max_new_tokens
+    max_len = min(longest, model.config.n_positions) if longest > 0 else 1
+    engine = Engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,
+                    kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant)
+    requests = [Request(list(p), s) for p in prompts]
+    row = {r.id: i for i, r in enumerate(requests)}
+    engine.add(*requests)
+    while engine.has_work():
+        out = [None] * len(prompts)
+        for ev in engine.step():
+            if ev.id >= 0:
+                out[row[ev.request.id]] = ev.id
+        if any(t is not None for t in out):
+            yield out
 
 
-def generate(model: GPT2, prompts: list, s: Sampling, decode=None) -> list:
+def generate(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False) -> list:
     """The new token ids of each prompt, up to EOS, the token completing a stop string, or max_new_tokens."""
     out = [[] for _ in prompts]
-    for step in stream(model, prompts, s, decode):
+    for step in stream(model, prompts, s, decode, batch_invariant):
         for b, t in enumerate(step):
             if t is not None:
                 out[b].append(t)

@@ -42,6 +42,59 @@ class KVCache:
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
+class PagedKVCache:
+    """Keys and values of many sequences in fixed-size blocks, as vLLM's PagedAttention keeps them.
+
+    Per layer one pool (num_blocks, H, block_size, d/H). A sequence owns a list of blocks (its block table),
+    reserved for its whole length when it is admitted, so a running sequence never waits for memory. A
+    forward pass first bind()s the rows' tables and positions; update() then writes each new key at its
+    position and returns each row's own blocks gathered, (B, H, blocks * block_size, d/H): a row sees only
+    its own keys, and forward_paged's mask hides the positions it has not written yet."""
+
+    def __init__(self, cfg: Config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu"):
+        self.block_size, self.num_blocks = block_size, num_blocks
+        shape = (num_blocks, cfg.n_head, block_size, cfg.n_embd // cfg.n_head)
+        # zeros, not empty: a masked key is multiplied by probability 0, and 0 * NaN from stale memory is NaN
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.free = list(range(num_blocks - 1, -1, -1))
+        self.tables = self.positions = None
+
+    def blocks_for(self, tokens: int) -> int:
+        return -(-tokens // self.block_size)
+
+    def allocate(self, tokens: int):
+        """Blocks for a sequence of `tokens` positions, or None when the pool has too few free."""
+        n = self.blocks_for(tokens)
+        if n > len(self.free):
+            return None
+        return [self.free.pop() for _ in range(n)]
+
+    def release(self, blocks: list):
+        self.free.extend(reversed(blocks))
+
+    def bind(self, tables, positions, slots=None, span=None, keys=None):
+        """tables (B, nb) block ids per row (padded with any of its own), positions (B, T) of the new tokens;
+        slots: (blocks, offsets), each (B*T,), where they are written, if not at their positions in their
+        row's blocks (a packed row holds tokens of several sequences); span: keys beyond it are not read; keys:
+        (blocks, offsets) of every key a one-row pass reads, in place of tables."""
+        if slots is None:
+            slots = (tables.gather(1, positions // self.block_size).flatten(), (positions % self.block_size).flatten())
+        self.tables, self.slots, self.span, self.keys = tables, slots, span, keys
+
+    def update(self, layer: int, k, v):
+        """Write k, v (B, H, T, d/H) at their slots; return every row's blocks (B, H, nb * block_size, d/H)."""
+        B, H, T, D = k.shape
+        blk, off = self.slots
+        self.k[layer][blk, :, off] = k.transpose(1, 2).reshape(B * T, H, D)
+        self.v[layer][blk, :, off] = v.transpose(1, 2).reshape(B * T, H, D)
+        if self.keys is not None:  # one row, its keys listed: (blocks, offsets) each (K,) -> (1, H, K, D)
+            return [pool[layer][self.keys[0], :, self.keys[1]].transpose(0, 1)[None] for pool in (self.k, self.v)]
+        nb = self.tables.shape[1]
+        return [pool[layer][self.tables].transpose(1, 2).reshape(B, H, nb * self.block_size, D)[:, :, :self.span]
+                for pool in (self.k, self.v)]                                           # from (B, nb, H, bs, D)
+
+
 def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
     """Boolean (B or 1, 1, T, past + T): query i (at position past + i) sees key j <= past + i that is valid.
 
@@ -181,6 +234,27 @@ class GPT2(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.transformer.ln_f(x))
 
+    def forward_paged(self, ids, positions, cache: PagedKVCache, tables, logits_for="last", mask=None, slots=None,
+                      keys=None):
+        """Rows of different sequences at once: ids and positions (B, T), tables (B, nb) each row's blocks in
+        the paged cache. A query at position p attends keys 0..p of its own row, nothing else (or what mask
+        (B, 1, T, keys) allows, with slots and keys as PagedKVCache.bind takes them: a packed row).
+        logits_for: "last" -> (B, vocab) of each row's last token; "all" -> (B, T, vocab); a list of token
+        indices of row 0 -> (len, vocab)."""
+        span = None
+        if mask is None:  # keys up to the furthest new position: with one big block per sequence, not all of it
+            span = min(tables.shape[1] * cache.block_size, int(positions.max()) + 1)
+            mask = (torch.arange(span, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+        cache.bind(tables, positions, slots, span, keys)
+        x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
+        for i, block in enumerate(self.transformer.h):
+            x = block(x, i, cache, mask)
+        if logits_for == "last":
+            x = x[:, -1]
+        elif logits_for != "all":
+            x = x[0, logits_for]
+        return self.lm_head(self.transformer.ln_f(x))
+
     def fused_decode(self) -> bool:
         """Whether a one-token step can run each block as one native call (gpt2ffn._C.decode_block): eval(),
         every linear layer packed with the native decode route, no gradient asked, fp32 on CPU."""
@@ -195,15 +269,24 @@ class GPT2(nn.Module):
 
     def decode_step(self, ids, cache):
         """One new token per row (B, 1) -> logits (B, 1, vocab), each block one native call."""
-        from . import _C
-        B, pos = ids.shape[0], cache.length
-        x = self.transformer.wte(ids[:, 0]) + self.transformer.wpe.weight[pos]          # (B, d)
-        slots = torch.arange(B)
-        lens = torch.full((B,), pos, dtype=torch.long)
-        for i, args in enumerate(self.__dict__["_plan"].args):
-            x = _C.decode_block(x, slots, lens, cache.k[i], cache.v[i], *args)
+        B = ids.shape[0]
+        logits = self.decode_slots(ids[:, 0], torch.full((B,), cache.length, dtype=torch.long), cache.k, cache.v,
+                                   torch.arange(B))
         cache.length += 1
-        return self.lm_head(self.transformer.ln_f(x))[:, None]                          # (B, 1, vocab)
+        return logits[:, None]                                                          # (B, 1, vocab)
+
+    def decode_slots(self, ids, positions, k, v, slots):
+        """ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's k[i], v[i]
+        (slots, H, S, d/H) -> logits (B, vocab). Each block one native call; a row attends its own positions
+        0..p only, so rows of different lengths share the step (the serving engine's decode)."""
+        from . import _C
+        if not self.fused_decode():
+            raise Gpt2ffnError("decode_slots needs every linear layer packed with the native decode route "
+                               "(gpt2ffn.quantize on a CPU where gpt2ffn._C is built), eval() and no gradient")
+        x = self.transformer.wte(ids) + self.transformer.wpe.weight[positions]           # (B, d)
+        for i, args in enumerate(self.__dict__["_plan"].args):
+            x = _C.decode_block(x, slots, positions, k[i], v[i], *args)
+        return self.lm_head(self.transformer.ln_f(x))
 
     def check_ids(self, ids, cache=None):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):

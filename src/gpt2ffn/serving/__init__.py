@@ -1,0 +1,1 @@
+"""Serving: the continuous-batching engine (engine.py) and per-request sampling (sampling.py)."""

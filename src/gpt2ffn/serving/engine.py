@@ -1,0 +1,339 @@
+"""The continuous-batching engine (Orca, OSDI 2022): one step() admits waiting requests, prefills them in
+chunks, then advances every running sequence by one token in one batched forward pass.
+
+The engine knows nothing of HTTP. The server and `gpt2ffn.generate` both call add() and step(); a
+`Loop` thread drives step() for the server. Each request has its own Sampling and its own generator, so
+what runs beside it does not change its tokens (temperature 0: the same argmax; seeded: the same draws).
+"""
+
+import itertools
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import Gpt2ffnError
+from ..model import GPT2, PagedKVCache
+from .sampling import Sampling, logprobs_of, next_tokens
+
+# Prefill tokens per step. GPT-2 small, 512-token prompt: chunks of 128 and 256 prefill equally fast (2.2 s),
+# 32 and 64 are 50% and 25% slower; 128 stalls the running streams half as long as 256 (README, "Serving").
+CHUNK = 128
+
+
+def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False) -> int:
+    """Room for max_batch sequences at full context, or a quarter of the free memory (at most 2 GiB) if that
+    is less: requests reserve only prompt + max_tokens, so short ones share what a full context would take.
+    slots (a whole context per sequence): max_batch of them if a quarter of the free memory holds them."""
+    import os
+    per_token = 2 * cfg.n_layer * cfg.n_embd * torch.finfo(dtype).bits // 8
+    try:
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        free = 4 << 30
+    cap = free / 4 if slots else min(free / 4, 2 << 30)
+    return max(min(max_batch * cfg.n_positions, int(cap // per_token)), cfg.n_positions)
+
+
+class QueueFull(Gpt2ffnError):
+    """More requests are waiting than max_waiting allows."""
+
+
+@dataclass
+class Token:
+    """One generated token of one request, as step() reports it."""
+
+    request: "Request"
+    id: int
+    logprob: float | None = None
+    top: tuple = ((), ())         # (ids, log-probs) of the most likely tokens, when asked for
+    text: str = ""                # new text safe to show (never part of a stop string)
+    finish_reason: str | None = None  # "stop", "length" or "abort" on the request's last event
+    gap: float | None = None      # seconds since the request's previous token
+
+
+@dataclass
+class Request:
+    prompt: list                   # token ids
+    params: Sampling
+    sink: object = None            # called with each Token (the server's bridge to its event loop)
+    id: int = field(default_factory=itertools.count().__next__)
+    output: list = field(default_factory=list)
+    prompt_logprobs: list = field(default_factory=list)  # [(log-prob, (top ids, top log-probs))] per prompt token
+    computed: int = 0              # prompt tokens in the cache
+    blocks: list = field(default_factory=list)
+    text: object = None            # TextStream when the engine has a decode function
+    finish_reason: str | None = None
+    cancelled: bool = False
+    arrival: float = field(default_factory=time.perf_counter)
+    first_token: float | None = None
+    last_token: float | None = None
+
+    def __post_init__(self):
+        self.generator = torch.Generator()
+        if self.params.seed is not None:
+            self.generator.manual_seed(self.params.seed)
+        else:
+            self.generator.seed()
+
+
+class Engine:
+    """Continuous batching over a paged KV cache. max_batch: sequences decoded together; max_waiting:
+    requests queued beyond them (more: QueueFull); kv_tokens: size of the cache pool in positions
+    (default: default_kv_tokens);
+    max_len: the longest prompt + max_new_tokens it takes (default n_positions); batch_invariant: each
+    row's logits bitwise independent of its batch mates (see decode_step)."""
+
+    def __init__(self, model: GPT2, decode=None, max_batch: int = 64, max_waiting: int = 256,
+                 kv_tokens: int | None = None, chunk: int = CHUNK, block_size: int = 16, max_len: int | None = None,
+                 batch_invariant: bool = False, metrics=None):
+        cfg = model.config
+        self.model, self.decode, self.metrics = model, decode, metrics
+        self.max_batch, self.max_waiting, self.chunk = max_batch, max_waiting, chunk
+        self.batch_invariant = batch_invariant
+        weight = model.transformer.wte.weight
+        with torch.no_grad():
+            # The native decode block (kernels/, gpt2ffn._C) reads each sequence's cache as one contiguous slot:
+            # then a block is a whole context. It is batch-invariant by construction (each row's LayerNorm,
+            # GEMV sums, attention over its own slot in one fixed order), so it serves that mode too.
+            self.fused = model.fused_decode()
+        self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
+        if self.fused:
+            block_size = self.max_len
+        kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype, slots=self.fused)
+        self.cache = PagedKVCache(cfg, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
+        self.device = weight.device
+        self.waiting, self.running = deque(), []
+        self.lock = threading.Lock()
+
+    # -- requests in ------------------------------------------------------------------------------------
+    def check(self, prompt: list, s: Sampling):
+        cfg = self.model.config
+        if not prompt:
+            raise Gpt2ffnError("every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+            raise Gpt2ffnError(f"token ids must be in [0, {cfg.vocab_size}); got min {min(prompt)}, max {max(prompt)}")
+        if len(prompt) + s.max_new_tokens > self.max_len:
+            raise Gpt2ffnError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
+                               f"context of {self.max_len} positions")
+        if self.cache.blocks_for(len(prompt) + s.max_new_tokens) > self.cache.num_blocks:
+            raise Gpt2ffnError(f"prompt + max_new_tokens ({len(prompt) + s.max_new_tokens}) exceed the KV cache "
+                               f"of {self.cache.num_blocks * self.cache.block_size} positions")
+
+    def add(self, *requests: Request):
+        """Queue requests (all or none). Raises QueueFull beyond max_waiting, Gpt2ffnError on bad input."""
+        for r in requests:
+            self.check(r.prompt, r.params)
+            if self.decode is not None:
+                from ..generate import TextStream
+                r.text = TextStream(self.decode, r.params.stop)
+        with self.lock:
+            if len(self.waiting) + len(requests) > self.max_waiting:
+                raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.max_waiting})")
+            self.waiting.extend(requests)
+
+    def abort(self, request: Request):
+        """Stop a request at the next step (any thread)."""
+        request.cancelled = True
+
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    def counts(self) -> tuple:
+        """(running, waiting, KV blocks in use)."""
+        return len(self.running), len(self.waiting), self.cache.num_blocks - len(self.cache.free)
+
+    # -- one iteration ----------------------------------------------------------------------------------
+    @torch.no_grad()  # not inference_mode: kernels/ keeps buffers that later plain calls write into
+    def step(self) -> list:
+        """Admit, prefill up to one chunk of tokens, decode every running sequence once; return the Tokens."""
+        events = []
+        for r in [r for r in self.running if r.cancelled]:
+            events.append(self.finish(r, "abort"))
+        with self.lock:
+            for r in [r for r in self.waiting if r.cancelled]:
+                self.waiting.remove(r)
+                events.append(Token(r, -1, finish_reason="abort"))
+            while self.waiting and len(self.running) < self.max_batch:
+                r = self.waiting[0]
+                r.blocks = self.cache.allocate(len(r.prompt) + r.params.max_new_tokens)
+                if r.blocks is None:
+                    break  # the pool is full: it waits for a running sequence to finish
+                self.running.append(self.waiting.popleft())
+        decoding = [r for r in self.running if r.computed == len(r.prompt)]
+        events += self.prefill([r for r in self.running if r.computed < len(r.prompt)])
+        if decoding:
+            events += self.decode_step(decoding)
+        if self.metrics is not None:
+            self.metrics.step(self, len(decoding), events)
+        return events
+
+    def table(self, rows: list, lengths: list):
+        """(B, nb) the blocks holding each row's first `length` positions, padded with its first block."""
+        used = [r.blocks[:self.cache.blocks_for(n)] for r, n in zip(rows, lengths)]
+        nb = max(len(u) for u in used)
+        return torch.tensor([u + u[:1] * (nb - len(u)) for u in used], device=self.device)
+
+    def prefill(self, rows: list) -> list:
+        """Whole chunks (a prompt is cut at multiples of `chunk`, whatever else runs) up to `chunk` tokens in
+        all, but at least one chunk, so a long prompt delays the running streams by one chunk at most. The
+        chunks run packed into one row (one forward), except echo's (all positions' logits) and in
+        batch-invariant mode (each chunk alone, so its sums cannot depend on the others)."""
+        plan, budget = [], self.chunk
+        for r in rows:
+            n = min(self.chunk, len(r.prompt) - r.computed)
+            if n > budget and budget < self.chunk:
+                break
+            budget -= n
+            plan.append((r, r.computed, n))
+        alone = [p for p in plan if self.batch_invariant or p[0].params.prompt_logprobs]
+        packed = [p for p in plan if p not in alone]
+        events = [ev for p in alone for ev in self.prefill_alone(*p)]
+        return events + (self.prefill_packed(packed) if packed else [])
+
+    def prefill_packed(self, chunks: list) -> list:
+        """Chunks of several prompts as one row of sum(n) tokens; each token attends its own sequence only."""
+        bs, dev = self.cache.block_size, self.device
+        pos = [p for _, s, n in chunks for p in range(s, s + n)]
+        ids = torch.tensor([[t for r, s, n in chunks for t in r.prompt[s:s + n]]], device=dev)
+        positions = torch.tensor([pos], device=dev)                                   # (1, T)
+        slots = (torch.tensor([r.blocks[p // bs] for r, s, n in chunks for p in range(s, s + n)], device=dev),
+                 positions[0] % bs)
+        key_pos = [p for _, s, n in chunks for p in range(s + n)]                    # each sequence's 0..s+n-1
+        keys = (torch.tensor([r.blocks[p // bs] for r, s, n in chunks for p in range(s + n)], device=dev),
+                torch.tensor(key_pos, device=dev) % bs)
+        key_seq = torch.tensor([i for i, (_, s, n) in enumerate(chunks) for _ in range(s + n)], device=dev)
+        q_seq = torch.tensor([i for i, (_, _, n) in enumerate(chunks) for _ in range(n)], device=dev)
+        mask = ((key_seq[None] == q_seq[:, None]) &
+                (torch.tensor(key_pos, device=dev)[None] <= positions[0][:, None]))[None, None]  # (1, 1, T, K)
+        last = list(itertools.accumulate(n for _, _, n in chunks))
+        logits = self.model.forward_paged(ids, positions, self.cache, None, [e - 1 for e in last], mask, slots, keys)
+        events = []
+        for i, (r, s, n) in enumerate(chunks):
+            r.computed += n
+            if r.computed == len(r.prompt):
+                events.append(self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, i))
+        return events
+
+    def prefill_alone(self, r: Request, start: int, n: int) -> list:
+        ids = torch.tensor([r.prompt[start:start + n]], device=self.device)
+        pos = torch.arange(start, start + n, device=self.device)[None]
+        logits = self.model.forward_paged(ids, pos, self.cache, self.table([r], [start + n]),
+                                          "all" if r.params.prompt_logprobs else "last")
+        r.computed += n
+        if r.params.prompt_logprobs:
+            logits = logits[0]                                               # (n, V)
+            if start == 0:
+                r.prompt_logprobs.append((None, ((), ())))
+            following = r.prompt[start + 1:start + n + 1]                    # the token each position predicts
+            lp, top = logprobs_of(logits[:len(following)], following, r.params.logprobs or 0)
+            r.prompt_logprobs += list(zip(lp, top))
+            logits = logits[-1:]
+        if r.computed < len(r.prompt):
+            return []
+        return [self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, 0)]
+
+    def decode_step(self, rows: list) -> list:
+        """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant)."""
+        ids = torch.tensor([[r.output[-1]] for r in rows], device=self.device)
+        pos = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device)
+        lengths = [len(r.prompt) + len(r.output) for r in rows]
+        if self.fused:
+            logits = self.model.decode_slots(ids[:, 0], pos[:, 0], self.cache.k, self.cache.v,
+                                             torch.tensor([r.blocks[0] for r in rows], device=self.device))
+        elif self.batch_invariant:  # each row through the same M=1 path: its logits cannot depend on the others
+            logits = torch.cat([self.model.forward_paged(ids[i:i + 1], pos[i:i + 1], self.cache,
+                                                         self.table([r], lengths[i:i + 1]))
+                                for i, r in enumerate(rows)])
+        else:
+            logits = self.model.forward_paged(ids, pos, self.cache, self.table(rows, lengths))    # (B, V)
+        picked = next_tokens(logits, rows)
+        return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
+
+    def emit(self, r: Request, logits, row: int, token: int | None = None) -> Token:
+        if token is None:
+            token = next_tokens(logits[row:row + 1], [r])[0]
+        now = time.perf_counter()
+        r.first_token = r.first_token or now
+        gap, r.last_token = (now - r.last_token if r.last_token else None), now
+        r.output.append(token)
+        ev = Token(r, token, gap=gap)
+        if r.params.logprobs is not None:
+            (ev.logprob,), (ev.top,) = logprobs_of(logits[row:row + 1], [token], r.params.logprobs)
+        s, early = r.params, len(r.output) <= r.params.min_tokens
+        stopped = token == s.eos_token_id and not s.ignore_eos and not early
+        if r.text is not None and token != s.eos_token_id:
+            ev.text, hit = r.text.push(token)
+            stopped = stopped or (hit and not early)
+        if stopped or len(r.output) >= s.max_new_tokens:
+            if r.text is not None:
+                ev.text += r.text.finish()
+            ev.finish_reason = self.finish(r, "stop" if stopped else "length").finish_reason
+        return ev
+
+    def finish(self, r: Request, reason: str) -> Token:
+        r.finish_reason = reason
+        self.running.remove(r)
+        self.cache.release(r.blocks)
+        r.blocks = []
+        return Token(r, -1, finish_reason=reason)
+
+    def run(self, requests: list) -> list:
+        """In-process use: add the requests, step until all finish, return them."""
+        self.add(*requests)
+        while any(r.finish_reason is None for r in requests):
+            for ev in self.step():
+                if ev.request.sink is not None:
+                    ev.request.sink(ev)
+        return requests
+
+
+class Loop:
+    """The thread that owns the engine for the server: it steps while there is work, sleeps otherwise, and
+    passes each Token to its request's sink."""
+
+    def __init__(self, engine: Engine):
+        self.engine, self.wake, self.stopping = engine, threading.Condition(), False
+        self.thread = threading.Thread(target=self.work, name="gpt2ffn-engine", daemon=True)
+        self.thread.start()
+
+    def submit(self, *requests: Request):
+        self.engine.add(*requests)
+        with self.wake:
+            self.wake.notify()
+
+    def stop(self):
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join(30)
+
+    def work(self):
+        while True:
+            with self.wake:
+                while not self.engine.has_work() and not self.stopping:
+                    self.wake.wait()
+                if self.stopping and not self.engine.has_work():
+                    return
+            try:
+                events = self.engine.step()
+            except Exception as e:  # a bug must reach the clients as a 500, not kill the engine
+                events = self.fail_all(f"{type(e).__name__}: {e}")
+            for ev in events:
+                if ev.request.sink is not None:
+                    ev.request.sink(ev)
+
+    def fail_all(self, message: str) -> list:
+        e = self.engine
+        with e.lock:
+            victims = e.running + list(e.waiting)
+            e.waiting.clear()
+        for r in list(e.running):
+            e.finish(r, "error")
+        out = []
+        for r in victims:
+            r.finish_reason = "error"
+            out.append(Token(r, -1, text=message, finish_reason="error"))
+        return out

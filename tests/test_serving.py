@@ -1,0 +1,133 @@
+"""The continuous-batching engine in process: each request gets what it would get alone, whatever runs beside
+it and whenever it joins; chunked prefill; aborts free the cache; limits; batch-invariant logits bitwise."""
+
+import pytest
+import torch
+
+import gpt2ffn.serving.engine as engine_mod
+from gpt2ffn.errors import Gpt2ffnError
+from gpt2ffn.generate import load
+from gpt2ffn.serving.engine import Engine, QueueFull, Request
+from gpt2ffn.serving.sampling import Sampling
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load("random:tiny:3")[0]
+
+
+def prompts(n, seed=0, lo=3, hi=40):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 512, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def alone(model, prompt, s, **kw):
+    return Engine(model, max_batch=1, **kw).run([Request(prompt, s)])[0].output
+
+
+def staggered(model, ps, samplings, every=3, **kw):
+    """Requests join the running batch one by one, every `every` steps, as clients arrive at a server."""
+    eng = Engine(model, max_batch=64, **kw)
+    reqs = [Request(p, s) for p, s in zip(ps, samplings)]
+    pending, steps = list(reqs), 0
+    while pending or eng.has_work():
+        if pending and steps % every == 0:
+            eng.add(pending.pop(0))
+        eng.step()
+        steps += 1
+    return [r.output for r in reqs]
+
+
+def test_greedy_in_a_changing_batch_equals_alone(model):
+    ps = prompts(12)
+    s = Sampling(max_new_tokens=20)
+    solo = [alone(model, p, s) for p in ps]
+    assert staggered(model, ps, [s] * 12) == solo
+    # all at once: their prompts are prefilled packed into shared rows of up to `chunk` tokens
+    assert [r.output for r in Engine(model, chunk=64).run([Request(p, s) for p in ps])] == solo
+
+
+def test_seeded_sampling_is_the_same_whatever_runs_beside(model):
+    ps = prompts(8, seed=1)
+    samplings = [Sampling(max_new_tokens=16, temperature=1.0, top_k=50, top_p=0.9, seed=100 + i,
+                          presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.2) for i in range(8)]
+    together = staggered(model, ps, samplings, every=2)
+    assert together == [alone(model, p, s) for p, s in zip(ps, samplings)]
+    # other batch mates (other prompts, greedy ones) do not change the seeded draws either
+    mixed = staggered(model, ps[:1] + prompts(5, seed=9), samplings[:1] + [Sampling(max_new_tokens=30)] * 5, every=1)
+    assert mixed[0] == together[0]
+    assert together[0] != alone(model, ps[0], Sampling(**{**samplings[0].__dict__, "seed": 7}))
+
+
+def test_chunked_prefill_keeps_running_streams_going(model):
+    short, long = prompts(1, seed=2)[0], prompts(1, seed=3, lo=100, hi=101)[0]
+    s = Sampling(max_new_tokens=40)
+    eng = Engine(model, max_batch=4, chunk=16)
+    a = Request(short, s)
+    eng.add(a)
+    eng.step()
+    eng.add(b := Request(long, Sampling(max_new_tokens=8)))
+    gaps = []
+    while b.computed < len(long):
+        before = len(a.output)
+        eng.step()
+        gaps.append(len(a.output) - before)
+    assert len(gaps) == -(-len(long) // 16) and gaps == [1] * len(gaps)  # a token for `a` at every chunk of `b`
+    while eng.has_work():
+        eng.step()
+    assert a.output == alone(model, short, s) and b.output == alone(model, long, Sampling(max_new_tokens=8))
+    assert b.output == alone(model, long, Sampling(max_new_tokens=8), chunk=256)
+
+
+def test_abort_frees_blocks_and_limits(model):
+    eng = Engine(model, max_batch=2, max_waiting=2)
+    reqs = [Request(p, Sampling(max_new_tokens=50)) for p in prompts(4, seed=4)]
+    eng.add(*reqs[:2])
+    eng.step()
+    eng.add(*reqs[2:])
+    with pytest.raises(QueueFull, match="2 requests are waiting"):
+        eng.add(Request([1, 2], Sampling()))
+    assert eng.counts()[:2] == (2, 2)
+    for r in reqs:
+        eng.abort(r)
+    events = eng.step()
+    assert sorted(e.finish_reason for e in events) == ["abort"] * 4
+    assert eng.counts() == (0, 0, 0) and not eng.has_work()
+    with pytest.raises(Gpt2ffnError, match=r"prompt \(120 tokens\) \+ max_new_tokens \(20\) exceeds the context of 128"):
+        eng.add(Request([1] * 120, Sampling(max_new_tokens=20)))
+
+
+def test_stop_eos_min_tokens_ignore_eos_logit_bias(model):
+    p = prompts(1, seed=5)[0]
+    s = dict(max_new_tokens=12, temperature=1.0, seed=3)
+    free = alone(model, p, Sampling(**s))
+    k = next(i for i in range(2, 12) if free[i] not in free[:i])  # a token that first appears at k >= 2
+    eos = free[k]
+    assert alone(model, p, Sampling(**s, eos_token_id=eos)) == free[:k + 1]
+    assert alone(model, p, Sampling(**s, eos_token_id=eos, ignore_eos=True)) == free
+    held = alone(model, p, Sampling(**s, eos_token_id=eos, min_tokens=k + 2))
+    assert held[:k] == free[:k] and held[k] != eos and len(held) >= k + 2
+    assert alone(model, p, Sampling(max_new_tokens=5, logit_bias={7: 100.0})) == [7] * 5
+
+
+def test_batch_invariant_logits_are_bitwise_equal(model, monkeypatch):
+    seen = {}
+    real = engine_mod.next_tokens
+
+    def record(logits, rows):
+        for i, r in enumerate(rows):
+            seen.setdefault(r.id, []).append(logits[i].clone())
+        return real(logits, rows)
+
+    monkeypatch.setattr(engine_mod, "next_tokens", record)
+    ps = prompts(10, seed=6, lo=2, hi=60)
+    s = Sampling(max_new_tokens=12)
+    eng = Engine(model, max_batch=1, batch_invariant=True)
+    solo = [eng.run([Request(p, s)])[0].id for p in ps]
+    mates = staggered(model, ps, [s] * len(ps), every=1, batch_invariant=True)
+    assert len(mates) == len(ps)
+    batched_ids = sorted(seen)[-len(ps):]
+    for a, b in zip(solo, batched_ids):
+        assert len(seen[a]) == len(seen[b]) == 12
+        assert all(torch.equal(x, y) for x, y in zip(seen[a], seen[b]))
