@@ -346,7 +346,10 @@ def test_echo_and_logprobs_equal_hf_log_softmax(server, model_dir):
     for i in range(1, len(full)):
         top = lp["top_logprobs"][i]
         best = ref[i - 1].topk(2)
-        assert 2 <= len(top) <= 3 and max(top.values()) == pytest.approx(best.values[0].item(), abs=1e-4)
+        # keys: the top 2 and the chosen token, as text; ids that decode alike (a partial UTF-8 byte is '')
+        # share one key, as in OpenAI's format
+        assert set(top) == {tok.decode([t]) for t in best.indices.tolist() + [full[i]]}
+        assert max(top.values()) == pytest.approx(best.values[0].item(), abs=1e-4)
     assert "".join(lp["tokens"]) == c["text"]
     assert lp["text_offset"] == [len("".join(lp["tokens"][:i])) for i in range(len(full))]
     # max_tokens 0: the prompt alone (what lm-eval's loglikelihood needs), usage counts no completion tokens

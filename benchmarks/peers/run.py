@@ -40,9 +40,12 @@ SMALL_WEIGHTS = 12 * (2304 + 768 + 3072 + 768 + 4 * 768) + 2 * 768
 # Bytes per weight of the matrices and lm_head. gpt2ffn: int8 group 64, int4 group 32, fp32 scales
 # (gpt2ffn.precision.GROUP); CTranslate2 int8: one fp32 scale per output row of 768 or 3072 inputs (~768
 # taken); ONNX Runtime quantize_dynamic: QInt8, one scale per tensor. llama.cpp: exact, from the GGUF file.
-BYTES_PER_WEIGHT = {("gpt2ffn", "fp32"): 4, ("gpt2ffn", "bf16"): 2, ("gpt2ffn", "int8"): 1 + 4 / 64,
-                    ("gpt2ffn", "int4"): 0.5 + 4 / 32, ("hf", "fp32"): 4, ("ct2", "float32"): 4,
+# gpt2ffn int8 / int4: groups of 32 with an fp16 scale; int4 keeps the tied lm_head int8 (LM_HEAD_BYTES).
+BYTES_PER_WEIGHT = {("gpt2ffn", "fp32"): 4, ("gpt2ffn", "bf16"): 2, ("gpt2ffn", "int8"): 1 + 2 / 32,
+                    ("gpt2ffn", "int4"): 0.5 + 2 / 32, ("hf", "fp32"): 4, ("ct2", "float32"): 4,
                     ("ct2", "bfloat16"): 2, ("ct2", "int8"): 1 + 4 / 768, ("ort", "fp32"): 4, ("ort", "int8"): 1}
+
+LM_HEAD_BYTES = {("gpt2ffn", "int4"): 1 + 2 / 32}
 
 BANDWIDTH = """
 import time, torch
@@ -62,7 +65,8 @@ def decode_bytes(engine, precision, models):
         from gguf import GGUFReader
         tensors = GGUFReader(models / f"gguf/gpt2-{precision}.gguf").tensors
         return sum(int(t.n_bytes) for t in tensors if t.name != "position_embd.weight")
-    return (MATRIX_WEIGHTS + LM_HEAD_WEIGHTS) * BYTES_PER_WEIGHT[(engine, precision)] + SMALL_WEIGHTS * 4
+    per = BYTES_PER_WEIGHT[(engine, precision)]
+    return MATRIX_WEIGHTS * per + LM_HEAD_WEIGHTS * LM_HEAD_BYTES.get((engine, precision), per) + SMALL_WEIGHTS * 4
 
 
 def run_engine(engine, precision, args, *extra):
