@@ -47,3 +47,9 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0 and "usage: gpt2ffn" in capsys.readouterr().out
+
+
+def test_generate_precision(capsys):
+    assert main(["generate", "--model", "random:tiny", "Hi", "--precision", "int8", "--max-new-tokens", "3"]) == 0
+    assert main(["generate", "--model", "random:tiny", "Hi", "--dtype", "bfloat16", "--precision", "int4"]) == 2
+    assert "error: precision='int4' quantizes a float32 model's weights" in capsys.readouterr().err

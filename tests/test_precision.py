@@ -177,3 +177,15 @@ def test_gpt2_logits_against_hf(precision):
     assert err <= PRECISION_TOLERANCES[precision]["vs_fp32"] * 2, err
     assert ours.precision == precision
     assert ours.lm_head.packed.precision == ("int8" if precision == "int4" else precision)  # int4 keeps lm_head int8
+
+
+@pytest.mark.real_weights
+def test_precisions_on_real_gpt2(real_gpt2):
+    """Each precision's next-token distributions on real GPT-2 against its fp32, over 1024 positions (the
+    metrics of `gpt2ffn bench --accuracy --weights DIR`). Bars are loose: real GPT-2 is far less sensitive
+    than the random model, whose numbers are in README."""
+    from gpt2ffn.bench import bench_accuracy
+    r = bench_accuracy(str(real_gpt2), PRECISIONS, log=lambda *a: None)["precisions"]
+    assert r["fp32"]["mean_kld"] < 1e-8 and r["fp32"]["top1_agree"] > 0.999
+    assert r["bf16"]["mean_kld"] < 1e-3 and r["int8"]["mean_kld"] < 1e-2 and r["int4"]["mean_kld"] < 2e-1
+    assert r["int8"]["top1_agree"] > 0.9

@@ -185,7 +185,7 @@ def cmd_generate(args):
 
     from .generate import Sampling, TextStream, load, stream
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model, tok, name = load(args.model, dtype, precision=args.precision if dtype == torch.float32 else None)
+    model, tok, name = load(args.model, dtype, precision=args.precision)
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt)
