@@ -7,14 +7,8 @@ from . import kernels
 from .config import Config
 from .errors import InputError, ShapeError
 from .gelu import activation
-from .kernels.packed import _C, DECODE_ROWS
+from .kernels import packed
 from .precision import PackedLayer
-
-_EMPTY = torch.empty(0)
-
-
-def _scale(p):
-    return p.scale if p.scale is not None else _EMPTY
 
 
 class Conv1D(PackedLayer, nn.Module):
@@ -65,10 +59,9 @@ class FeedForward(nn.Module):
             x2 = x.reshape(-1, x.shape[-1])
             approximate = self.config.gelu_approximate
             p1, p2 = c_fc.current(), c_proj.current()
-            route = "decode" if x2.shape[0] <= DECODE_ROWS else "prefill"
-            if p1.route[route] == p2.route[route] == "native":  # one native call: no Python between the layers
-                y = _C.ffn(x2, [p1.w, p2.w], [_scale(p1), _scale(p2)], [p1.bias, p2.bias], [p1.format, p2.format],
-                           [p1.N, p2.N], [p1.group, p2.group], approximate)
+            route = packed.regime(x2.shape[0])
+            if p1.route[route] == p2.route[route] == "native":
+                y = packed.ffn(x2, p1, p2, approximate)
             elif approximate == "relu":
                 y = c_proj.packed_forward(c_fc.packed_forward(x2).relu_())
             else:

@@ -385,13 +385,12 @@ class DecodePlan:
     @classmethod
     def build(cls, model) -> "DecodePlan | None":
         """The plan for `model`, re-packing stale layers first; None if a block cannot run fused."""
-        from .kernels.packed import WHY_NOT_NATIVE
+        from .kernels.packed import WHY_NOT_NATIVE, native_args
         cfg, wte = model.config, model.transformer.wte.weight
         if (WHY_NOT_NATIVE is not None or cfg.n_embd // cfg.n_head % 16 or wte.dtype != torch.float32
                 or wte.device.type != "cpu"):
             return None
         layers, tensors, args = [], [], []
-        empty = torch.empty(0)
         for block in model.transformer.h:
             mods = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
             if any(m.packed is None or m.packed.route["decode"] != "native" for m in mods):
@@ -400,9 +399,7 @@ class DecodePlan:
             layers += [(m, p) for m, p in zip(mods, ps)]
             tensors += [t for m in mods for t in (m.weight, m.bias)]
             args.append(([block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias], block.ln_1.eps,
-                         [p.w for p in ps], [p.scale if p.scale is not None else empty for p in ps],
-                         [p.bias for p in ps], [p.format for p in ps], [p.N for p in ps], [p.group for p in ps],
-                         block.mlp.config.gelu_approximate))
+                         *native_args(ps), block.mlp.config.gelu_approximate))
         return cls(layers, tensors, args)
 
     def valid(self) -> bool:

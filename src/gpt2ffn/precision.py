@@ -204,7 +204,6 @@ class PackedLayer:
 
     def packed_forward(self, x2, gelu: str | None = None):
         """(M, K) -> (M, N) on the packed weights."""
-        from .kernels.packed import DECODE_ROWS, linear
+        from .kernels.packed import linear, regime
         p = self.current()
-        return linear(x2, p, self.weight_kn(), self.bias, p.route["decode" if x2.shape[0] <= DECODE_ROWS else "prefill"],
-                      gelu)
+        return linear(x2, p, self.weight_kn(), self.bias, p.route[regime(x2.shape[0])], gelu)

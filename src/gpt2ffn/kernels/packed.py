@@ -8,7 +8,7 @@ Routes, each computing the same numbers for a precision (validated against numpy
 - "onednn": fp32 only: oneDNN's prepacked weights (mkldnn._reorder_linear_weight) with bias, and for c_fc
   GELU, fused into the GEMM's epilogue (mkldnn._linear_pointwise).
 
-Which route runs is chosen per (precision, regime) by `probe`: decode (<= DECODE_ROWS rows: GEMV, bound
+Which route runs is chosen per (precision, regime) by `probe`: decode (<= DECODE_TOKENS rows: GEMV, bound
 by weight bandwidth) and prefill (more rows: GEMM, bound by compute), timing a chain over the model's own
 layers, once per machine; the choice is cached on disk (GPT2FFN_CACHE, default ~/.cache/gpt2ffn).
 GPT2FFN_ROUTE=<route> forces one.
@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from ..precision import Packed, dequantize, quantize_groups
+from . import DECODE_TOKENS
 
 try:
     from .. import _C
@@ -34,7 +35,6 @@ try:
 except ImportError as e:  # not built: see setup.py
     _C, ISA, WHY_NOT_NATIVE = None, "none", f"gpt2ffn._C is not built ({e})"
 
-DECODE_ROWS = 16
 _FORCED = os.environ.get("GPT2FFN_ROUTE")
 _LOCK = threading.Lock()
 
@@ -73,13 +73,33 @@ def _onednn(p: Packed, weight, bias, batch: int, post: str):
     return cache[key]
 
 
+_EMPTY = torch.empty(0)
+
+
+def regime(rows: int) -> str:
+    """'decode' (GEMV, weight bandwidth bound) or 'prefill' (GEMM, compute bound): the key of Packed.route."""
+    return "decode" if rows <= DECODE_TOKENS else "prefill"
+
+
+def native_args(ps) -> list:
+    """The per-layer argument lists gpt2ffn._C.ffn / decode_block take for packed layers `ps` (an empty tensor
+    stands for no scale)."""
+    return [[p.w for p in ps], [p.scale if p.scale is not None else _EMPTY for p in ps], [p.bias for p in ps],
+            [p.format for p in ps], [p.N for p in ps], [p.group for p in ps]]
+
+
+def ffn(x2, p1: Packed, p2: Packed, act: str):
+    """c_proj(act(c_fc(x2))) in one native call: no Python between the two layers."""
+    return _C.ffn(x2, *native_args((p1, p2)), act)
+
+
 def linear(x2, p: Packed, weight, bias, route: str, gelu: str | None = None):
     """(M, K) fp32 -> (M, N): x2 @ W + b through `route`; with gelu ('tanh' or 'none'), GELU applied too."""
     if route == "native":
         y = _C.linear(x2, p.w, p.scale, p.bias, p.format, p.N, p.group)
     elif route == "onednn":
         post = "gelu" if gelu else "none"
-        wp, b = _onednn(p, weight, bias, 1 if x2.shape[0] <= DECODE_ROWS else 128, post)
+        wp, b = _onednn(p, weight, bias, 1 if x2.shape[0] <= DECODE_TOKENS else 128, post)
         return torch.ops.mkldnn._linear_pointwise(x2, wp, b, post, [], gelu or "")
     else:
         w = dense(p, weight)
