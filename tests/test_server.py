@@ -462,3 +462,25 @@ def test_lm_eval_local_completions_equals_hf(server, model_dir, tmp_path, monkey
     lls = [(float(a[0][0]), float(b[0][0])) for x, y in zip(ours["gpt2ffn_mc"], hf["gpt2ffn_mc"]) for a, b in zip(x, y)]
     assert len(lls) == 7 and all(abs(a - b) < 1e-3 for a, b in lls), lls
     assert ours["gpt2ffn_gen"] == hf["gpt2ffn_gen"]
+
+
+def test_serve_precision_answers_as_the_model_in_process(model_dir):
+    """`serve --precision int8` serves the int8 model: the prompt's log-probs equal load(..., precision="int8")'s
+    and differ from fp32's (so the flag cannot be silently ignored)."""
+    import torch
+    tok = load(str(model_dir))[1]
+    ids = tok.encode("the quick brown fox jumps")
+
+    def logprobs(precision):
+        with torch.no_grad():
+            lp = torch.log_softmax(load(str(model_dir), precision=precision)[0](torch.tensor([ids]))[0].double(), -1)
+        return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
+    s = Server(model_dir, "--precision", "int8")
+    try:
+        r = httpx.post(s.url + "/v1/completions", json={"model": s.model, "prompt": ids, "max_tokens": 0,
+                                                         "echo": True, "logprobs": 0}, timeout=60).json()
+    finally:
+        s.stop()
+    got = r["choices"][0]["logprobs"]["token_logprobs"][1:]
+    assert got == pytest.approx(logprobs("int8"), abs=1e-4)
+    assert got != pytest.approx(logprobs("fp32"), abs=1e-4)
