@@ -9,7 +9,8 @@ from conftest import hf_config, randomize_
 from gpt2ffn import CheckpointError, Config, Gpt2ffnError, InputError, ShapeError, tolerance
 from gpt2ffn.cli import main
 from gpt2ffn.generate import Sampling, cut_at_stop, generate, load
-from gpt2ffn.model import GPT2, KVCache, random_weights_
+from gpt2ffn.model import GPT2, random_weights_
+from gpt2ffn.serving.kv_cache import KVCache
 from gpt2ffn.tokenizer import ByteTokenizer, load_tokenizer
 
 CONFIGS = [Config(n_embd=64, n_layer=3, n_head=4, n_positions=128, vocab_size=300, bos_token_id=0, eos_token_id=299),
@@ -290,7 +291,9 @@ def test_text_stream_never_shows_part_of_a_stop_string():
 def test_top_level_exports():
     """Regression (issue 12): `from gpt2ffn import GPT2, generate, check` works; submodules keep importing."""
     import gpt2ffn
-    from gpt2ffn import GPT2 as top_gpt2, check, generate as top_generate
+    from gpt2ffn import GPT2 as top_gpt2
+    from gpt2ffn import check
+    from gpt2ffn import generate as top_generate
     from gpt2ffn.check import Report
     assert top_gpt2 is GPT2 and top_generate is generate and callable(check) and Report
     assert {"GPT2", "generate", "check"} <= set(gpt2ffn.__all__)

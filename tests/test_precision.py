@@ -10,8 +10,8 @@ import torch
 from conftest import SMALL, hf_model, randomize_
 from gpt2ffn import Config, ConfigError, FeedForward, quantize, reference
 from gpt2ffn.kernels import packed as kp
+from gpt2ffn.kernels.formats import PRECISIONS, dequantize, quantize_groups
 from gpt2ffn.model import GPT2
-from gpt2ffn.precision import PRECISIONS, dequantize, quantize_groups
 from gpt2ffn.tolerances import PRECISION_TOLERANCES
 
 # The GPT-2 width, and an odd FFN (hidden not 4d, no width a default group divides).

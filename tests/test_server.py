@@ -97,6 +97,16 @@ def test_health_models_openapi(server):
     assert models["data"][0]["id"] == server.model == "tiny-gpt2"
     spec = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/completions" in spec["paths"]
+    # the spec documents what comes back, not only what goes in: responses and errors have their schemas
+    post = spec["paths"]["/v1/completions"]["post"]["responses"]
+    assert post["200"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/Completion"}
+    assert post["400"]["content"]["application/json"]["schema"] == {"$ref": "#/components/schemas/ErrorResponse"}
+    schemas = spec["components"]["schemas"]
+    assert {"choices", "usage", "model"} <= set(schemas["Completion"]["properties"])
+    assert {"tokens", "token_logprobs", "top_logprobs", "text_offset"} <= set(schemas["Logprobs"]["properties"])
+    for path in ("/v1/chat/completions", "/v1/models", "/health", "/tokenize", "/detokenize"):
+        ok = spec["paths"][path][next(iter(spec["paths"][path]))]["responses"]["200"]
+        assert "$ref" in ok["content"]["application/json"]["schema"], path
 
 
 def test_openai_client_greedy_equals_in_process(client, server, model_dir):

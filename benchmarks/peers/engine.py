@@ -18,9 +18,8 @@ import json
 import statistics
 import sys
 import time
-from pathlib import Path
-
 from importlib.metadata import version
+from pathlib import Path
 
 import numpy as np
 
@@ -61,7 +60,7 @@ class Gpt2ffn(Torch):
     def __init__(self, precision, models, max_len):
         super().__init__()
         from gpt2ffn.generate import load
-        from gpt2ffn.model import KVCache
+        from gpt2ffn.serving.kv_cache import KVCache
         try:
             self.model, _, _ = load(str(models / "hf"), precision=precision)
         except TypeError:  # before load() had precision=

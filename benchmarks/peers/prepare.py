@@ -39,6 +39,7 @@ def run(*cmd):
 def save_hf(hf: Path):
     """random:gpt2:0 as GPT2LMHeadModel.save_pretrained, GPT-2's tokenizer files, and n_ctx in config.json."""
     import transformers
+
     from gpt2ffn.config import Config
     from gpt2ffn.model import random_weights_
     cfg = Config.from_name("gpt2")

@@ -19,17 +19,17 @@ import os
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 
 from . import reference  # noqa: E402
+from .check import check  # noqa: E402  (the function; the module stays importable by its full name)
 from .config import Config  # noqa: E402
 from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, ShapeError  # noqa: E402
 from .ffn import FeedForward  # noqa: E402
 from .gelu import GELU, gelu  # noqa: E402
+from .generate import generate  # noqa: E402  (the function, as check)
 from .hf import patch_hf  # noqa: E402
+from .model import GPT2  # noqa: E402
 from .precision import PRECISIONS, quantize  # noqa: E402
 from .tolerances import GOLDEN_ATOL, TOLERANCES, tolerance  # noqa: E402
 from .weights import Checkpoint, save_ffn  # noqa: E402
-from .model import GPT2  # noqa: E402
-from .generate import generate  # noqa: E402  (the function; the module stays importable by its full name)
-from .check import check  # noqa: E402  (the function, as above)
 
 __version__ = "0.1.0"
 

@@ -200,9 +200,9 @@ def bench_backward(dims, tokens, repeats, device="cpu", log=print) -> list:
             gy = torch.randn(T, d, generator=torch.Generator().manual_seed(T + 1)).to(device)
             for name, (m, _) in impls.items():
                 m.train()
-                nbytes, _ = saved_bytes(lambda: m(x), m)
+                nbytes, _ = saved_bytes(lambda m=m, x=x: m(x), m)
 
-                def step():
+                def step(m=m, x=x, gy=gy):
                     m(x).backward(gy)
                 ms = timeit(step, repeats, device)
                 rows.append({"d": d, "tokens": T, "impl": name, "ms": ms, "saved_bytes": nbytes})
@@ -336,8 +336,9 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from .generate import Sampling, generate
-    from .model import GPT2, KVCache, random_weights_
+    from .model import GPT2, random_weights_
     from .precision import packable, quantize
+    from .serving.kv_cache import KVCache
     cfg = Config.from_name("gpt2")
     hf_cfg = GPT2Config(**cfg.to_hf_dict())
     hf_cfg._attn_implementation = "sdpa"
@@ -392,8 +393,9 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
 def step_overhead(precisions, repeats=50) -> dict:
     """Microseconds of one decode step on a 1-layer GPT-2 with tiny widths (d=64, vocab 256), per precision:
     what a step costs beyond reading weights (Python, dispatch, threads, allocation)."""
-    from .model import GPT2, KVCache
+    from .model import GPT2
     from .precision import quantize
+    from .serving.kv_cache import KVCache
     cfg = Config(n_embd=64, n_layer=1, n_head=4, n_positions=256, vocab_size=256)
     out = {}
     for precision in precisions:
@@ -402,7 +404,7 @@ def step_overhead(precisions, repeats=50) -> dict:
         model(torch.tensor([[1, 2, 3]]), cache)
         nxt = torch.tensor([[5]])
 
-        def step():
+        def step(model=model, cache=cache, nxt=nxt):
             cache.length = 3
             model(nxt, cache, last_only=True)
         out[precision] = 1e3 * timeit(step, repeats)
@@ -426,7 +428,7 @@ def bench_kernels(layers: int = 12, repeats: int = 15, log=print) -> dict:
     torch's own kernels beside gpt2ffn's native ones, each checked against numpy float64 on its own rounded
     weights first. The chain (340 MB in fp32) is larger than any L3 here, as a decode step's weights are."""
     from .kernels import packed as kp
-    from .precision import Packed
+    from .kernels.formats import Packed
     g = torch.Generator().manual_seed(0)
     shapes = _gpt2_layer_shapes(Config.from_name("gpt2")) * layers
     ws = [0.02 * torch.randn(K, N, generator=g) for K, N in shapes]
@@ -448,8 +450,8 @@ def bench_kernels(layers: int = 12, repeats: int = 15, log=print) -> dict:
     add("fp32 F.linear (MKL)", [lambda x=xs[K], w=w, b=b: torch.nn.functional.linear(x, w, b)
                                 for (K, _), w, b in zip(shapes, wts, bs)], fp32_bytes,
         lambda: rel_err(torch.nn.functional.linear(xs[shapes[0][0]], wts[0], bs[0]), want0))
-    wn = [w.numpy() for w in ws]
-    add("fp32 numpy (OpenBLAS)", [lambda x=xs[K].numpy(), w=w: x @ w for (K, _), w in zip(shapes, wn)], fp32_bytes,
+    wn, xn = [w.numpy() for w in ws], {K: x.numpy() for K, x in xs.items()}
+    add("fp32 numpy (OpenBLAS)", [lambda x=xn[K], w=w: x @ w for (K, _), w in zip(shapes, wn)], fp32_bytes,
         lambda: rel_err(torch.from_numpy(xs[shapes[0][0]].numpy() @ wn[0]) + bs[0], want0))
     if torch.backends.mkldnn.is_available():
         wp = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in wts]
@@ -488,9 +490,9 @@ def bench_kernels(layers: int = 12, repeats: int = 15, log=print) -> dict:
             ffns = [quantize(make_ffn(768, seed=i), precision) for i in range(layers)]
             x1 = torch.randn(1, 768, generator=g)
             ref = reference.FFN.from_state_dict(ffns[0].state_dict())
-            add(f"FFN {precision} (c_fc + GELU + c_proj), FeedForward", [lambda f=f: f(x1) for f in ffns],
+            add(f"FFN {precision} (c_fc + GELU + c_proj), FeedForward", [lambda f=f, x1=x1: f(x1) for f in ffns],
                 sum(f.c_fc.packed.nbytes + f.c_proj.packed.nbytes for f in ffns),
-                lambda f=ffns[0], ref=ref: rel_err(f(x1), torch.from_numpy(ref(x1.double().numpy()))))
+                lambda f=ffns[0], ref=ref, x1=x1: rel_err(f(x1), torch.from_numpy(ref(x1.double().numpy()))))
     errors = {name: check() for name, check in checks.items()}
     with torch.no_grad():
         ms = rounds(chains, repeats)

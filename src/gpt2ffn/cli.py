@@ -72,7 +72,7 @@ def _ids(text):
     try:
         return [int(t) for t in text.split(",") if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 15496,11,616, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 15496,11,616, got {text!r}") from None
 
 
 def _tol(text):
@@ -80,7 +80,7 @@ def _tol(text):
     try:
         return key, float(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CHECKPOINT=ATOL like 09=1e-3 or ffn=2e-4, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected CHECKPOINT=ATOL like 09=1e-3 or ffn=2e-4, got {text!r}") from None
 
 
 def cmd_extract(args):
@@ -207,7 +207,7 @@ def cmd_generate(args):
 def cmd_serve(args):
     """OpenAI-compatible completions over HTTP."""
     try:
-        from .server import serve
+        from .serving.http import serve
     except ImportError:
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
     serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,

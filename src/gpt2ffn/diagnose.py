@@ -22,7 +22,10 @@ TANH_FIX = "use the tanh form, GPT-2's gelu_new: 0.5*x*(1 + tanh(sqrt(2/pi)*(x +
 EXACT_FIX = "use the exact form: 0.5*x*(1 + erf(x/sqrt(2))), or F.gelu(x)"
 
 
-def tanh_form(coefficient=0.044715, scale=math.sqrt(2.0 / math.pi)):
+SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
+
+
+def tanh_form(coefficient=0.044715, scale=SQRT_2_OVER_PI):
     """0.5 x (1 + tanh(scale (x + coefficient x^3))): GPT-2's GELU at the defaults, a misprint otherwise."""
     return lambda h: 0.5 * h * (1.0 + np.tanh(scale * (h + coefficient * h ** 3)))
 

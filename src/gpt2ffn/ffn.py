@@ -8,33 +8,8 @@ from .config import Config
 from .errors import InputError, ShapeError
 from .gelu import activation
 from .kernels import packed
-from .precision import PackedLayer
-
-
-class Conv1D(PackedLayer, nn.Module):
-    """GPT-2's linear layer: weight stored [in, out] (HF/OpenAI layout), y = x @ W + b.
-
-    After gpt2ffn.quantize, eval() forward runs on packed weights at the chosen precision."""
-
-    def __init__(self, n_in: int, n_out: int, std: float = 0.02):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(n_in, n_out))
-        self.bias = nn.Parameter(torch.zeros(n_out))
-        nn.init.normal_(self.weight, std=std)
-
-    def weight_kn(self):
-        return self.weight
-
-    def forward(self, x):
-        x2 = x.reshape(-1, x.shape[-1])
-        if self.runs_packed(x):
-            y = self.packed_forward(x2)
-        else:
-            y = torch.addmm(self.bias, x2, self.weight)  # (N, in) -> (N, out)
-        return y.view(*x.shape[:-1], y.shape[-1])
-
-    def extra_repr(self):
-        return f"n_in={self.weight.shape[0]}, n_out={self.weight.shape[1]}"
+from .linear import Conv1D
+from .precision import quantize
 
 
 class FeedForward(nn.Module):
@@ -110,7 +85,6 @@ class FeedForward(nn.Module):
         ffn.load_state_dict(state)
         ffn = ffn.to(dtype).eval()
         if precision is not None:
-            from .precision import quantize
             quantize(ffn, precision)
         return ffn
 

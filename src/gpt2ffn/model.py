@@ -1,7 +1,8 @@
-"""The whole GPT-2 around the FFN: attention, blocks, embeddings, tied lm_head, KV cache.
+"""The whole GPT-2 around the FFN: attention, blocks, embeddings, tied lm_head.
 
 Module names and state-dict keys equal HF GPT2LMHeadModel's (`transformer.h.0.attn.c_attn.weight`, ...),
-so a state dict moves between the two unchanged. The FFN of each block is gpt2ffn's FeedForward.
+so a state dict moves between the two unchanged. The FFN of each block is gpt2ffn's FeedForward. The KV
+caches a forward pass writes into (serving/kv_cache.py) are passed in: the model holds no cache of its own.
 """
 
 import math
@@ -12,87 +13,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import Config
-from .errors import CheckpointError, Gpt2ffnError, InputError, ShapeError
-from .ffn import Conv1D, FeedForward
-from .precision import PackedLayer
-
-
-class KVCache:
-    """Keys and values of every layer, preallocated to n_positions: (B, H, n_positions, d/H) each."""
-
-    def __init__(self, cfg: Config, batch: int, dtype=torch.float32, device="cpu", max_len=None):
-        self.max_len = max_len or cfg.n_positions
-        if self.max_len > cfg.n_positions:
-            raise Gpt2ffnError(f"KV cache of {self.max_len} positions exceeds n_positions={cfg.n_positions}")
-        shape = (batch, cfg.n_head, self.max_len, cfg.n_embd // cfg.n_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.length = 0  # positions filled so far
-
-    def check_room(self, new: int):
-        if self.length + new > self.max_len:
-            raise Gpt2ffnError(f"{self.length} cached + {new} new tokens exceed the context of {self.max_len} "
-                               f"positions (n_positions); GPT-2 cannot attend further back")
-
-    def update(self, layer: int, k, v):
-        """Write this step's k, v (B, H, T, d/H) after the cached ones; return all of them so far."""
-        end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
-        return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
-
-
-class PagedKVCache:
-    """Keys and values of many sequences in fixed-size blocks, as vLLM's PagedAttention keeps them.
-
-    Per layer one pool (num_blocks, H, block_size, d/H). A sequence owns a list of blocks (its block table),
-    reserved for its whole length when it is admitted, so a running sequence never waits for memory. A
-    forward pass first bind()s the rows' tables and positions; update() then writes each new key at its
-    position and returns each row's own blocks gathered, (B, H, blocks * block_size, d/H): a row sees only
-    its own keys, and forward_paged's mask hides the positions it has not written yet."""
-
-    def __init__(self, cfg: Config, num_blocks: int, block_size: int = 16, dtype=torch.float32, device="cpu"):
-        self.block_size, self.num_blocks = block_size, num_blocks
-        shape = (num_blocks, cfg.n_head, block_size, cfg.n_embd // cfg.n_head)
-        # zeros, not empty: a masked key is multiplied by probability 0, and 0 * NaN from stale memory is NaN
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.free = list(range(num_blocks - 1, -1, -1))
-        self.tables = self.positions = None
-
-    def blocks_for(self, tokens: int) -> int:
-        return -(-tokens // self.block_size)
-
-    def allocate(self, tokens: int):
-        """Blocks for a sequence of `tokens` positions, or None when the pool has too few free."""
-        n = self.blocks_for(tokens)
-        if n > len(self.free):
-            return None
-        return [self.free.pop() for _ in range(n)]
-
-    def release(self, blocks: list):
-        self.free.extend(reversed(blocks))
-
-    def bind(self, tables, positions, slots=None, span=None, keys=None):
-        """tables (B, nb) block ids per row (padded with any of its own), positions (B, T) of the new tokens;
-        slots: (blocks, offsets), each (B*T,), where they are written, if not at their positions in their
-        row's blocks (a packed row holds tokens of several sequences); span: keys beyond it are not read; keys:
-        (blocks, offsets) of every key a one-row pass reads, in place of tables."""
-        if slots is None:
-            slots = (tables.gather(1, positions // self.block_size).flatten(), (positions % self.block_size).flatten())
-        self.tables, self.slots, self.span, self.keys = tables, slots, span, keys
-
-    def update(self, layer: int, k, v):
-        """Write k, v (B, H, T, d/H) at their slots; return every row's blocks (B, H, nb * block_size, d/H)."""
-        B, H, T, D = k.shape
-        blk, off = self.slots
-        self.k[layer][blk, :, off] = k.transpose(1, 2).reshape(B * T, H, D)
-        self.v[layer][blk, :, off] = v.transpose(1, 2).reshape(B * T, H, D)
-        if self.keys is not None:  # one row, its keys listed: (blocks, offsets) each (K,) -> (1, H, K, D)
-            return [pool[layer][self.keys[0], :, self.keys[1]].transpose(0, 1)[None] for pool in (self.k, self.v)]
-        nb = self.tables.shape[1]
-        return [pool[layer][self.tables].transpose(1, 2).reshape(B, H, nb * self.block_size, D)[:, :, :self.span]
-                for pool in (self.k, self.v)]                                           # from (B, nb, H, bs, D)
+from .errors import Gpt2ffnError, InputError, ShapeError
+from .ffn import FeedForward
+from .kernels.packed import DecodePlan, decode_block
+from .linear import Conv1D, PackedLayer
+from .precision import quantize
+from .weights import Checkpoint, load_tensors
 
 
 def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
@@ -155,7 +81,10 @@ class CausalSelfAttention(nn.Module):
 
 
 class LMHead(PackedLayer, nn.Linear):
-    """The logits layer, nn.Linear (weight [vocab, d], tied to wte); packed by gpt2ffn.quantize like Conv1D."""
+    """The logits layer, nn.Linear (weight [vocab, d], tied to wte); packed by gpt2ffn.quantize like Conv1D,
+    at int8 where the model is int4 (it is wte, the most sensitive matrix)."""
+
+    keeps_int8 = True
 
     def weight_kn(self):
         return self.weight.t()
@@ -234,11 +163,12 @@ class GPT2(nn.Module):
             x = x[:, -1:]
         return self.lm_head(self.transformer.ln_f(x))
 
-    def forward_paged(self, ids, positions, cache: PagedKVCache, tables, logits_for="last", mask=None, slots=None,
+    def forward_paged(self, ids, positions, cache, tables, logits_for="last", mask=None, slots=None,
                       keys=None):
         """Rows of different sequences at once: ids and positions (B, T), tables (B, nb) each row's blocks in
-        the paged cache. A query at position p attends keys 0..p of its own row, nothing else (or what mask
-        (B, 1, T, keys) allows, with slots and keys as PagedKVCache.bind takes them: a packed row).
+        the paged cache (serving/kv_cache.PagedKVCache). A query at position p attends keys 0..p of its own
+        row, nothing else (or what mask (B, 1, T, keys) allows, with slots and keys as PagedKVCache.bind takes
+        them: a packed row).
         logits_for: "last" -> (B, vocab) of each row's last token; "all" -> (B, T, vocab); a list of token
         indices of row 0 -> (len, vocab)."""
         span = None
@@ -279,13 +209,12 @@ class GPT2(nn.Module):
         """ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's k[i], v[i]
         (slots, H, S, d/H) -> logits (B, vocab). Each block one native call; a row attends its own positions
         0..p only, so rows of different lengths share the step (the serving engine's decode)."""
-        from . import _C
         if not self.fused_decode():
             raise Gpt2ffnError("decode_slots needs every linear layer packed with the native decode route "
                                "(gpt2ffn.quantize on a CPU where gpt2ffn._C is built), eval() and no gradient")
         x = self.transformer.wte(ids) + self.transformer.wpe.weight[positions]           # (B, d)
         for i, args in enumerate(self.__dict__["_plan"].args):
-            x = _C.decode_block(x, slots, positions, k[i], v[i], *args)
+            x = decode_block(x, slots, positions, k[i], v[i], args)
         return self.lm_head(self.transformer.ln_f(x))
 
     def check_ids(self, ids, cache=None):
@@ -311,23 +240,12 @@ class GPT2(nn.Module):
         from torch's global RNG, so torch.manual_seed reproduces a run); eos_token_id None means the config's.
         A batch is left-padded with attention_mask (1 real, 0 padding); a row that ends early is padded
         with eos_token_id, as HF pads with GPT-2's pad = eos. A thin layer over gpt2ffn.generate.generate."""
+        # The one upward import of the model layer (import-linter's contract ignores it by name): HF's API puts
+        # generate on the model, and generation is the serving engine's job.
         from .generate import Sampling, generate
         self.check_ids(input_ids)
         rows = input_ids.tolist()
-        if attention_mask is None:
-            prompts = rows
-        else:
-            if tuple(attention_mask.shape) != tuple(input_ids.shape):
-                raise ShapeError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
-                                 f"{tuple(input_ids.shape)}, the shape of input_ids")
-            starts = []
-            for b, m in enumerate(attention_mask.tolist()):
-                n = int(sum(m))
-                if n == 0 or m != [0] * (len(m) - n) + [1] * n:
-                    raise InputError(f"attention_mask row {b} is {m}; generate takes left padding: zeros, then "
-                                     "at least one 1, then only 1s (tokenizer.padding_side = 'left')")
-                starts.append(len(m) - n)
-            prompts = [row[s:] for row, s in zip(rows, starts)]
+        prompts = rows if attention_mask is None else unpad(rows, attention_mask, input_ids.shape)
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
         seed = int(torch.randint(2**62, (1,))) if do_sample else None
         new = generate(self, prompts, Sampling(max_new_tokens=max_new_tokens,
@@ -345,66 +263,32 @@ class GPT2(nn.Module):
         precision ('fp32', 'bf16', 'int8', 'int4'): the linear layers' weights for inference, packed by
         gpt2ffn.quantize (activations stay fp32); fp32 is exact and takes this machine's fastest kernels;
         None leaves plain torch modules (and with dtype other than float32, precision must be None)."""
-        from .weights import Checkpoint
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
-        cfg = Config.from_pretrained(directory)
-        model = cls(cfg)
+        model = cls(Config.from_pretrained(directory))
+        # HF's keys without "transformer."; lm_head.weight is wte's (tied), whether the file has it or not
         own = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
-        missing = [k for k in own if k not in ckpt]
-        if missing:
-            raise CheckpointError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors GPT-2 needs, e.g. "
-                                  f"{', '.join(missing[:5])}")
-        extra = [k for k in ckpt.names if k not in own and k != "lm_head.weight"]
-        if extra:
-            raise CheckpointError(f"checkpoint {ckpt.path} has tensors GPT-2 ({cfg.n_layer} layers) does not: "
-                                  f"{', '.join(extra[:5])}")
-        with torch.no_grad():
-            for name, target in own.items():
-                t = ckpt.get(name)
-                if tuple(t.shape) != tuple(target.shape):
-                    raise ShapeError(f"{name} has shape {tuple(t.shape)}; the config from {directory / 'config.json'} "
-                                     f"expects {tuple(target.shape)}")
-                target.copy_(t)
+        load_tensors(own, ckpt, "GPT-2", directory / "config.json", optional=("lm_head.weight",),
+                     size=f" ({model.config.n_layer} layers)")
         model = model.to(dtype).eval()
         if precision is not None and dtype == torch.float32:
-            from .precision import quantize
             quantize(model, precision)
         return model
 
 
-class DecodePlan:
-    """The arguments of gpt2ffn._C.decode_block for every block, made once, with what they were made from:
-    a step checks the packed weights are the same objects and the Parameters unchanged (version counter and
-    storage) in a few microseconds, instead of rebuilding ~20 arguments per block."""
-
-    def __init__(self, layers, tensors, args):
-        self.layers, self.tensors, self.args = layers, tensors, args
-        self.stamps = [(t.data_ptr(), t._version) for t in tensors]
-
-    @classmethod
-    def build(cls, model) -> "DecodePlan | None":
-        """The plan for `model`, re-packing stale layers first; None if a block cannot run fused."""
-        from .kernels.packed import WHY_NOT_NATIVE, native_args
-        cfg, wte = model.config, model.transformer.wte.weight
-        if (WHY_NOT_NATIVE is not None or cfg.n_embd // cfg.n_head % 16 or wte.dtype != torch.float32
-                or wte.device.type != "cpu"):
-            return None
-        layers, tensors, args = [], [], []
-        for block in model.transformer.h:
-            mods = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
-            if any(m.packed is None or m.packed.route["decode"] != "native" for m in mods):
-                return None
-            ps = [m.current() for m in mods]
-            layers += [(m, p) for m, p in zip(mods, ps)]
-            tensors += [t for m in mods for t in (m.weight, m.bias)]
-            args.append(([block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias], block.ln_1.eps,
-                         *native_args(ps), block.mlp.config.gelu_approximate))
-        return cls(layers, tensors, args)
-
-    def valid(self) -> bool:
-        return (all(m.packed is p and p.route["decode"] == "native" for m, p in self.layers)
-                and all(t._version == v and t.data_ptr() == ptr for t, (ptr, v) in zip(self.tensors, self.stamps)))
+def unpad(rows: list, attention_mask, shape) -> list:
+    """Left-padded rows (B, T) and their attention_mask (1 real, 0 padding) -> each row's real tokens."""
+    if tuple(attention_mask.shape) != tuple(shape):
+        raise ShapeError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
+                         f"{tuple(shape)}, the shape of input_ids")
+    prompts = []
+    for b, (row, m) in enumerate(zip(rows, attention_mask.tolist())):
+        n = int(sum(m))
+        if n == 0 or m != [0] * (len(m) - n) + [1] * n:
+            raise InputError(f"attention_mask row {b} is {m}; generate takes left padding: zeros, then "
+                             "at least one 1, then only 1s (tokenizer.padding_side = 'left')")
+        prompts.append(row[len(m) - n:])
+    return prompts
 
 
 def random_weights_(model: nn.Module, seed: int) -> nn.Module:
@@ -432,7 +316,6 @@ def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32") -
     precision: as GPT2.from_pretrained's."""
     from pathlib import Path
     if spec.startswith("random:"):
-        from .precision import quantize
         cfg, seed, _ = parse_random(spec)
         model = random_weights_(GPT2(cfg), seed).to(dtype).eval()
         return quantize(model, precision) if precision is not None and dtype == torch.float32 else model

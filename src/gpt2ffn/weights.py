@@ -112,6 +112,26 @@ class Checkpoint:
         return f"it has {span}; e.g. {', '.join(sample[:12])}"
 
 
+def load_tensors(own: dict, ckpt: Checkpoint, what: str, config_file, optional=(), size: str = ""):
+    """Copy every tensor of `own` (checkpoint name -> a model's tensor) from `ckpt`: each present, of the
+    shape the config gives, and no tensor in the file that `what` (of `size`) does not have, other than
+    `optional`."""
+    missing = [k for k in own if k not in ckpt]
+    if missing:
+        raise CheckpointError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors {what} needs, e.g. "
+                              f"{', '.join(missing[:5])}")
+    extra = [k for k in ckpt.names if k not in own and k not in optional]
+    if extra:
+        raise CheckpointError(f"checkpoint {ckpt.path} has tensors {what}{size} does not: {', '.join(extra[:5])}")
+    with torch.no_grad():
+        for name, target in own.items():
+            t = ckpt.get(name)
+            if tuple(t.shape) != tuple(target.shape):
+                raise ShapeError(f"{name} has shape {tuple(t.shape)}; the config from {config_file} "
+                                 f"expects {tuple(target.shape)}")
+            target.copy_(t)
+
+
 def _span(layers: list) -> str:
     if not layers:
         return "no transformer blocks"

@@ -1,4 +1,4 @@
-"""Linear layers on packed weights (gpt2ffn.precision): the routes that can run them and the probe that picks.
+"""Linear layers on packed weights (kernels/formats.py): the routes that can run them and the probe that picks.
 
 Routes, each computing the same numbers for a precision (validated against numpy before any timing):
 - "native": gpt2ffn._C.linear, our AVX-512 / AVX2 GEMV and small-GEMM kernels on the packed layout
@@ -23,10 +23,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
-from ..precision import Packed, dequantize, quantize_groups
+from ..errors import ConfigError
 from . import DECODE_TOKENS
+from .formats import Packed, dequantize, quantize_groups
 
 try:
     from .. import _C
@@ -88,6 +88,12 @@ def native_args(ps) -> list:
             [p.format for p in ps], [p.N for p in ps], [p.group for p in ps]]
 
 
+def decode_block(x, slots, positions, k, v, args):
+    """One GPT-2 block for one new token per row, in one native call: x (B, d) at positions (B,), row b's
+    keys and values in slot slots[b] of k, v (slots, H, S, d/H); args: one DecodePlan.args entry."""
+    return _C.decode_block(x, slots, positions, k, v, *args)
+
+
 def ffn(x2, p1: Packed, p2: Packed, act: str):
     """c_proj(act(c_fc(x2))) in one native call: no Python between the two layers."""
     return _C.ffn(x2, *native_args((p1, p2)), act)
@@ -138,7 +144,6 @@ def probe(layers: list, precision: str, device="cpu", log=None) -> dict:
     cands = routes(precision, device)
     if _FORCED:
         if _FORCED not in cands:
-            from ..errors import ConfigError
             raise ConfigError(f"GPT2FFN_ROUTE={_FORCED!r} cannot run {precision} on {device}; possible: {cands}")
         return {"decode": _FORCED, "prefill": _FORCED}
     if len(cands) == 1:
@@ -167,7 +172,7 @@ def probe(layers: list, precision: str, device="cpu", log=None) -> dict:
                 else:
                     times[f"{regime} {route}"] = "WRONG"
 
-            def chain(route):
+            def chain(route, xs=xs):
                 for p, w, b in layers:
                     linear(xs[p.K], p, w, b, route)
             for route in ok:
@@ -191,3 +196,38 @@ def probe(layers: list, precision: str, device="cpu", log=None) -> dict:
         if log:
             log(f"kernel probe ({precision}): {times} -> {choice}")
         return choice
+
+
+class DecodePlan:
+    """The arguments of gpt2ffn._C.decode_block for every block of a GPT-2, made once, with what they were made
+    from: a step checks the packed weights are the same objects and the Parameters unchanged (version counter
+    and storage) in a few microseconds, instead of rebuilding ~20 arguments per block."""
+
+    def __init__(self, layers, tensors, args):
+        self.layers, self.tensors, self.args = layers, tensors, args
+        self.stamps = [(t.data_ptr(), t._version) for t in tensors]
+
+    @classmethod
+    def build(cls, model) -> "DecodePlan | None":
+        """The plan for a GPT-2 (HF's module names: transformer.h[i].ln_1, attn.c_attn, ...), re-packing stale
+        layers first; None if a block cannot run fused (no native kernels, a head width the kernel does not
+        take, weights not fp32 on the CPU, a layer not packed for the native decode route)."""
+        cfg, wte = model.config, model.transformer.wte.weight
+        if (WHY_NOT_NATIVE is not None or cfg.n_embd // cfg.n_head % 16 or wte.dtype != torch.float32
+                or wte.device.type != "cpu"):
+            return None
+        layers, tensors, args = [], [], []
+        for block in model.transformer.h:
+            mods = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
+            if any(m.packed is None or m.packed.route["decode"] != "native" for m in mods):
+                return None
+            ps = [m.current() for m in mods]
+            layers += [(m, p) for m, p in zip(mods, ps)]
+            tensors += [t for m in mods for t in (m.weight, m.bias)]
+            args.append(([block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias], block.ln_1.eps,
+                         *native_args(ps), block.mlp.config.gelu_approximate))
+        return cls(layers, tensors, args)
+
+    def valid(self) -> bool:
+        return (all(m.packed is p and p.route["decode"] == "native" for m, p in self.layers)
+                and all(t._version == v and t.data_ptr() == ptr for t, (ptr, v) in zip(self.tensors, self.stamps)))

@@ -15,8 +15,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import Gpt2ffnError
-from ..model import GPT2, PagedKVCache
+from ..model import GPT2
+from .kv_cache import PagedKVCache
 from .sampling import Sampling, logprobs_of, next_tokens
+from .text import TextStream
 
 # Prefill tokens per step. GPT-2 small, 512-token prompt: chunks of 128 and 256 prefill equally fast (2.2 s),
 # 32 and 64 are 50% and 25% slower; 128 stalls the running streams half as long as 256 (README, "Serving").
@@ -127,7 +129,6 @@ class Engine:
         for r in requests:
             self.check(r.prompt, r.params)
             if self.decode is not None:
-                from ..generate import TextStream
                 r.text = TextStream(self.decode, r.params.stop)
         with self.lock:
             if len(self.waiting) + len(requests) > self.max_waiting:
@@ -211,7 +212,7 @@ class Engine:
         last = list(itertools.accumulate(n for _, _, n in chunks))
         logits = self.model.forward_paged(ids, positions, self.cache, None, [e - 1 for e in last], mask, slots, keys)
         events = []
-        for i, (r, s, n) in enumerate(chunks):
+        for i, (r, _, n) in enumerate(chunks):
             r.computed += n
             if r.computed == len(r.prompt):
                 events.append(self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, i))

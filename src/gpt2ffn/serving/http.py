@@ -1,0 +1,309 @@
+"""`gpt2ffn serve`: OpenAI-compatible completions over HTTP (FastAPI + uvicorn).
+
+The routes only translate: a request body (serving/protocol.py) becomes engine requests through the Service
+(serving/service.py), whose engine thread runs the model; its Tokens come back as JSON or server-sent events.
+The event loop never runs the model. Beyond --max-batch running and --max-waiting queued requests: 503 with
+Retry-After. A client that disconnects frees its slot at the next step. SIGTERM (uvicorn's graceful
+shutdown) stops accepting, lets in-flight requests finish, exits. Every error is JSON in OpenAI's shape:
+{"error": {"message", "type", "param", "code"}}, naming the field at fault.
+"""
+
+import asyncio
+import contextlib
+import json
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from ..errors import Gpt2ffnError
+from .engine import QueueFull
+from .engine import Request as EngineRequest
+from .protocol import (
+    ChatCompletion,
+    ChatRequest,
+    Completion,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    Health,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from .service import BadRequest, Choices, Service
+
+MAX_BODY = 1 << 20  # 1 MiB: a GPT-2 context is 1024 tokens, a few KiB of text
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 499, 500, 503)}
+
+router = APIRouter()
+
+
+def service(request: Request) -> Service:
+    """The FastAPI dependency every route takes: the app's Service."""
+    return request.app.state.service
+
+
+ServiceDep = Annotated[Service, Depends(service)]
+
+
+def error(status: int, message: str, param=None, code=None, kind="invalid_request_error", headers=None):
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}},
+                        status_code=status, headers=headers)
+
+
+def refuse(svc: Service, status: int, message: str, **kw) -> JSONResponse:
+    """An error response, counted in gpt2ffn_requests_total by its status."""
+    svc.metrics.requests.labels(str(status)).inc()
+    return error(status, message, **kw)
+
+
+def unready(svc: Service, model: str):
+    """503 while loading, 404 for another model's name, else None."""
+    if not svc.ready.is_set():
+        return error(503, "the model is still loading", kind="unavailable", headers={"Retry-After": "5"})
+    if model != svc.name:
+        return refuse(svc, 404, f"model {model!r} does not exist; this server has {svc.name!r}",
+                      param="model", code="model_not_found")
+    return None
+
+
+# -- routes ---------------------------------------------------------------------------------------------------
+@router.get("/health", response_model=Health, responses={503: {"model": ErrorResponse}})
+async def health(svc: ServiceDep):
+    if not svc.ready.is_set():
+        return error(503, "loading the model", kind="unavailable")
+    running, waiting, _ = svc.engine.counts()
+    return {"status": "ok", "model": svc.name, "running": running, "waiting": waiting}
+
+
+@router.get("/metrics", response_class=Response)
+async def metrics(svc: ServiceDep):
+    """Prometheus text exposition (vLLM's metric names, gpt2ffn_ prefix)."""
+    if svc.engine is not None:
+        svc.metrics.counts(svc.engine)
+    return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@router.get("/v1/models", response_model=ModelList)
+async def models(svc: ServiceDep):
+    return {"object": "list", "data": [{"id": svc.name, "object": "model", "created": 0, "owned_by": "gpt2ffn",
+                                        "max_model_len": svc.model.config.n_positions if svc.model else None}]}
+
+
+@router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
+async def tokenize(body: TokenizeRequest, svc: ServiceDep):
+    text = body.prompt if body.prompt is not None else body.content
+    if text is None or not svc.ready.is_set():
+        return refuse(svc, 400, "prompt: a string to tokenize is required", param="prompt")
+    ids = svc.tok.encode(text)
+    return {"tokens": ids, "count": len(ids), "max_model_len": svc.model.config.n_positions}
+
+
+@router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
+async def detokenize(body: DetokenizeRequest, svc: ServiceDep):
+    V = svc.model.config.vocab_size
+    if any(not 0 <= t < V for t in body.tokens):
+        return refuse(svc, 400, f"tokens: ids must be in [0, {V})", param="tokens")
+    text = svc.tok.decode(body.tokens)
+    return {"prompt": text, "content": text}
+
+
+@router.post("/v1/completions", response_model=Completion, responses=ERRORS)
+async def completions(body: CompletionRequest, request: Request, svc: ServiceDep):
+    """A completion of each prompt (n each); with stream: true, server-sent events of text_completion chunks."""
+    bad = unready(svc, body.model)
+    if bad is not None:
+        return bad
+    try:
+        prompts = svc.prompts(body.prompt)
+        samplings = svc.sampling(body, prompts, 16 if body.max_tokens is None else body.max_tokens,
+                                 body.logprobs, body.echo)
+    except BadRequest as e:
+        return refuse(svc, e.status, str(e), param=e.param, code=e.code)
+    echo = [svc.tok.decode(p) for p in prompts] if body.echo else None
+    return await respond(svc, request, body.stream, prompts, samplings, Choices(svc, body, prompts, samplings, echo))
+
+
+@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
+    """Chat through --chat-template (GPT-2 has none of its own); streamed as chat.completion.chunk events."""
+    if svc.template is None:
+        return refuse(svc, 400, "GPT-2 has no chat template: use /v1/completions with a prompt (or start the "
+                                "server with --chat-template FILE)", param="messages", code="no_chat_template")
+    bad = unready(svc, body.model)
+    if bad is not None:
+        return bad
+    text = svc.template.render(messages=[m.model_dump() for m in body.messages], add_generation_prompt=True,
+                               bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    max_tokens = body.max_completion_tokens or body.max_tokens
+    if max_tokens is None:
+        max_tokens = max(1, svc.model.config.n_positions - len(svc.tok.encode(text)))
+    try:
+        prompts = svc.prompts(text)
+        samplings = svc.sampling(body, prompts, max_tokens)
+    except BadRequest as e:
+        return refuse(svc, e.status, str(e), param=e.param, code=e.code)
+    return await respond(svc, request, body.stream, prompts, samplings, Choices(svc, body, prompts, samplings,
+                                                                                chat=True))
+
+
+# -- from engine Tokens to a response ---------------------------------------------------------------------
+def submit(svc: Service, prompts: list, samplings: list):
+    """One engine request per choice, queued: (requests, their event queue), or an error response (503
+    beyond --max-waiting), before any byte of the answer is sent."""
+    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+    reqs = []
+    for c, s in enumerate(samplings):
+        def sink(ev, c=c):
+            loop.call_soon_threadsafe(events.put_nowait, (c, ev))
+        reqs.append(EngineRequest(prompts[c // (len(samplings) // len(prompts))], s, sink))
+    try:
+        svc.loop.submit(*reqs)
+    except QueueFull as e:
+        return refuse(svc, 503, f"the server is busy ({e}); retry shortly", kind="server_busy",
+                      headers={"Retry-After": "1"})
+    except Gpt2ffnError as e:
+        return refuse(svc, 400, str(e), param="prompt")
+    svc.metrics.counts(svc.engine)
+    return reqs, events
+
+
+async def run(svc: Service, request: Request, reqs: list, events, on_event):
+    """Feed (choice, Token) to on_event until every request finishes. Returns None, or an error response
+    (499 when the client left, 500 when the engine failed)."""
+    left = len(reqs)
+    try:
+        while left:
+            try:
+                c, ev = await asyncio.wait_for(events.get(), timeout=0.25)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return refuse(svc, 499, "client closed the request")
+                continue
+            if ev.finish_reason == "error":
+                return refuse(svc, 500, f"generation failed: {ev.text}", kind="server_error")
+            left -= ev.finish_reason is not None
+            await on_event(c, ev)
+    finally:
+        for r in reqs:
+            if r.finish_reason is None:
+                svc.engine.abort(r)
+    return None
+
+
+async def respond(svc: Service, request: Request, stream: bool, prompts: list, samplings: list, choices: Choices):
+    """Queue the choices, then answer with the whole response or a stream of server-sent events."""
+    queued = submit(svc, prompts, samplings)
+    if not isinstance(queued, tuple):
+        return queued
+    if stream:
+        return StreamingResponse(sse(svc, request, queued, choices), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache"})
+
+    async def collect(c, ev):
+        choices.collect(c, ev)
+    failed = await run(svc, request, *queued, collect)
+    if failed is not None:
+        return failed
+    svc.metrics.requests.labels("200").inc()
+    return choices.response()
+
+
+async def sse(svc: Service, request: Request, queued: tuple, choices: Choices):
+    """The server-sent events of a streamed answer: a chunk per new text, [DONE] last (an error body if the
+    engine failed); a client that went away has its requests aborted."""
+    out = asyncio.Queue()
+
+    async def push(c, ev):
+        chunk = choices.chunk(c, ev, choices.collect(c, ev))
+        if chunk is not None:
+            await out.put(chunk)
+    task = asyncio.ensure_future(run(svc, request, *queued, push))
+    status = 200
+    try:
+        if choices.chat:
+            yield f"data: {json.dumps(choices.role_chunk())}\n\n"
+        while not (task.done() and out.empty()):
+            try:
+                item = await asyncio.wait_for(out.get(), timeout=0.1)
+            except asyncio.TimeoutError:
+                continue
+            yield f"data: {json.dumps(item)}\n\n"
+        failed = task.result()
+        if failed is not None:
+            status = failed.status_code
+            yield f"data: {failed.body.decode()}\n\n"
+            return
+        if choices.include_usage:
+            yield f"data: {json.dumps(choices.usage_chunk())}\n\n"
+        yield "data: [DONE]\n\n"
+    finally:
+        task.cancel()  # a client that went away: run()'s finally aborts its requests
+        if status == 200:
+            svc.metrics.requests.labels("200").inc()
+
+
+# -- the app ----------------------------------------------------------------------------------------------
+@contextlib.asynccontextmanager
+async def lifespan(app: FastAPI):
+    # Bind first, load in the background: /health answers 503 until the weights are in.
+    svc = app.state.service
+    threading.Thread(target=svc.load_or_exit, name="gpt2ffn-loader", daemon=True).start()
+    yield
+    if svc.loop is not None:  # after uvicorn has drained in-flight requests: stop the engine thread
+        svc.loop.stop()
+
+
+async def limit_body(request: Request, call_next):
+    """413 for a body over the limit, before it is read."""
+    length, limit = request.headers.get("content-length"), request.app.state.max_body
+    if length is not None and (not length.isdigit() or int(length) > limit):
+        return error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                     code="request_too_large")
+    return await call_next(request)
+
+
+async def invalid(request: Request, exc: RequestValidationError):
+    """A body that does not fit the protocol: 400 naming the first field at fault."""
+    first = exc.errors()[0]
+    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    message = first.get("msg", "invalid request")
+    if first.get("type") == "json_invalid":
+        message = "the request body is not valid JSON"
+    return refuse(request.app.state.service, 400, f"{'.'.join(where) + ': ' if where else ''}{message}",
+                  param=".".join(where) or None)
+
+
+def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
+    """The FastAPI app over `svc`: routes, the body limit and the OpenAI-shaped validation errors."""
+    app = FastAPI(title="gpt2ffn", version=__import__("gpt2ffn").__version__, lifespan=lifespan,
+                  description="OpenAI-compatible completions over gpt2ffn's GPT-2, continuously batched.")
+    app.state.service, app.state.max_body = svc, max_body
+    app.middleware("http")(limit_body)
+    app.add_exception_handler(RequestValidationError, invalid)
+    app.include_router(router)
+    return app
+
+
+def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
+          precision="fp32", chat_template=None, threads=None):
+    """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first)."""
+    import uvicorn
+    if model_spec and not model_spec.startswith("random:") and not Path(model_spec).is_dir():
+        raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
+    if chat_template and not Path(chat_template).is_file():
+        raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
+    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads)
+    app = create_app(svc)
+    print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on http://{host}:{port} "
+          "(OpenAPI: /docs, /openapi.json)", flush=True)
+    # uvicorn drains, restores the handlers it found, then re-raises SIGTERM: let that end the process with 0.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)

@@ -1,0 +1,160 @@
+"""The OpenAI-compatible API's request and response bodies (pydantic), as vLLM's entrypoints/openai/protocol.py.
+
+Requests refuse unknown fields by name; responses are declared so /openapi.json documents what comes back.
+Nothing here knows HTTP or the engine.
+"""
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+
+class SamplingFields(BaseModel):
+    """What completions and chat share: OpenAI's sampling fields and the common extras of vLLM and
+    llama-server. Other fields are refused by name."""
+
+    model_config = ConfigDict(extra="forbid")
+    model: str
+    max_tokens: int | None = Field(None, ge=0, le=4096)
+    temperature: float = Field(1.0, ge=0.0, le=2.0)
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(-1, ge=-1, description="-1 or 0: off (vLLM, llama-server)")
+    seed: int | None = Field(None, ge=0, le=2**63 - 1)
+    stop: str | list[str] | None = None
+    stream: bool = False
+    stream_options: dict | None = None
+    n: int = Field(1, ge=1, le=16)
+    presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0, le=4096)
+    cache_prompt: bool | None = Field(None, description="llama-server's; accepted (there is no prompt cache)")
+    user: str | None = None
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+        description="a string, a list of strings, a list of token ids, or a list of token-id lists")
+    logprobs: int | None = Field(None, ge=0, le=5)
+    echo: bool = False
+
+
+class Message(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: str
+    content: str
+    name: str | None = None
+
+
+class ChatRequest(SamplingFields):
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    prompt: str | None = None
+    content: str | None = None  # llama-server's name
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    tokens: list[int]
+
+
+# -- responses ---------------------------------------------------------------------------------------------
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx, in OpenAI's shape."""
+
+    error: ErrorDetail
+
+
+class Logprobs(BaseModel):
+    """OpenAI's legacy completions logprobs: per token its text, log-prob, top alternatives and offset."""
+
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Logprobs | None = None
+    finish_reason: str | None = Field(None, description="stop, length or abort")
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatMessage(BaseModel):
+    role: str
+    content: str
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    finish_reason: str | None = None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage | None = None
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int = 0
+    owned_by: str = "gpt2ffn"
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class Health(BaseModel):
+    status: str
+    model: str
+    running: int
+    waiting: int
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+    content: str

@@ -1,0 +1,221 @@
+"""What the HTTP routes serve: the model, its tokenizer, the engine and the thread that steps it (Service),
+the translation of an API request into engine requests, and of their Tokens back into API objects (Choices).
+
+It knows the protocol's bodies and the engine, not HTTP: a route's bad input is a BadRequest here, turned
+into an error response by serving/http.py.
+"""
+
+import os
+import sys
+import threading
+import time
+import uuid
+
+from ..loading import load
+from .engine import Engine, Loop
+from .metrics import Metrics
+from .protocol import SamplingFields
+from .sampling import Sampling
+
+MAX_CHOICES = 128   # prompts x n in one request
+
+
+class BadRequest(Exception):
+    """A request the server refuses: the HTTP status, the field at fault and OpenAI's error code."""
+
+    def __init__(self, message, param=None, status=400, code=None):
+        super().__init__(message)
+        self.param, self.status, self.code = param, status, code
+
+
+class Service:
+    """The model, its tokenizer, the engine and the thread that steps it."""
+
+    def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
+                 chat_template=None, threads=None):
+        self.model_spec, self.max_batch, self.max_waiting = model_spec, max_batch, max_waiting
+        self.threads = threads
+        self.batch_invariant, self.precision = batch_invariant, precision
+        self.template = None
+        if chat_template:
+            import jinja2.sandbox
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            with open(chat_template) as f:
+                self.template = env.from_string(f.read())
+        self.model = self.tok = self.name = self.engine = self.loop = None
+        self.ready = threading.Event()
+        self.metrics = Metrics()
+
+    def load(self):
+        if self.threads:
+            import torch
+            torch.set_num_threads(self.threads)
+        self.model, self.tok, self.name = load(self.model_spec, precision=self.precision)
+        self.max_batch = self.max_batch or 64  # a 64-client load never waits
+        self.engine = Engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
+                             batch_invariant=self.batch_invariant, metrics=self.metrics)
+        self.loop = Loop(self.engine)
+        self.ready.set()
+
+    def load_or_exit(self):
+        """load(), and on a bad model spec say so in one line and end the process with exit code 2."""
+        try:
+            self.load()
+            print(f"gpt2ffn: {self.name} loaded, ready (max batch {self.max_batch}, max waiting "
+                  f"{self.max_waiting}{', batch-invariant' if self.batch_invariant else ''})", flush=True)
+        except Exception as e:
+            print(f"error: {e}", file=sys.stderr, flush=True)
+            os._exit(2)
+
+    # -- from a request body to engine requests --------------------------------------------------------------
+    def prompts(self, prompt) -> list:
+        """OpenAI's four prompt shapes -> a list of token-id lists."""
+        cfg = self.model.config
+        if isinstance(prompt, str):
+            prompt = [prompt]
+        if not prompt:
+            raise BadRequest("prompt must not be an empty list", "prompt")
+        if isinstance(prompt[0], int):
+            prompt = [prompt]
+        out = []
+        for p in prompt:
+            ids = (self.tok.encode(p) or [cfg.eos_token_id]) if isinstance(p, str) else list(p)
+            if not ids:
+                raise BadRequest("prompt: a token-id list must not be empty", "prompt")
+            if min(ids) < 0 or max(ids) >= cfg.vocab_size:
+                raise BadRequest(f"prompt has token ids outside this model's vocabulary [0, {cfg.vocab_size})",
+                                 "prompt")
+            out.append(ids)
+        return out
+
+    def sampling(self, body: SamplingFields, prompts: list, max_tokens: int, logprobs=None, echo=False) -> list:
+        """One Sampling per choice (prompt-major, n per prompt); choice j of n gets seed + j."""
+        cfg = self.model.config
+        stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
+        if len(stop) > 4 or any(not s for s in stop):
+            raise BadRequest("stop must be up to 4 non-empty strings", "stop")
+        if len(prompts) * body.n > MAX_CHOICES:
+            raise BadRequest(f"{len(prompts)} prompts x n={body.n} exceed {MAX_CHOICES} choices per request", "n")
+        if max_tokens == 0 and not echo:
+            raise BadRequest("max_tokens 0 needs echo: true (the prompt's own log-probs)", "max_tokens")
+        if body.min_tokens > max_tokens:
+            raise BadRequest(f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
+        bias = {}
+        for key, value in (body.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < cfg.vocab_size:
+                raise BadRequest(f"logit_bias: key {key!r} is not a token id in [0, {cfg.vocab_size})", "logit_bias")
+            if not -100 <= value <= 100:
+                raise BadRequest(f"logit_bias: value {value} for token {key} is outside [-100, 100]", "logit_bias")
+            bias[int(key)] = value
+        longest = max(len(p) for p in prompts)
+        if longest + max_tokens > cfg.n_positions:
+            raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
+                             f"of {cfg.n_positions} tokens", "max_tokens", code="context_length_exceeded")
+        return [Sampling(max_new_tokens=max_tokens, temperature=body.temperature,
+                         top_k=body.top_k if body.top_k > 0 else None, top_p=body.top_p if body.top_p < 1 else None,
+                         seed=None if body.seed is None else body.seed + j, eos_token_id=cfg.eos_token_id, stop=stop,
+                         presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
+                         repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens,
+                         ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
+                for _ in prompts for j in range(body.n)]
+
+    def logprobs(self, ids: list, lps: list, tops: list) -> dict:
+        """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the top ones and the chosen
+        token), text_offset (of each token in the choice's text)."""
+        d = self.tok.decode
+        offsets = [len(d(ids[:i])) for i in range(len(ids))]
+        tops_out = []
+        for t, lp, top in zip(ids, lps, tops):
+            if lp is None:
+                tops_out.append(None)
+                continue
+            entry = {}
+            for i, v in [*zip(*top), (t, lp)]:  # two ids may decode alike: the likelier keeps the key
+                entry.setdefault(d([i]), v)
+            tops_out.append(entry)
+        return {"tokens": [d([t]) for t in ids], "token_logprobs": list(lps), "top_logprobs": tops_out,
+                "text_offset": offsets}
+
+
+class Choices:
+    """The choices of one API request as their Tokens arrive (prompt-major, n per prompt), and the OpenAI
+    objects made of them: the whole response, or its stream chunks."""
+
+    def __init__(self, svc: Service, body, prompts: list, samplings: list, echo_text=None, chat=False):
+        self.svc, self.chat, self.echo = svc, chat, echo_text
+        self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+        n = self.n = len(samplings)
+        self.per_prompt = n // len(prompts)
+        self.prompt_tokens = sum(len(prompts[c // self.per_prompt]) for c in range(n))
+        self.want_lp = not chat and body.logprobs is not None
+        self.include_usage = bool((body.stream_options or {}).get("include_usage"))
+        self.texts, self.finish, self.started = [""] * n, [None] * n, [False] * n
+        self.gen = [[] for _ in range(n)]          # generated ids
+        self.shown = [[] for _ in range(n)]        # ids in the logprobs object: (echoed prompt +) generated
+        self.lps = [[] for _ in range(n)]
+        self.tops = [[] for _ in range(n)]
+
+    def collect(self, c: int, ev) -> str:
+        """Take one Token of choice c; return the text it adds (the echoed prompt first, when asked)."""
+        r, text = ev.request, ev.text
+        if not self.started[c]:
+            self.started[c] = True
+            if self.echo:
+                text = self.echo[c // self.per_prompt] + text
+            if r.params.prompt_logprobs:  # echo: the prompt's own tokens and log-probs, first one null
+                self.shown[c] = list(r.prompt)
+                self.lps[c] = [lp for lp, _ in r.prompt_logprobs]
+                self.tops[c] = [top for _, top in r.prompt_logprobs]
+        if ev.id >= 0:
+            self.gen[c].append(ev.id)
+            self.shown[c].append(ev.id)
+            self.lps[c].append(ev.logprob)
+            self.tops[c].append(ev.top)
+        self.texts[c] += text
+        if ev.finish_reason:
+            self.finish[c] = ev.finish_reason
+        return text
+
+    def usage(self) -> dict:
+        done = sum(len(i) for i in self.gen)
+        return {"prompt_tokens": self.prompt_tokens, "completion_tokens": done,
+                "total_tokens": self.prompt_tokens + done}
+
+    def head(self, obj: str, choices: list, usage=None) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.svc.name, "choices": choices,
+                **({"usage": usage} if usage else {})}
+
+    def response(self) -> dict:
+        """The whole answer: a completion or a chat completion, with usage."""
+        if self.chat:
+            choices = [{"index": c, "message": {"role": "assistant", "content": self.texts[c]},
+                        "finish_reason": self.finish[c]} for c in range(self.n)]
+            return self.head("chat.completion", choices, self.usage())
+        choices = [{"index": c, "text": self.texts[c], "finish_reason": self.finish[c],
+                    "logprobs": self.svc.logprobs(self.shown[c], self.lps[c], self.tops[c]) if self.want_lp else None}
+                   for c in range(self.n)]
+        return self.head("text_completion", choices, self.usage())
+
+    @property
+    def chunk_object(self) -> str:
+        return "chat.completion.chunk" if self.chat else "text_completion"
+
+    def chunk(self, c: int, ev, text: str) -> dict | None:
+        """The stream chunk for one Token of choice c whose new text is `text`, or None if it adds nothing."""
+        lp = self.svc.logprobs([ev.id], [ev.logprob], [ev.top]) if self.want_lp and ev.id >= 0 else None
+        if not (text or lp or ev.finish_reason):
+            return None
+        if self.chat:
+            delta = {"index": c, "delta": {"content": text} if text or not ev.finish_reason else {},
+                     "finish_reason": ev.finish_reason}
+        else:
+            delta = {"index": c, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
+        return self.head(self.chunk_object, [delta])
+
+    def role_chunk(self) -> dict:
+        """A chat stream's first chunk: each choice's role."""
+        return self.head(self.chunk_object, [{"index": c, "delta": {"role": "assistant"}, "finish_reason": None}
+                                             for c in range(self.n)])
+
+    def usage_chunk(self) -> dict:
+        return self.head(self.chunk_object, [], self.usage())
