@@ -115,10 +115,10 @@ def test_batch_invariant_logits_are_bitwise_equal(model, monkeypatch):
     seen = {}
     real = engine_mod.next_tokens
 
-    def record(logits, rows):
+    def record(logits, rows, generator=None):
         for i, r in enumerate(rows):
             seen.setdefault(r.id, []).append(logits[i].clone())
-        return real(logits, rows)
+        return real(logits, rows, generator)
 
     monkeypatch.setattr(engine_mod, "next_tokens", record)
     ps = prompts(10, seed=6, lo=2, hi=60)

@@ -107,6 +107,8 @@ class Engine:
         kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype, slots=self.fused)
         self.cache = PagedKVCache(cfg, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
         self.device = weight.device
+        self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
+        self.generator.seed()
         self.waiting, self.running = deque(), []
         self.lock = threading.Lock()
 
@@ -128,6 +130,8 @@ class Engine:
         """Queue requests (all or none). Raises QueueFull beyond max_waiting, Gpt2ffnError on bad input."""
         for r in requests:
             self.check(r.prompt, r.params)
+            if r.params.seed is not None and r.generator.device != self.device:  # draws happen where the logits are
+                r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
             if self.decode is not None:
                 r.text = TextStream(self.decode, r.params.stop)
         with self.lock:
@@ -250,12 +254,12 @@ class Engine:
                                 for i, r in enumerate(rows)])
         else:
             logits = self.model.forward_paged(ids, pos, self.cache, self.table(rows, lengths))    # (B, V)
-        picked = next_tokens(logits, rows)
+        picked = next_tokens(logits, rows, self.generator)
         return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
 
     def emit(self, r: Request, logits, row: int, token: int | None = None) -> Token:
         if token is None:
-            token = next_tokens(logits[row:row + 1], [r])[0]
+            token = next_tokens(logits[row:row + 1], [r], self.generator)[0]
         now = time.perf_counter()
         r.first_token = r.first_token or now
         gap, r.last_token = (now - r.last_token if r.last_token else None), now

@@ -1,4 +1,5 @@
-"""Per-request sampling parameters (vLLM's SamplingParams) and the sampler that applies them row by row."""
+"""Per-request sampling parameters (vLLM's SamplingParams), the sampler of a whole batch (next_tokens), and
+the plain one-row reference it is checked against (adjust, pick)."""
 
 from dataclasses import dataclass, field
 
@@ -50,10 +51,11 @@ class Sampling:
 
 
 def pick(logits, s: Sampling, generator):
-    """(B, V) logits -> (B,) next ids, after temperature, top-k and top-p."""
+    """(B, V) logits -> (B,) next ids, after temperature, top-k and top-p: the plain reference of one Sampling
+    for every row (torch.multinomial); the engine samples a batch of Samplings with next_tokens."""
     if s.temperature == 0:
         return logits.argmax(-1)
-    logits = logits.float() / s.temperature
+    logits = scale(logits.float(), torch.tensor([[s.temperature]], device=logits.device))
     if s.top_k is not None:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -61,12 +63,13 @@ def pick(logits, s: Sampling, generator):
         sorted_logits, order = logits.sort(dim=-1, descending=True)
         cum = sorted_logits.softmax(-1).cumsum(-1)
         drop = cum - sorted_logits.softmax(-1) >= s.top_p  # keep the smallest prefix reaching top_p
+        drop[:, 0] = False                                 # and the likeliest token, however small top_p is
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
 
 
 def adjust(logits, s: Sampling, prompt: list, output: list):
-    """One row's (V,) logits after logit_bias, penalties and min_tokens."""
+    """One row's (V,) logits after logit_bias, penalties and min_tokens: the reference of adjust_batch."""
     logits = logits.float().clone()
     if s.repetition_penalty != 1 and (prompt or output):
         seen = torch.tensor(sorted(set(prompt) | set(output)))
@@ -82,18 +85,126 @@ def adjust(logits, s: Sampling, prompt: list, output: list):
     return logits
 
 
-def next_tokens(logits, requests) -> list:
-    """(B, V) logits, one row per request -> its next token id; each row under its own Sampling and generator."""
-    out = [None] * len(requests)
-    plain = [i for i, r in enumerate(requests) if r.params.plain_greedy]
-    if plain:
-        for i, t in zip(plain, logits[plain].argmax(-1).tolist()):
-            out[i] = t
-    for i, r in enumerate(requests):
-        if out[i] is None:
-            row = adjust(logits[i], r.params, r.prompt, r.output)
-            out[i] = int(pick(row[None], r.params, r.generator)[0])
+def next_tokens(logits, requests, generator=None) -> list:
+    """(B, V) logits, one row per request -> its next token id, each row under its own Sampling, the whole batch
+    at once on the logits' device: penalties, logit_bias and min_tokens as `adjust` does them (bitwise equal),
+    temperature, top-k and top-p as `pick` keeps them, one draw per row, one device-to-host copy of the ids.
+
+    A draw is an exponential race over the row's candidates (argmax of p_i / q_i with q_i ~ Exp(1): an exact
+    sample of p, torch.multinomial's own method): a seeded request draws its q from its own generator, as many
+    as it has candidates, so its tokens do not depend on what runs beside it; the others share one draw from
+    `generator` (torch's default if None)."""
+    params = [r.params for r in requests]
+    if all(s.plain_greedy for s in params):
+        return logits.argmax(-1).tolist()
+    x = logits.float().clone()
+    adjust_batch(x, requests)
+    ids = x.argmax(-1)                                                        # greedy rows keep these
+    rows = [i for i, s in enumerate(params) if s.temperature > 0]
+    if rows:
+        temps = torch.tensor([params[i].temperature for i in rows], device=x.device)[:, None]
+        ids[rows] = sample(scale(x[rows], temps), [requests[i] for i in rows], generator)
+    return ids.tolist()
+
+
+def scale(x, temps):
+    """(R, V) logits / (R, 1) temperatures, max first subtracted: a temperature as small as 5e-324 (0 in fp32,
+    clamped to fp32's smallest normal) leaves the argmax at 0 and the rest at -inf, never inf or nan."""
+    return (x - x.amax(-1, keepdim=True)) / temps.clamp_min(torch.finfo(torch.float32).tiny)
+
+
+def sample(x, requests: list, generator=None):
+    """(S, V) temperature-scaled logits -> (S,) ids, in three groups that cost differently: rows that keep the
+    whole vocabulary race over it; rows with top_k race over their top k (top_p then applied within them);
+    rows with only top_p sort the vocabulary first."""
+    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+    whole = [j for j, r in enumerate(requests) if r.params.top_k is None and not _top_p(r.params)]
+    top_k = [j for j, r in enumerate(requests) if r.params.top_k is not None]
+    only_p = [j for j, r in enumerate(requests) if r.params.top_k is None and _top_p(r.params)]
+    if whole:
+        out[whole] = race(x[whole], [requests[j] for j in whole], generator)
+    for group in (top_k, only_p):
+        if group:
+            reqs = [requests[j] for j in group]
+            vals, idx = candidates(x[group], [r.params for r in reqs])
+            out[group] = idx.gather(1, race(vals, reqs, generator)[:, None])[:, 0]
     return out
+
+
+def _top_p(s: Sampling) -> bool:
+    return s.top_p is not None and s.top_p < 1
+
+
+def candidates(x, params: list):
+    """(C, V) logits -> (vals, idx) each (C, K): every row's K best in descending order (K = the largest top_k,
+    or V when rows have only top_p), with what its own top_k and top_p drop at -inf, as `pick` keeps them."""
+    V = x.shape[1]
+    ks = [s.top_k for s in params]
+    K = V if any(k is None for k in ks) else min(max(ks), V)
+    vals, idx = x.sort(dim=-1, descending=True) if K == V else x.topk(K, dim=-1)
+    if any(k is not None for k in ks):
+        kth = vals.gather(1, torch.tensor([min(k or K, K) for k in ks], device=x.device)[:, None] - 1)
+        vals = vals.masked_fill(vals < kth, float("-inf"))
+    if any(_top_p(s) for s in params):
+        top_p = torch.tensor([s.top_p if _top_p(s) else 2.0 for s in params], device=x.device)[:, None]
+        prob = vals.softmax(-1)
+        drop = prob.cumsum(-1) - prob >= top_p    # the smallest prefix reaching top_p
+        drop[:, 0] = False                         # and the likeliest token, however small top_p is (5e-324 is 0 in fp32)
+        vals = vals.masked_fill(drop, float("-inf"))
+    return vals, idx
+
+
+def race(z, requests: list, generator=None):
+    """One sample per row of z (R, K) (logits, -inf where dropped): argmax of softmax(z) / q, q ~ Exp(1), from
+    the request's own generator (its first top_k or K values) when it is seeded, else from one shared draw."""
+    R, K = z.shape
+    q = torch.ones_like(z)
+    free = [j for j, r in enumerate(requests) if r.params.seed is None]
+    for j, r in enumerate(requests):
+        if r.params.seed is not None:
+            n = min(r.params.top_k or K, K)
+            q[j, :n].exponential_(generator=r.generator)
+    if free:
+        q[free] = torch.empty(len(free), K, device=z.device).exponential_(generator=generator)
+    return (z.softmax(-1) / q).argmax(-1)
+
+
+def _rows(x, pairs, dtype=torch.long):
+    """[(row, value), ...] -> two tensors on x's device."""
+    r, v = zip(*pairs)
+    return torch.tensor(r, device=x.device), torch.tensor(v, device=x.device, dtype=dtype)
+
+
+def adjust_batch(x, requests):
+    """`adjust` for every row of x (B, V) in place, with one tensor op per kind of adjustment for the batch."""
+    V = x.shape[1]
+    rep = [(i, r.params.repetition_penalty, sorted(set(r.prompt) | set(r.output))) for i, r in enumerate(requests)
+           if r.params.repetition_penalty != 1 and (r.prompt or r.output)]
+    if rep:
+        seen = torch.zeros(len(rep), V, dtype=torch.bool, device=x.device)
+        seen[_rows(x, [(j, t) for j, (_, _, ts) in enumerate(rep) for t in ts])] = True
+        idx = [i for i, _, _ in rep]
+        pen = torch.tensor([p for _, p, _ in rep], device=x.device)[:, None]
+        v = x[idx]
+        x[idx] = torch.where(seen, torch.where(v > 0, v / pen, v * pen), v)
+    pf = [(i, r) for i, r in enumerate(requests) if r.output and (r.params.presence_penalty or r.params.frequency_penalty)]
+    if pf:
+        counts = torch.zeros(len(pf), V, device=x.device)
+        counts.index_put_(_rows(x, [(j, t) for j, (_, r) in enumerate(pf) for t in r.output]),
+                          torch.ones(sum(len(r.output) for _, r in pf), device=x.device), accumulate=True)
+        freq = torch.tensor([r.params.frequency_penalty for _, r in pf], device=x.device)[:, None]
+        pres = torch.tensor([r.params.presence_penalty for _, r in pf], device=x.device)[:, None]
+        idx = [i for i, _ in pf]
+        x[idx] -= torch.where(counts > 0, freq * counts + pres, 0.0)
+    bias = [(i, int(t), b) for i, r in enumerate(requests) for t, b in r.params.logit_bias.items()]
+    if bias:
+        x.index_put_((torch.tensor([i for i, _, _ in bias], device=x.device),
+                      torch.tensor([t for _, t, _ in bias], device=x.device)),
+                     torch.tensor([b for _, _, b in bias], device=x.device), accumulate=True)
+    held = [(i, r.params.eos_token_id) for i, r in enumerate(requests)
+            if len(r.output) < r.params.min_tokens and r.params.eos_token_id is not None]
+    if held:
+        x[_rows(x, held)] = float("-inf")
 
 
 def logprobs_of(logits, tokens, top: int):
