@@ -22,6 +22,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import Gpt2ffnError
+from ..loading import resolve_device
 from .engine import QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
@@ -293,14 +294,18 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
 
 
 def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
-          precision="fp32", chat_template=None, threads=None):
+          precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first)."""
     import uvicorn
     if model_spec and not model_spec.startswith("random:") and not Path(model_spec).is_dir():
         raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
     if chat_template and not Path(chat_template).is_file():
         raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
-    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads)
+    device = resolve_device(device)  # a missing GPU is one line and exit 2 here, before anything starts
+    if kv_fraction is not None and not 0 < kv_fraction <= 1:
+        raise Gpt2ffnError(f"--kv-cache-fraction must be in (0, 1], got {kv_fraction!r}")
+    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
+                  dtype, kv_fraction)
     app = create_app(svc)
     print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on http://{host}:{port} "
           "(OpenAPI: /docs, /openapi.json)", flush=True)
