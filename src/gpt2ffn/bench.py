@@ -48,14 +48,34 @@ def _linear_stack(ffn, gelu):
     return seq
 
 
-def machine() -> dict:
-    cpu = "unknown"
+def cpu_info() -> dict:
+    """/proc/cpuinfo's model name, family/model (with AMD's Zen generation: "AMD EPYC" names none) and the
+    vector extensions that pick a kernel: enough to tell which machine a number came from."""
+    fields = {}
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
+                break
+    except OSError:
+        return {"cpu": platform.processor() or "unknown", "isa": []}
+    family, model = int(fields.get("cpu family", -1)), int(fields.get("model", -1))
+    zen = None
+    if fields.get("vendor_id") == "AuthenticAMD":
+        zen = {23: "Zen/Zen 2", 26: "Zen 5"}.get(family)
+        if family == 25:
+            zen = "Zen 4" if 0x10 <= model <= 0x1f or 0x60 <= model <= 0xaf else "Zen 3"
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                       "amx_tile") if f in flags]
+    name = fields.get("model name", "unknown")
+    return {"cpu": f"{name} (family {family} model {model}{', ' + zen if zen else ''})", "isa": isa}
+
+
+def machine() -> dict:
     from threadpoolctl import threadpool_info
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
+    return {**cpu_info(), "threads": torch.get_num_threads(), "python": platform.python_version(),
             "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "torch": torch.__version__, "numpy": np.__version__,
             "blas": sorted({f"{i['internal_api']} {i.get('version') or ''}".strip() for i in threadpool_info()})}
