@@ -1,5 +1,6 @@
 """Weight precisions: every precision and kernel route against the numpy reference, packed weights never
-stale, state_dict unchanged, batch invariance of the native kernels, and the whole GPT-2 against HF."""
+stale, weights held once (state_dict in HF's layout from the packed copy, train() and autograd), batch
+invariance of the native kernels, and the whole GPT-2 against HF."""
 
 import copy
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from conftest import SMALL, hf_model, randomize_
-from gpt2ffn import Config, ConfigError, FeedForward, quantize, reference
+from gpt2ffn import Config, ConfigError, FeedForward, PackedOnlyError, quantize, reference
 from gpt2ffn.kernels import packed as kp
 from gpt2ffn.kernels.formats import PRECISIONS, dequantize, quantize_groups
 from gpt2ffn.model import GPT2
@@ -22,15 +23,21 @@ def ffn_for(cfg, seed=0):
     return randomize_(FeedForward(cfg), seed).eval()
 
 
-def rounded(ffn, precision):
-    """numpy float64 state dict of the weights `precision` computes with."""
+def round_to(w, precision, group):
+    """The float32 values a weight (K, N) computes with at `precision`."""
+    if precision == "bf16":
+        return w.to(torch.bfloat16).float()
+    if precision in ("int8", "int4"):
+        return dequantize(*quantize_groups(w, precision, group), precision)
+    return w
+
+
+def rounded(ffn, q, precision):
+    """numpy float64 state dict of the weights `precision` computes with: fp32 `ffn`'s, rounded as `q` packs."""
     out = {}
-    for name, layer in (("c_fc", ffn.c_fc), ("c_proj", ffn.c_proj)):
-        w = layer.weight.detach()
-        if precision == "bf16":
-            w = w.to(torch.bfloat16).float()
-        elif precision in ("int8", "int4"):
-            w = dequantize(*quantize_groups(w, precision, layer.packed.group), precision)
+    for name in ("c_fc", "c_proj"):
+        layer = getattr(ffn, name)
+        w = round_to(layer.weight.detach(), precision, getattr(q, name).packed.group)
         out[f"{name}.weight"], out[f"{name}.bias"] = w.double().numpy(), layer.bias.detach().double().numpy()
     return out
 
@@ -45,7 +52,7 @@ def test_every_route_matches_numpy(cfg, precision):
     ffn = ffn_for(cfg)
     exact = reference.FFN.from_state_dict(ffn.state_dict())
     q = quantize(copy.deepcopy(ffn), precision)
-    ref = reference.FFN.from_state_dict(rounded(q, precision))
+    ref = reference.FFN.from_state_dict(rounded(ffn, q, precision))
     tol = PRECISION_TOLERANCES[precision]
     x = torch.randn(37, cfg.n_embd, generator=torch.Generator().manual_seed(1))
     for route in kp.routes(precision, "cpu"):
@@ -82,13 +89,14 @@ def test_native_is_batch_invariant_and_deterministic(precision):
             assert torch.equal(ffn(x[-rows:]), batch[-rows:]), rows
 
 
-def test_state_dict_is_unchanged_and_hf_layout():
+def test_state_dict_is_unchanged_with_keep_fp32():
     ffn = ffn_for(SHAPES[0])
     before = {k: v.clone() for k, v in ffn.state_dict().items()}
-    q = quantize(ffn, "int8")
+    q = quantize(ffn, "int8", keep_fp32=True)
     after = q.state_dict()
     assert list(after) == list(before) == ["c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"]
     assert all(torch.equal(after[k], before[k]) for k in before)
+    assert q.c_fc.weight.untyped_storage().nbytes() == q.c_fc.weight.numel() * 4  # both copies kept
 
 
 @pytest.mark.parametrize("precision", ["fp32", "int4"])
@@ -106,7 +114,7 @@ def test_load_state_dict_repacks(precision):
 
 
 def test_train_runs_fp32_and_eval_repacks_after_a_step():
-    q = quantize(ffn_for(SHAPES[0]), "int8")
+    q = quantize(ffn_for(SHAPES[0]), "int8", keep_fp32=True)
     x = torch.randn(4, 768, generator=torch.Generator().manual_seed(5))
     q.train().requires_grad_(True)
     q.dropout.p = 0.0
@@ -118,7 +126,7 @@ def test_train_runs_fp32_and_eval_repacks_after_a_step():
     q.eval()
     with torch.no_grad():
         after = q(x)
-        fresh = quantize(copy.deepcopy(q), "int8")(x)
+        fresh = quantize(copy.deepcopy(q), "int8", keep_fp32=True)(x)
     torch.testing.assert_close(after, fresh, rtol=1e-6, atol=1e-6)
 
 
@@ -150,17 +158,17 @@ def test_torch_fallback_when_native_is_missing(monkeypatch):
     x = torch.randn(2, 768, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         y = q(x).numpy()
-    ref = reference.FFN.from_state_dict(rounded(q, "int8"))
+    ref = reference.FFN.from_state_dict(rounded(ffn, q, "int8"))
     assert rel(y, ref(x.double().numpy())) <= 1e-5
 
 
 def test_probe_is_cached_on_disk(tmp_path, monkeypatch):
     monkeypatch.setenv("GPT2FFN_CACHE", str(tmp_path))
-    quantize(ffn_for(SHAPES[0]), "bf16")
+    quantize(ffn_for(SHAPES[0]), "bf16", keep_fp32=True)  # held once, only the packed routes: nothing to probe
     cached = (tmp_path / "routes.json").read_text()
     assert "bf16" in cached and '"decode"' in cached
     monkeypatch.setattr(kp, "linear", None)  # a second probe would call it; the cache answers instead
-    quantize(ffn_for(SHAPES[0]), "bf16")
+    quantize(ffn_for(SHAPES[0]), "bf16", keep_fp32=True)
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)
@@ -189,3 +197,127 @@ def test_precisions_on_real_gpt2(real_gpt2):
     assert r["fp32"]["mean_kld"] < 1e-8 and r["fp32"]["top1_agree"] > 0.999
     assert r["bf16"]["mean_kld"] < 1e-3 and r["int8"]["mean_kld"] < 1e-2 and r["int4"]["mean_kld"] < 2e-1
     assert r["int8"]["top1_agree"] > 0.9
+
+
+# Weights held once (quantize's default where the native kernels run): the packed copy is the only one.
+
+held_once = pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason="native kernels not built here: both copies stay")
+
+
+def gpt2_pair(seed=3):
+    hf = hf_model(SMALL, seed=seed)
+    ours = GPT2(SMALL).eval()
+    ours.load_state_dict(hf.state_dict())
+    return hf, ours
+
+
+def holds_data(t) -> bool:
+    return t.untyped_storage().nbytes() >= t.numel() * t.element_size()
+
+
+@held_once
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_packed_layers_hold_no_fp32_weight(precision):
+    _, ours = gpt2_pair()
+    kept = quantize(copy.deepcopy(ours), precision, keep_fp32=True)
+    quantize(ours, precision)
+    layers = [m for m in ours.modules() if hasattr(m, "pack")]
+    assert len(layers) == 4 * SMALL.n_layer + 1
+    for m in layers:
+        assert m.dropped and not holds_data(m.weight), m  # one zero element, expanded to the weight's shape
+        assert m.weight.shape == m.weight_value().shape and m.packed.nbytes > 0
+    assert ours.transformer.wte.weight is ours.lm_head.weight  # still tied
+    assert all(holds_data(m.weight) for m in kept.modules() if hasattr(m, "pack"))  # negative control
+    ids = torch.randint(0, SMALL.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
+    with torch.no_grad():  # the embeddings come from the packed lm_head: exact in fp32 (and bf16's own rounding)
+        got, want = ours(ids), kept(ids)
+        again = copy.deepcopy(ours)(ids)  # a copy re-packs from the packed weights, not from zeros
+    if precision == "fp32":
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(again, got)
+
+
+@held_once
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_state_dict_is_hf_layout_from_packed_weights(precision):
+    hf, ours = gpt2_pair()
+    quantize(ours, precision)
+    want, got = hf.state_dict(), ours.state_dict()
+    assert set(got) <= set(want) and {k for k in want if not k.endswith(".attn.bias")} <= set(got)
+    for k, v in got.items():
+        w = want[k]
+        if k.endswith("weight") and (".c_" in k or k.endswith(("wte.weight", "lm_head.weight"))):
+            head = k.endswith(("wte.weight", "lm_head.weight"))
+            p = "int8" if precision == "int4" and head else precision
+            kn = w.t() if k == "lm_head.weight" or k.endswith("wte.weight") else w
+            rounded_w = round_to(kn, p, 32)
+            assert torch.equal(v, rounded_w.t() if head else rounded_w), k  # exactly the values the kernels use
+            tol = PRECISION_TOLERANCES[p]["vs_fp32"] * (4 if p == "int4" else 1)
+            assert float((v - w).abs().max() / w.abs().max()) <= tol, k
+        else:
+            assert torch.equal(v, w), k
+    if precision != "fp32":  # negative control: the comparison sees rounding
+        assert not torch.equal(got["transformer.h.0.mlp.c_fc.weight"], want["transformer.h.0.mlp.c_fc.weight"])
+
+
+@held_once
+@pytest.mark.parametrize("precision", ["bf16", "int8", "int4"])
+def test_train_or_autograd_on_a_packed_only_model_says_how_to_get_fp32(precision):
+    _, ours = gpt2_pair()
+    quantize(ours, precision)
+    with pytest.raises(PackedOnlyError, match=rf"Conv1D holds only its packed {precision} weights, so train\(\) "
+                                              r"cannot run: load the model with precision='fp32'"):
+        ours.train()
+    ours.eval()
+    emb = ours.transformer.wte(torch.tensor([[1, 2]])).requires_grad_()
+    with pytest.raises(PackedOnlyError, match=r"so autograd or a non-fp32 input cannot run"):
+        ours.transformer.h[0](emb)
+    ffn = quantize(ffn_for(SHAPES[0]), precision)
+    with pytest.raises(PackedOnlyError, match=r"keep_fp32=True"):
+        ffn(torch.randn(2, 768, requires_grad=True))
+
+
+@held_once
+def test_fp32_trains_on_one_copy_and_eval_repacks():
+    hf, ours = gpt2_pair()
+    quantize(ours, "fp32")
+    ids = torch.randint(0, SMALL.vocab_size, (2, 9), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        before = ours(ids)
+    ours.train()
+    layers = [m for m in ours.modules() if hasattr(m, "pack")]
+    assert all(m.packed is None and holds_data(m.weight) and m.weight.requires_grad for m in layers)
+    for k, v in ours.state_dict().items():
+        assert torch.equal(v, hf.state_dict()[k]), k  # unpacked exactly
+    ours.eval()
+    assert all(m.dropped and not holds_data(m.weight) for m in layers)
+    with torch.no_grad():
+        assert torch.equal(ours(ids), before)  # the round trip changes nothing
+    ours.train()
+    ours.transformer.drop.p = 0.0
+    for block in ours.transformer.h:
+        block.attn.attn_dropout.p = block.attn.resid_dropout.p = block.mlp.dropout.p = 0.0
+    ours(ids).logsumexp(-1).sum().backward()
+    torch.optim.SGD(ours.parameters(), lr=0.1).step()
+    trained = {k: v.clone() for k, v in ours.state_dict().items()}
+    ours.eval()
+    hf.load_state_dict(trained, strict=False)
+    with torch.no_grad():
+        after = ours(ids)
+        torch.testing.assert_close(after, hf(ids).logits, rtol=1e-4, atol=1e-4)
+    assert not torch.allclose(after, before)  # the step changed the model
+
+
+@held_once
+def test_load_state_dict_into_a_held_once_gpt2_repacks():
+    _, ours = gpt2_pair(seed=3)
+    other, _ = gpt2_pair(seed=4)
+    quantize(ours, "int8")
+    ours.load_state_dict(other.state_dict(), strict=False)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 7), generator=torch.Generator().manual_seed(9))
+    fresh = GPT2(SMALL).eval()
+    fresh.load_state_dict(other.state_dict(), strict=False)
+    quantize(fresh, "int8")
+    with torch.no_grad():
+        assert torch.equal(ours(ids), fresh(ids))
+    assert ours.lm_head.dropped and not holds_data(ours.lm_head.weight)

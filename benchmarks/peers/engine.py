@@ -6,7 +6,9 @@
 Prints one JSON line. The prompt is the first --prompt-tokens ids of DIR/seq.npy (prepare.py). One greedy run
 (prefill, then --new-tokens single-token steps feeding the argmax, EOS ignored) warms up and gives the greedy
 ids; then --repeats timed runs: prefill_ms = prompt -> first logits, decode_tok_s = new tokens / time of the
-single-token steps (prefill excluded); medians and every repeat are printed.
+single-token steps (prefill excluded); medians and every repeat are printed. rss_mb: the process's resident
+memory after the runs; rss_delta_mb: that minus its resident memory once the engine's library (torch,
+llama_cpp, ...) was imported, before the model was loaded: what the loaded and run model adds.
 --logits-out saves the logits of every position of DIR/seq.npy, (T, vocab) float32, in one forward pass.
 
 Engines and precisions (ENGINES below); gpt2ffn and hf run under gpt2ffn's venv (/work/main/.venv), the
@@ -24,6 +26,15 @@ from pathlib import Path
 import numpy as np
 
 THREADS = 2
+LIBRARIES = {"gpt2ffn": ("torch", "gpt2ffn.generate"), "hf": ("torch", "transformers"), "ort": ("onnxruntime",),
+             "llama": ("llama_cpp",), "ct2": ("ctranslate2",)}  # imported before the baseline RSS
+
+
+def rss_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
 
 
 class Stepper:
@@ -232,6 +243,10 @@ def main():
     seq = np.load(args.models / "seq.npy").tolist()
     prompt = seq[:args.prompt_tokens]
 
+    import importlib
+    for lib in LIBRARIES[args.engine]:
+        importlib.import_module(lib)
+    rss0 = rss_bytes()
     t = time.perf_counter()
     engine = cls(args.precision, args.models, args.prompt_tokens + args.new_tokens + 1)
     out = {"engine": args.engine, "precision": args.precision, "load_s": time.perf_counter() - t,
@@ -246,6 +261,7 @@ def main():
         out.update(prefill_ms=statistics.median(prefill), decode_tok_s=statistics.median(decode),
                    prefill_ms_all=prefill, decode_tok_s_all=decode,
                    greedy_stable=all(r[2] == ids for r in runs))
+    out.update(rss_mb=rss_bytes() / 1e6, rss_delta_mb=(rss_bytes() - rss0) / 1e6)
     if args.greedy_out:
         args.greedy_out.write_text(json.dumps(ids))
     if args.logits_out:

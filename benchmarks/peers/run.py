@@ -31,12 +31,16 @@ CASES = [("hf", "fp32"), ("gpt2ffn", "fp32"), ("gpt2ffn", "bf16"), ("gpt2ffn", "
          ("llama", "f32"), ("llama", "bf16"), ("llama", "q8_0"), ("llama", "q4_0")]
 REFERENCE = ("hf", "fp32")
 
-# GPT-2 124M: the weights one decode step reads. Matrices: per layer c_attn (768, 2304), attn.c_proj (768, 768),
-# c_fc (768, 3072), mlp.c_proj (3072, 768); lm_head = wte (50257, 768), tied; small = biases and LayerNorms
-# (fp32 everywhere). The position embedding (one row per step) and the KV cache are not counted.
-MATRIX_WEIGHTS = 12 * 768 * (2304 + 768 + 3072 + 3072)
-LM_HEAD_WEIGHTS = 50257 * 768
-SMALL_WEIGHTS = 12 * (2304 + 768 + 3072 + 768 + 4 * 768) + 2 * 768
+
+
+def weight_counts(models: Path):
+    """The weights one decode step reads, from DIR/hf/config.json (d = n_embd, L = n_layer): matrices, per layer
+    c_attn (d, 3d), attn.c_proj (d, d), c_fc (d, 4d), mlp.c_proj (4d, d); lm_head = wte (vocab, d), tied;
+    small = biases and LayerNorms (fp32 everywhere). The position embedding (one row per step) and the KV
+    cache are not counted. GPT-2 124M: 84.9M, 38.6M, 0.1M."""
+    cfg = json.loads((models / "hf/config.json").read_text())
+    d, L, V = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"]
+    return L * d * (3 * d + d + 4 * d + 4 * d), V * d, L * (3 * d + d + 4 * d + d + 4 * d) + 2 * d
 # Bytes per weight of the matrices and lm_head. gpt2ffn: int8 group 64, int4 group 32, fp32 scales
 # (gpt2ffn.precision.GROUP); CTranslate2 int8: one fp32 scale per output row of 768 or 3072 inputs (~768
 # taken); ONNX Runtime quantize_dynamic: QInt8, one scale per tensor. llama.cpp: exact, from the GGUF file.
@@ -66,7 +70,8 @@ def decode_bytes(engine, precision, models):
         tensors = GGUFReader(models / f"gguf/gpt2-{precision}.gguf").tensors
         return sum(int(t.n_bytes) for t in tensors if t.name != "position_embd.weight")
     per = BYTES_PER_WEIGHT[(engine, precision)]
-    return MATRIX_WEIGHTS * per + LM_HEAD_WEIGHTS * LM_HEAD_BYTES.get((engine, precision), per) + SMALL_WEIGHTS * 4
+    matrix, lm_head, small = weight_counts(models)
+    return matrix * per + lm_head * LM_HEAD_BYTES.get((engine, precision), per) + small * 4
 
 
 def run_engine(engine, precision, args, *extra):
@@ -188,7 +193,9 @@ def main():
             nbytes = decode_bytes(*c, args.models)
             floor_ms = nbytes / gbs / 1e6
             row.update(prefill_ms=statistics.median(r["prefill_ms"] for r in runs),
-                       decode_tok_s=1e3 / step_ms, decode_bytes=nbytes, floor_ms=floor_ms,
+                       decode_tok_s=1e3 / step_ms, decode_bytes=nbytes,
+                       rss_delta_mb=statistics.median(r["rss_delta_mb"] for r in runs),
+                       rss_mb=statistics.median(r["rss_mb"] for r in runs), floor_ms=floor_ms,
                        floor_tok_s=1e3 / floor_ms, x_floor=step_ms / floor_ms, versions=runs[0]["versions"],
                        greedy_stable=all(r["greedy_stable"] for r in runs),
                        prefill_ms_rounds=[r["prefill_ms"] for r in runs],
@@ -196,7 +203,8 @@ def main():
         row.update(acc.get(c, {}))
         rows.append(row)
     report = {"machine": {"cpu": cpu_name(), "threads": 2, "python": platform.python_version()},
-              "model": "random:gpt2:0 (GPT-2 124M shape, gpt2ffn's random_weights_ seed 0)",
+              "model": json.loads((args.models / "prepare.json").read_text())["model"]
+              + " (gpt2ffn's random_weights_, saved with save_pretrained)",
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
               "repeats_per_process": args.repeats, "bandwidth_gb_s": gbs, "bandwidth_gb_s_rounds": bandwidth,
               "reference": "hf fp32", "wall_s": time.time() - t0, "results": rows}
@@ -205,14 +213,15 @@ def main():
 
     print(f"{report['machine']['cpu']}, 2 threads, {args.rounds} rounds, {args.prompt_tokens}-token prompt, "
           f"{args.new_tokens} greedy tokens; read bandwidth {gbs:.1f} GB/s\n")
-    print("| engine | precision | prefill ms | decode tok/s | x floor | mean KLD | top-1 % | max abs dlogit | "
-          "greedy agree |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("| engine | precision | prefill ms | decode tok/s | x floor | RSS delta MB | decode MB | mean KLD | top-1 % | "
+          "max abs dlogit | greedy agree |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         greedy = (f"{r['greedy_equal']}/{r['greedy_len']}" + (f" (from {r['greedy_first_divergence']})"
                   if r["greedy_first_divergence"] is not None else "")) if "greedy_equal" in r else "-"
         print(f"| {r['engine']} | {r['precision']} | {fmt(r.get('prefill_ms'), '.1f')} | "
               f"{fmt(r.get('decode_tok_s'), '.1f')} | {fmt(r.get('x_floor'), '.2f')} | "
+              f"{fmt(r.get('rss_delta_mb'), '.0f')} | {fmt(r.get('decode_bytes') and r['decode_bytes'] / 1e6, '.0f')} | "
               f"{fmt(r.get('mean_kld'), '.2e')} | {fmt(r.get('top1_pct'), '.2f')} | "
               f"{fmt(r.get('max_abs_dlogit'), '.3g')} | {greedy} |")
     for r in rows:

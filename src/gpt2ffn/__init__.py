@@ -21,7 +21,7 @@ os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 from . import reference  # noqa: E402
 from .check import check  # noqa: E402  (the function; the module stays importable by its full name)
 from .config import Config  # noqa: E402
-from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, ShapeError  # noqa: E402
+from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, PackedOnlyError, ShapeError  # noqa: E402
 from .ffn import FeedForward  # noqa: E402
 from .gelu import GELU, gelu  # noqa: E402
 from .generate import generate  # noqa: E402  (the function, as check)
@@ -36,6 +36,6 @@ __version__ = "0.1.0"
 __all__ = [
     "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf", "quantize", "PRECISIONS",
     "GPT2", "generate", "check",
-    "Gpt2ffnError", "ConfigError", "ShapeError", "InputError", "CheckpointError",
+    "Gpt2ffnError", "ConfigError", "ShapeError", "InputError", "CheckpointError", "PackedOnlyError",
     "TOLERANCES", "GOLDEN_ATOL", "tolerance",
 ]

@@ -304,10 +304,12 @@ def run(args):
             if part == "kernels":
                 result[part] = bench_kernels(repeats=repeats)
             elif part == "model":
-                result[part] = bench_model(precisions, repeats=max(5, repeats // 2), device=device)
+                result[part] = bench_model(precisions, repeats=max(5, repeats // 2), weights=args.weights,
+                                           device=device)
             else:
                 result[part] = bench_accuracy(args.weights, precisions)
-            file = out_dir / ("accuracy.json" if part == "accuracy" else f"bench-{part}.json")
+            size = "" if part != "model" or args.weights == "random:gpt2" else "-" + args.weights.split(":")[1]
+            file = out_dir / ("accuracy.json" if part == "accuracy" else f"bench-{part}{size}.json")
             file.write_text(json.dumps({"machine": result["machine"], part: result[part]}, indent=1) + "\n")
             print(f"wrote {file}")
         return result
@@ -349,29 +351,32 @@ def summarize(result) -> str:
 
 
 def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print,
-                device="cpu") -> dict:
+                weights="random:gpt2", device="cpu") -> dict:
     """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
-    (sdpa, KV cache, fp32), the same random gpt2 (124M shape) weights, greedy, interleaved rounds in one
+    (sdpa, KV cache, fp32), the same random weights (`weights`: random:<preset>[:seed], default the 124M
+    shape; gpt2-medium / -large / -xl for the others), greedy, interleaved rounds in one
     process. fp32's tokens are checked equal to HF's first. Each precision's floor: the bytes a decode step
     must read (its packed weights, lm_head included) over the DRAM read bandwidth measured in the same run.
     The per-step overhead: a decode step of a 1-layer model with tiny widths, where weights cost nothing.
     On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16), HF also with its static cache."""
     if device != "cpu":
-        return bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device)
+        return bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from .generate import Sampling, generate
-    from .model import GPT2, random_weights_
+    from .model import GPT2, parse_random, random_weights_
     from .precision import packable, quantize
     from .serving.kv_cache import KVCache
-    cfg = Config.from_name("gpt2")
+    if not weights.startswith("random:"):
+        raise Gpt2ffnError(f"bench --model times random weights (random:<preset>[:seed]), not {weights!r}")
+    cfg, seed, name = parse_random(weights)
     hf_cfg = GPT2Config(**cfg.to_hf_dict())
     hf_cfg._attn_implementation = "sdpa"
-    hf = random_weights_(GPT2LMHeadModel(hf_cfg), 0).eval()
+    hf = random_weights_(GPT2LMHeadModel(hf_cfg), seed).eval()
     hf.generation_config.eos_token_id = None
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=new_tokens)
-    out = {"prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "engines": {}}
+    out = {"model": name, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "engines": {}}
     runs = {}
     with torch.no_grad():
         hf_ids = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:].tolist()
@@ -396,7 +401,7 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
         overhead = step_overhead(precisions, repeats=max(repeats, 50))
     dram = read_bandwidth()
     out["dram_read_gb_s"] = dram
-    log(f"gpt2 (124M shape, random weights), {prompt_tokens} prompt + {new_tokens} new tokens, greedy; "
+    log(f"{name} (random weights), {prompt_tokens} prompt + {new_tokens} new tokens, greedy; "
         f"DRAM read {dram:.1f} GB/s")
     log(f"  {'engine':<22}{'prefill ms':>11}{'decode tok/s':>14}{'floor tok/s':>13}{'x floor':>9}{'step overhead us':>18}")
     for name in runs:
@@ -415,21 +420,23 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     return out
 
 
-def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device) -> dict:
+def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights="random:gpt2") -> dict:
     """bench_model on a GPU: per dtype ('fp32', 'bf16'), gpt2ffn's engine and HF generate (dynamic and static
     cache), greedy, batch 1, synchronized timings, interleaved rounds."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from .generate import Sampling, generate
-    from .model import GPT2, random_weights_
+    from .model import GPT2, parse_random, random_weights_
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     bad = [p for p in precisions if p not in dtypes]
     if bad:
         raise Gpt2ffnError(f"on CUDA --precision is the dtype: fp32 or bf16, got {', '.join(bad)}")
-    cfg = Config.from_name("gpt2")
+    if not weights.startswith("random:"):
+        raise Gpt2ffnError(f"bench --model times random weights (random:<preset>[:seed]), not {weights!r}")
+    cfg, seed, name = parse_random(weights)
     hf_cfg = GPT2Config(**cfg.to_hf_dict())
     hf_cfg._attn_implementation = "sdpa"
-    base = random_weights_(GPT2LMHeadModel(hf_cfg), 0).eval()
+    base = random_weights_(GPT2LMHeadModel(hf_cfg), seed).eval()
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
     s = Sampling(max_new_tokens=new_tokens)
     out = {"device": torch.cuda.get_device_name(device), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
@@ -452,7 +459,7 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
             runs[f"HF transformers {p} static cache"] = lambda m=hf: m.generate(
                 ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static")
         ms = rounds(runs, max(3, repeats // 2), device)
-    log(f"gpt2 (124M shape, random weights) on {out['device']}, {prompt_tokens} prompt + {new_tokens} new, greedy")
+    log(f"{name} (random weights) on {out['device']}, {prompt_tokens} prompt + {new_tokens} new, greedy")
     for name, t in ms.items():
         e = out["engines"].setdefault(name, {})
         e["generate_ms"], e["tokens_per_s"] = t, new_tokens / t * 1e3

@@ -332,7 +332,8 @@ def build_parser() -> Parser:
     p.add_argument("--accuracy", action="store_true",
                    help="instead: KL divergence, top-1 and greedy agreement of each precision vs fp32")
     p.add_argument("--weights", default="random:gpt2",
-                   help="with --accuracy: a checkpoint directory or random:<preset>[:seed] (default random:gpt2)")
+                   help="with --accuracy: a checkpoint directory or random:<preset>[:seed] (default random:gpt2); "
+                        "with --model: random:<preset>[:seed], the size timed (gpt2, gpt2-medium, -large, -xl)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
                    help="where the timed modules run (auto: CUDA when present; default cpu)")
     p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")

@@ -19,3 +19,8 @@ class InputError(Gpt2ffnError, TypeError):
 
 class CheckpointError(Gpt2ffnError, ValueError):
     """A checkpoint that is missing, empty, corrupt, or lacks a tensor."""
+
+
+class PackedOnlyError(Gpt2ffnError, RuntimeError):
+    """Training or autograd asked of a layer that holds only its packed (bf16/int8/int4, or fp32 in eval())
+    weights: the message names the way back to fp32."""

@@ -42,6 +42,8 @@ class FeedForward(nn.Module):
             else:
                 y = c_proj.packed_forward(c_fc.packed_forward(x2, gelu=approximate))  # (N, d) -> (N, hidden) -> (N, d)
             return y.view(*x.shape[:-1], y.shape[-1])
+        c_fc.check_fp32("autograd or a non-fp32 input")
+        c_proj.check_fp32("autograd or a non-fp32 input")
         # Parameters through the dicts: nn.Module.__getattr__ costs ~1.5 us each, a decode step's budget.
         fc, proj = self._modules["c_fc"]._parameters, self._modules["c_proj"]._parameters
         y = kernels.ffn(x.reshape(-1, x.shape[-1]), fc["weight"], fc["bias"],  # (N, d) -> (N, d)

@@ -1,30 +1,121 @@
 """GPT-2's linear layers on packed weights: Conv1D (HF/OpenAI's [in, out] layout) and what every packable
-layer shares (PackedLayer). gpt2ffn.quantize packs any module that has `pack`; the kernels are in kernels/."""
+layer shares (PackedLayer). gpt2ffn.quantize packs any module that has `pack`; the kernels are in kernels/.
+
+Weights held once: a layer that `quantize` packs for inference (its default, `keep_fp32=False`) lets its
+fp32 weight go once the packed copy exists. The Parameter stays (same object, shape, dtype and device, so
+optimizers, tying and `named_parameters` see what they saw) over a single zero element, and
+`state_dict()` answers in HF's layout by unpacking the packed weights (exact for fp32 and bf16, the
+dequantized q * s for int8 and int4). An fp32 layer gets its Parameter back in train() and re-packs in eval()
+(one copy at any time); a bf16/int8/int4 layer has nothing to train and says so (PackedOnlyError)."""
 
 import torch
 import torch.nn as nn
 
-from .kernels.formats import Packed
+from .errors import PackedOnlyError
+from .kernels.formats import Packed, release_freed_memory
 from .kernels.packed import linear, regime
 
 
 class PackedLayer:
     """What a linear layer needs to run on packed weights: `weight_kn`, `pack`, and `packed_forward` when
-    `runs_packed`. A layer with keeps_int8 (the tied lm_head) is packed at int8 where the model asks for int4."""
+    `runs_packed`. A layer with keeps_int8 (the tied lm_head) is packed at int8 where the model asks for int4.
+    With hold_once (set by quantize), eval() keeps only the packed weights (see the module doc)."""
 
     packed = None      # a Packed once quantize() has run
     keeps_int8 = False
+    hold_once = False  # the packed weights are the only copy in eval()
+    dropped = False    # the fp32 weight was let go: the Parameter is one zero element, expanded to its shape
+    _stash = None      # (precision, group, route) while an fp32 layer held once trains on its Parameter
+    _grad = False      # whether the weight asked for gradients before it was let go
 
     def weight_kn(self):
         """The weight as (K in, N out)."""
         raise NotImplementedError
 
+    def param_layout(self, w_kn):
+        """A (K, N) weight in the Parameter's own layout, contiguous."""
+        raise NotImplementedError
+
     def pack(self, precision: str, group: int | None = None):
         old = self.packed
-        self.packed = Packed(self.weight_kn(), self.bias, precision, group)
+        source = old.weights() if self.dropped else self.weight_kn()
+        self.packed = Packed(source, self.bias, precision, group)
         if old is not None:
             on_cpu = self.weight.device.type == "cpu"
             self.packed.route = {k: r if on_cpu or r == "torch" else "torch" for k, r in old.route.items()}
+        if self.hold_once and not self.training:
+            self.drop_weight()
+
+    def drop_weight(self):
+        """Let the fp32 weight go; the packed weights become the only copy."""
+        w = self.weight
+        if not self.dropped:
+            self._grad = w.requires_grad
+        w.data = w.new_zeros(()).expand(w.shape)   # same Parameter, shape, dtype and device; 4 bytes of storage
+        w.requires_grad_(False)
+        self.dropped = True
+        self.packed.made_from(self.weight_kn(), self.bias)
+
+    def restore_weight(self, values=None):
+        """Give the Parameter its fp32 values back: `values` in its layout, or the packed weights unpacked."""
+        w = self.weight
+        w.data = values if values is not None else self.param_layout(self.packed.weights())
+        w.requires_grad_(self._grad)
+        self.dropped = False
+
+    def weight_value(self) -> torch.Tensor:
+        """The weight in the Parameter's layout, unpacked from the packed copy if the layer holds only that."""
+        return self.param_layout(self.packed.weights()) if self.dropped else self.weight.detach()
+
+    def rows(self, ids) -> torch.Tensor:
+        """ids (...) -> (..., K): the rows of W^T for those outputs, from the packed weights (for the tied
+        lm_head: wte's embeddings of those tokens, at the precision the lm_head holds)."""
+        return self.current().weights(ids.reshape(-1)).view(*ids.shape, self.packed.K)
+
+    def check_fp32(self, why: str):
+        """Raise PackedOnlyError if the fp32 weight is gone: `why` is what needed it."""
+        if self.dropped:
+            p = self.packed
+            way = ("call train() to get the fp32 Parameters back (eval() re-packs them)" if p.precision == "fp32"
+                   else "load the model with precision='fp32' to train or take gradients")
+            raise PackedOnlyError(f"{type(self).__name__} holds only its packed {p.precision} weights, so {why} "
+                                  f"cannot run: {way}, or keep both copies with quantize(module, precision, "
+                                  "keep_fp32=True)")
+
+    def train(self, mode: bool = True):
+        if self.hold_once and mode != self.training:
+            if mode and self.packed is not None:
+                if self.packed.precision != "fp32":
+                    self.check_fp32("train()")
+                p, self.packed = self.packed, None
+                self._stash = (p.precision, p.group, p.route)
+                self.restore_weight(self.param_layout(p.weights()))
+                del p
+                release_freed_memory()
+            elif not mode and self._stash is not None:
+                precision, group, route = self._stash
+                self._stash = None
+                self.packed = Packed(self.weight_kn(), self.bias, precision, group)
+                self.packed.route = route
+                self.drop_weight()
+                release_freed_memory()
+        return super().train(mode)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.dropped:
+            destination[prefix + "weight"] = self.weight_value()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.dropped and prefix + "weight" in state_dict:  # room for the new values; eval() re-packs them
+            w = self.weight
+            self.restore_weight(torch.empty(w.shape, dtype=w.dtype, device=w.device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        if self.dropped:  # .to(), .float(), ...: on the real values; the next packed call re-packs
+            self.restore_weight()
+        return super()._apply(fn, *args, **kwargs)
 
     def runs_packed(self, x) -> bool:
         """eval(), fp32 input, and no gradient asked of this layer: the packed weights serve."""
@@ -42,7 +133,8 @@ class PackedLayer:
     def packed_forward(self, x2, gelu: str | None = None):
         """(M, K) -> (M, N) on the packed weights."""
         p = self.current()
-        return linear(x2, p, self.weight_kn(), self.bias, p.route[regime(x2.shape[0])], gelu)
+        return linear(x2, p, None if self.dropped else self.weight_kn(), self.bias, p.route[regime(x2.shape[0])],
+                      gelu)
 
 
 class Conv1D(PackedLayer, nn.Module):
@@ -59,11 +151,15 @@ class Conv1D(PackedLayer, nn.Module):
     def weight_kn(self):
         return self.weight
 
+    def param_layout(self, w_kn):
+        return w_kn.contiguous()
+
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
         if self.runs_packed(x):
             y = self.packed_forward(x2)
         else:
+            self.check_fp32("autograd or a non-fp32 input")
             y = torch.addmm(self.bias, x2, self.weight)  # (N, in) -> (N, out)
         return y.view(*x.shape[:-1], y.shape[-1])
 

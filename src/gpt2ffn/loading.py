@@ -79,7 +79,9 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
                                "`huggingface-cli download openai-community/gpt2`, then pass --model DIR "
                                "(or try --model random:gpt2)")
         spec = str(found)
-    model = load_model(spec, dtype, precision).to(device)
+    model = load_model(spec, dtype, precision)
+    if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
+        model = model.to(device)
     if spec.startswith("random:"):
         return model, ByteTokenizer(), parse_random(spec)[2]
     return model, load_tokenizer(spec), Path(spec).name

@@ -89,11 +89,47 @@ class LMHead(PackedLayer, nn.Linear):
     def weight_kn(self):
         return self.weight.t()
 
+    def param_layout(self, w_kn):
+        return w_kn.t().contiguous()
+
     def forward(self, x):
         if self.runs_packed(x):
             y = self.packed_forward(x.reshape(-1, x.shape[-1]))     # (N, d) -> (N, vocab)
             return y.reshape(*x.shape[:-1], y.shape[-1])
+        self.check_fp32("autograd or a non-fp32 input")
         return super().forward(x)
+
+
+class TiedEmbedding(nn.Embedding):
+    """wte: an nn.Embedding whose weight is the lm_head's (tied). When the lm_head holds its weights only
+    packed (weights held once), the embeddings are read from there, at the lm_head's precision, and
+    state_dict / load_state_dict / .to() go through it."""
+
+    def __init__(self, num, dim, head: LMHead):
+        super().__init__(num, dim)
+        self.__dict__["head"] = head  # not a submodule: the lm_head is the model's
+
+    def forward(self, ids):
+        h = self.head
+        if h.dropped or (h.hold_once and h.packed is not None and not h.training):  # re-packed first if stale
+            return h.rows(ids)                                     # (...) -> (..., d)
+        return super().forward(ids)
+
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        super()._save_to_state_dict(destination, prefix, keep_vars)
+        if self.head.dropped:
+            destination[prefix + "weight"] = self.head.weight_value()
+
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+        if self.head.dropped and prefix + "weight" in state_dict:
+            w = self.weight
+            self.head.restore_weight(torch.empty(w.shape, dtype=w.dtype, device=w.device))
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+
+    def _apply(self, fn, *args, **kwargs):
+        if self.head.dropped:
+            self.head.restore_weight()
+        return super()._apply(fn, *args, **kwargs)
 
 
 class Block(nn.Module):
@@ -117,14 +153,15 @@ class GPT2(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg = Config.coerce(cfg)
+        head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wte=TiedEmbedding(cfg.vocab_size, cfg.n_embd, head),
             wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),
             drop=nn.Dropout(cfg.embd_pdrop),
             h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
         ))
-        self.lm_head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.lm_head = head
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
         for name, p in self.named_parameters():
             if name.endswith("wte.weight") or name.endswith("wpe.weight"):

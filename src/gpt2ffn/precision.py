@@ -1,14 +1,17 @@
 """Weight precisions for inference: fp32, bf16, int8 and int4 weights, packed once from the Parameters.
 
-A layer's Parameters stay fp32 in HF's layout (state_dict() is unchanged); `quantize` derives a packed copy
-(kernels/formats.py says how each precision rounds) that decode and prefill read instead. Activations,
+`quantize` packs each linear layer's weights (kernels/formats.py says how each precision rounds) for decode
+and prefill to read, and by default lets the fp32 weights go (weights held once, linear.py): `state_dict()`
+still answers in HF's layout, unpacked from the packed weights (exact for fp32 and bf16, dequantized for
+int8 and int4). `keep_fp32=True` keeps both copies. Activations,
 LayerNorm, attention and embeddings stay fp32 at every precision; only the linear layers' weights (c_attn,
 attn.c_proj, c_fc, mlp.c_proj, and the lm_head tied to wte) are rounded. int4 keeps the tied lm_head at
 int8, as llama.cpp's q4_0 keeps it at q6_K.
 
 The packed copy is never silently stale: every packed call checks the Parameter's version counter and data
 pointer, and re-packs after `load_state_dict`, `copy_`, an optimizer step or `.to()`. In train() mode, or
-when autograd needs gradients, layers run on the fp32 Parameters.
+when autograd needs gradients, layers run on the fp32 Parameters: an fp32 model held once gets them back in
+train() (and re-packs in eval()); a bf16/int8/int4 one has none and raises PackedOnlyError.
 
 `quantize` walks a module tree by what a layer can do (it has `pack`: linear.PackedLayer), so it knows no
 class above it.
@@ -17,8 +20,8 @@ class above it.
 import torch
 
 from .errors import ConfigError
-from .kernels.formats import GROUP, PRECISIONS, check_precision  # noqa: F401  (PRECISIONS: public here)
-from .kernels.packed import probe
+from .kernels.formats import GROUP, PRECISIONS, check_precision, release_freed_memory  # noqa: F401  (PRECISIONS)
+from .kernels.packed import PACKED_ROUTES, probe, routes
 
 
 def packable(module) -> list:
@@ -27,14 +30,19 @@ def packable(module) -> list:
     return [m for m in module.modules() if callable(getattr(m, "pack", None)) and hasattr(m, "weight_kn")]
 
 
-def quantize(module, precision: str, group: int | None = None):
+def quantize(module, precision: str, group: int | None = None, keep_fp32: bool = False):
     """Give every linear layer of `module` (a FeedForward, a GPT2, a Block, ...) packed weights at
-    `precision` ('fp32', 'bf16', 'int8', 'int4'), for inference; returns the module.
+    `precision` ('fp32', 'bf16', 'int8', 'int4'), for inference; returns the module, in eval().
 
-    The fp32 Parameters stay (state_dict() is HF's layout, and train() runs on them); eval() forward then
-    reads the packed weights through the kernel route the probe measured fastest on this machine. For
-    bf16/int8/int4 the Parameters stop asking for gradients, so no_grad or not, eval() computes at the
-    chosen precision; call requires_grad_() to train."""
+    Weights held once (the default, where the native kernels run): each layer's fp32 weight is let go as soon
+    as it is packed, and the kernel routes are those that read only the packed copy (PACKED_ROUTES).
+    state_dict() answers in HF's layout from the packed weights; an fp32 module trains as before (train()
+    unpacks into the Parameters, eval() re-packs: one copy at a time); train() or autograd on a bf16/int8/int4
+    one raises PackedOnlyError. keep_fp32=True (or no native kernels: the torch route reads fp32 weights)
+    keeps the Parameters beside the packed copy, as before: train() and autograd run on them, and eval()
+    reads the packed weights through the route the probe measured fastest on this machine.
+    For bf16/int8/int4 the Parameters stop asking for gradients, so no_grad or not, eval() computes at the
+    chosen precision."""
     check_precision(precision)
     if group is not None and precision not in GROUP:
         raise ConfigError(f"group applies to int8 and int4, not {precision}")
@@ -45,16 +53,26 @@ def quantize(module, precision: str, group: int | None = None):
         if m.weight.dtype != torch.float32:
             raise ConfigError(f"precision {precision!r} packs fp32 Parameters; {type(m).__name__} weight is "
                               f"{m.weight.dtype} (load with dtype=torch.float32)")
+    device = layers[0].weight.device
+    once = not keep_fp32 and any(r in PACKED_ROUTES for r in routes(precision, device))
+    if once:
+        module.eval()
     for m in layers:
+        if m.dropped and not once:
+            m.restore_weight()
+        m.hold_once = once  # then pack() lets the fp32 weight go at once: the peak is one layer over the model
+        if precision != "fp32":
+            for p in m.parameters():
+                p.requires_grad_(False)
         # int4 keeps the tied lm_head (= wte, the most sensitive matrix) at int8, as llama.cpp's q4_0 keeps it
         # at q6_K: measured on random:gpt2, mean KLD vs fp32 0.301 -> 0.287 (q4_0: 0.294)
         head8 = precision == "int4" and m.keeps_int8
         m.pack("int8" if head8 else precision, None if head8 else group)
-        if precision != "fp32":
-            for p in m.parameters():
-                p.requires_grad_(False)
-    choice = probe([(m.packed, m.weight_kn(), m.bias) for m in layers], precision, layers[0].weight.device)
+    choice = probe([(m.packed, None if m.dropped else m.weight_kn(), m.bias) for m in layers], precision, device,
+                   only=PACKED_ROUTES if once else None)
     for m in layers:
         m.packed.route = choice
     module.precision = precision
+    if once:
+        release_freed_memory()
     return module

@@ -12,6 +12,9 @@ The layout (super-blocks of 64 outputs, row by row over K) is gpt2ffn/csrc/linea
 what it was made from (`stale`), so a layer can re-pack after its Parameters change.
 """
 
+import ctypes
+import ctypes.util
+
 import torch
 
 from ..errors import ConfigError
@@ -117,6 +120,36 @@ class Packed:
 
     def stale(self, weight, bias) -> bool:
         return _stamp(weight, bias) != self.source
+
+    def made_from(self, weight, bias):
+        """Record (weight, bias) as what this was packed from: after a layer lets its fp32 weight go."""
+        self.source = _stamp(weight, bias)
+
+    def weights(self, cols=None) -> torch.Tensor:
+        """The weights this layer computes with, unpacked to float32: (K, N), or with `cols` (T,) int64 the
+        (T, K) rows of W^T for those outputs (for a tied lm_head: the embeddings of those token ids). fp32 and
+        bf16 read back exactly what was packed; int8 and int4 the dequantized values q * s."""
+        if cols is None:
+            return self.weights(torch.arange(self.N, device=self.w.device)).t()
+        s, j = cols // SUPER, cols % SUPER
+        w = self.w[s, :, j]                                     # (T, K) or, for int4, (T, K/2) byte pairs
+        if self.precision == "fp32":
+            return w
+        if self.precision == "bf16":
+            return w.view(torch.bfloat16).float()
+        if self.precision == "int4":                            # low nibble: even k, high nibble: odd k
+            w = torch.stack((w & 15, w >> 4), dim=-1).view(len(cols), self.K).float() - 8
+        scale = self.scale[s, :, j].float()                      # (T, K / group)
+        return (w.float().view(len(cols), -1, self.group) * scale[..., None]).view(len(cols), self.K)
+
+
+def release_freed_memory():
+    """Give the pages of freed fp32 weights back to the OS (glibc's malloc_trim): big tensors freed after
+    packing can sit in malloc's arenas, still resident, until then. A no-op where libc has no malloc_trim."""
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _stamp(weight, bias):

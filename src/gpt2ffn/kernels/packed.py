@@ -36,6 +36,9 @@ except ImportError as e:  # not built: see setup.py
     _C, ISA, WHY_NOT_NATIVE = None, "none", f"gpt2ffn._C is not built ({e})"
 
 _FORCED = os.environ.get("GPT2FFN_ROUTE")
+# The routes that read nothing but the packed weights: the only ones a layer holding its weights once
+# (linear.PackedLayer, quantize's default) is given, since any other would need a second, fp32 copy.
+PACKED_ROUTES = ("native",)
 _LOCK = threading.Lock()
 
 
@@ -51,10 +54,14 @@ def routes(precision: str, device) -> list:
 
 
 def dense(p: Packed, weight) -> torch.Tensor:
-    """The (K, N) fp32 weights p's precision computes with, on weight's device (cached on p)."""
-    if p.precision == "fp32":
+    """The (K, N) fp32 weights p's precision computes with, on weight's device (cached on p). weight None:
+    the layer holds its weights once, packed, and they are unpacked from there."""
+    if p.precision == "fp32" and weight is not None:
         return weight
     if getattr(p, "_dense", None) is None:
+        if weight is None:
+            p._dense = p.weights()
+            return p._dense
         w = weight.detach().float()
         if p.precision == "bf16":
             p._dense = w.to(torch.bfloat16).float()
@@ -69,7 +76,7 @@ def _onednn(p: Packed, weight, bias, batch: int, post: str):
     key = (batch, post)
     if key not in cache:
         b = bias.detach() if bias is not None else None
-        cache[key] = (torch.ops.mkldnn._reorder_linear_weight(weight.detach().t().contiguous(), batch), b)
+        cache[key] = (torch.ops.mkldnn._reorder_linear_weight(dense(p, weight).detach().t().contiguous(), batch), b)
     return cache[key]
 
 
@@ -117,7 +124,7 @@ def linear(x2, p: Packed, weight, bias, route: str, gelu: str | None = None):
 
 def reference(x2, p: Packed, weight, bias) -> np.ndarray:
     """numpy float64 x @ W + b with the precision's weights: what every route is validated against."""
-    w = dense(p, weight).detach().cpu().double().numpy()
+    w = (p.weights() if weight is None else dense(p, weight)).detach().cpu().double().numpy()  # not cached
     y = x2.detach().cpu().double().numpy() @ w
     return y + bias.detach().cpu().double().numpy() if bias is not None else y
 
@@ -136,12 +143,12 @@ def machine_key() -> str:
     return f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|isa {ISA}"
 
 
-def probe(layers: list, precision: str, device="cpu", log=None) -> dict:
+def probe(layers: list, precision: str, device="cpu", log=None, only=None) -> dict:
     """{"decode": route, "prefill": route} for these packed layers [(Packed, weight, bias), ...]: each route is
     checked against numpy on the first layer, then timed as a chain over all of them (1 row for decode, 128
     for prefill), the best of 3 interleaved rounds after a warm-up; cached on disk by machine, precision and
-    layer shapes."""
-    cands = routes(precision, device)
+    layer shapes. only: the routes allowed (PACKED_ROUTES for layers that hold their weights once)."""
+    cands = [r for r in routes(precision, device) if only is None or r in only]
     if _FORCED:
         if _FORCED not in cands:
             raise ConfigError(f"GPT2FFN_ROUTE={_FORCED!r} cannot run {precision} on {device}; possible: {cands}")
@@ -149,7 +156,7 @@ def probe(layers: list, precision: str, device="cpu", log=None) -> dict:
     if len(cands) == 1:
         return {"decode": cands[0], "prefill": cands[0]}
     shapes = sorted({(p.K, p.N) for p, _, _ in layers})
-    key = f"{machine_key()}|{precision}|{shapes}|{len(layers)} layers"
+    key = f"{machine_key()}|{precision}|{shapes}|{len(layers)} layers" + (f"|{','.join(cands)}" if only else "")
     file = _cache_file()
     with _LOCK, torch.no_grad():
         try:
