@@ -42,19 +42,26 @@ def excess(got, expected, tol):
     return float(((got - expected).abs() - tol * expected.abs()).max())
 
 
-def worker(rank, world, store, cfg, queue):
+def refused(world):
+    """A model whose n_head (3 or 6) this world size does not divide, though its hidden width 96 divides."""
+    return Config(n_embd=24, n_layer=1, n_head=3 if world == 2 else 6, n_positions=16, vocab_size=64)
+
+
+def worker(rank, world, store, queue, cfg=CFG):
     """One rank: every check's numbers (or the error) go back to the test through the queue."""
     import torch.distributed as dist
 
     from gpt2ffn import parallel
+    from gpt2ffn.errors import Gpt2ffnError
     from gpt2ffn.generate import Sampling, engine_for, generate
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     out = {}
     try:
-        if cfg.n_head % world:  # the refused case: parallelize must raise before any collective
-            model = random_weights_(GPT2(cfg), 0)
-            parallel.parallelize(model)
+        try:  # refused before any collective: were one rank to go on, the collectives below would hang
+            parallel.parallelize(random_weights_(GPT2(refused(world)), 0))
+        except Gpt2ffnError as e:
+            out["refused"] = str(e)
         # the FFN, forward and gradients (RecomputeGELU's backward on the shards)
         ffn, x, dy = ffn_case()
         y0, dx0, g0 = ffn_grads(ffn, x, dy)
@@ -97,11 +104,11 @@ def worker(rank, world, store, cfg, queue):
         dist.destroy_process_group()
 
 
-def spawn(world, cfg=CFG):
+def spawn(world):
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     store = tempfile.mktemp(prefix="gpt2ffn-tp-")
-    procs = [ctx.Process(target=worker, args=(r, world, store, cfg, queue)) for r in range(world)]
+    procs = [ctx.Process(target=worker, args=(r, world, store, queue)) for r in range(world)]
     for p in procs:
         p.start()
     try:
@@ -149,12 +156,12 @@ def test_sharded_model_logits_and_greedy_tokens(ranks):
         assert got == expected and len(got[0]) == NEW
 
 
-def test_world_size_not_dividing_heads_is_refused_not_hung():
-    cfg = Config(n_embd=24, n_layer=1, n_head=4, n_positions=16, vocab_size=64)   # 4 heads, 3 ranks
-    results = spawn(3, cfg)   # queue.get(timeout=...) proves no rank hangs
+def test_world_size_not_dividing_heads_is_refused_not_hung(ranks):
+    world, results = ranks   # queue.get(timeout=TIMEOUT) in spawn() proves that no rank hung
+    heads = refused(world).n_head
     for r in results.values():
-        assert r["error"] == ("Gpt2ffnError: tensor-parallel world size 3 does not divide n_head=4: each rank "
-                              "needs whole heads (n_head / world)")
+        assert r["refused"] == (f"tensor-parallel world size {world} does not divide n_head={heads}: each rank "
+                                "needs whole heads (n_head / world)")
 
 
 def test_refused_before_any_process_group():

@@ -8,6 +8,7 @@ import torch
 
 from .errors import Gpt2ffnError
 from .model import load_model, parse_random
+from .parallel import make_mesh, parallelize
 from .precision import check_precision
 from .tokenizer import ByteTokenizer, load_tokenizer
 
@@ -23,11 +24,17 @@ def hf_cache_gpt2():
     return None
 
 
-def load(spec=None, dtype=torch.float32, precision: str | None = "fp32"):
+def load(spec=None, dtype=torch.float32, precision: str | None = "fp32", tp: int = 1):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
 
     precision: the linear layers' weights, 'fp32' (default), 'bf16', 'int8' or 'int4' (gpt2ffn.quantize);
-    it applies to float32 models (with dtype=bfloat16 everything runs in bf16 instead)."""
+    it applies to float32 models (with dtype=bfloat16 everything runs in bf16 instead).
+    tp > 1: sharded over the default process group's tp ranks (gpt2ffn.parallel; fp32 weights on torch's ops)."""
+    if tp > 1:
+        if precision not in ("fp32", None) or dtype != torch.float32:
+            raise Gpt2ffnError(f"--tp shards fp32 weights; it does not combine with precision={precision!r}, "
+                               f"dtype={dtype}")
+        precision = None
     if precision is not None:
         check_precision(precision)
         if dtype != torch.float32:
@@ -43,6 +50,8 @@ def load(spec=None, dtype=torch.float32, precision: str | None = "fp32"):
                                "(or try --model random:gpt2)")
         spec = str(found)
     model = load_model(spec, dtype, precision)
+    if tp > 1:
+        model = parallelize(model, make_mesh(tp))
     if spec.startswith("random:"):
         return model, ByteTokenizer(), parse_random(spec)[2]
     return model, load_tokenizer(spec), Path(spec).name
