@@ -80,7 +80,7 @@ def main():
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences); divisible by the world size")
     p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--compare", action="store_true", help="rank 0 also trains one process on the same batches")
     p.add_argument("--out", help="write the loss curves as JSON")
     args = p.parse_args()

@@ -25,6 +25,7 @@ RecomputeGELU backward included); the communication is DTensor's: `from_local(..
 .redistribute([Replicate()])` is the all-reduce (Megatron's g; identity in backward), and
 `to_local(grad_placements=[Partial()])` of the replicated input makes the backward all-reduce the input
 gradient (Megatron's f; identity forward). So forward and gradients equal one process's (tests/test_parallel.py).
+Training with dropout: seed every rank alike (torch.manual_seed), so the replicated outputs get the same masks.
 """
 
 import dataclasses
@@ -112,11 +113,6 @@ class ShardedFeedForward(FeedForward):
         y = y.view(*x.shape[:-1], y.shape[-1])
         return self.dropout(y) if self.training and self.dropout.p else y
 
-    def check_input(self, x):
-        super().check_input(x)
-        if isinstance(x, DTensor):
-            raise Gpt2ffnError("a sharded FeedForward takes the plain (replicated) input tensor, not a DTensor")
-
 
 class ShardedAttention(CausalSelfAttention):
     """Attention over this rank's heads: q, k, v of n_head/N heads, its rows of c_proj, one all-reduce."""
@@ -203,7 +199,3 @@ def local_bytes(module) -> int:
             seen.add(id(p))
             n += t.numel() * t.element_size()
     return n
-
-
-def is_sharded(model) -> bool:
-    return getattr(model, "mesh", None) is not None and model.mesh.size() > 1
