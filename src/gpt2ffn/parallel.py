@@ -32,6 +32,7 @@ import dataclasses
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
@@ -186,8 +187,15 @@ def parallelize(model, mesh: DeviceMesh | None = None, vocab_parallel: bool = Tr
         parallelize_module(model, mesh, {"transformer.wte": RowwiseParallel(input_layouts=Replicate()),
                                          "lm_head": ColwiseParallel(output_layouts=Replicate())})
         model.lm_head.weight = model.transformer.wte.weight
+        model.lm_head.register_forward_hook(_wait)
     model.mesh = mesh
     return model
+
+
+def _wait(module, args, out):
+    """ColwiseParallel's all-gather of the logits returns before it has finished (an AsyncCollectiveTensor): wait
+    here, so a rank that never reads its logits (serving/tp.py's followers) leaves no collective in flight."""
+    return out.wait() if isinstance(out, AsyncCollectiveTensor) else out
 
 
 def local_bytes(module) -> int:

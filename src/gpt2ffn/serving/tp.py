@@ -10,7 +10,6 @@ the cache geometry is rank 0's (broadcast when the engine is made) and only rank
 
 import torch
 import torch.distributed as dist
-from torch.distributed._functional_collectives import AsyncCollectiveTensor
 
 from .engine import Engine
 
@@ -65,9 +64,7 @@ class TPEngine(Engine):
                 if call == STOP:
                     return
                 ids, positions, tables, args = call
-                logits = super().forward(ids, positions, tables, *args)
-                if isinstance(logits, AsyncCollectiveTensor):  # the vocab-parallel all-gather, unused here
-                    logits.wait()
+                super().forward(ids, positions, tables, *args)
 
     def close(self):
         """Rank 0: release the followers (their follow() returns)."""
