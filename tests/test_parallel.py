@@ -97,7 +97,7 @@ def worker(rank, world, store, queue, cfg=CFG):
             out[f"attn_bytes_{vocab_parallel}"] = (sum(map(parallel.local_bytes, attn)) - bias,
                                                    sum(map(parallel.local_bytes, attn0)) - bias)
             out[f"head_{vocab_parallel}"] = model.lm_head.weight is model.transformer.wte.weight
-    except Exception as e:  # noqa: BLE001 (the test reads the message)
+    except Exception as e:  # the test reads the message
         out["error"] = f"{type(e).__name__}: {e}"
     queue.put((rank, out))
     if "error" not in out:
@@ -193,3 +193,14 @@ def test_ddp_example_loss_curve_equals_one_process(tmp_path):
     assert r["losses"][-1] < r["losses"][0] - 0.1
     assert r["single"] != r["half_batch"]  # negative control: one rank's half batch alone trains differently
     assert max(abs(a - b) for a, b in zip(r["single"], r["half_batch"])) > 1e-3
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_tp_without_torchrun_says_how(command, capsys, monkeypatch):
+    from gpt2ffn.cli import main
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    argv = [command, "--tp", "2", "--model", "random:tiny"] + (["Hi"] if command == "generate" else [])
+    assert main(argv) == 2
+    assert capsys.readouterr().err == ("error: --tp 2 runs one process per rank: start it with torchrun, e.g. "
+                                       f"torchrun --nproc-per-node 2 -m gpt2ffn.cli {command} --tp 2 ... "
+                                       "(WORLD_SIZE is not set)\n")

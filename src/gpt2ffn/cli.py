@@ -184,7 +184,7 @@ def cmd_generate(args):
     import torch
 
     from .generate import Sampling, TextStream, engine_for, load, stream
-    rank = _join(args.tp)
+    rank = _join(args.tp, args.command)
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
     model, tok, name = load(args.model, dtype, precision=args.precision, tp=args.tp)
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -211,14 +211,14 @@ def cmd_generate(args):
     return _leave(args.tp)
 
 
-def _join(tp: int) -> int:
+def _join(tp: int, command: str) -> int:
     """--tp N > 1: join torchrun's process group (gpt2ffn.launch); this process's rank (0 without --tp)."""
     if tp < 1:
         raise UsageError(f"--tp must be >= 1, got {tp}")
     if tp == 1:
         return 0
     from .launch import init
-    return init(tp)
+    return init(tp, command)
 
 
 def _leave(tp: int) -> int:
@@ -234,7 +234,7 @@ def cmd_serve(args):
         from .serving.http import serve
     except ImportError:
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
-    rank = _join(args.tp)
+    rank = _join(args.tp, args.command)
     serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,
           args.chat_template, args.threads, args.tp, rank)
     return _leave(args.tp)

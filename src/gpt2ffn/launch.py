@@ -17,13 +17,14 @@ from .errors import Gpt2ffnError
 from .parallel import backend
 
 
-def init(tp: int) -> int:
+def init(tp: int, command: str = "generate") -> int:
     """Join torchrun's process group of `tp` ranks; return this rank. A clear error, not a hang, when the
-    command was not started by torchrun or with another number of processes."""
+    command (the gpt2ffn subcommand, for the message) was not started by torchrun or with another number of
+    processes."""
     world = os.environ.get("WORLD_SIZE")
     if world is None:
         raise Gpt2ffnError(f"--tp {tp} runs one process per rank: start it with torchrun, e.g. torchrun "
-                           f"--nproc-per-node {tp} -m gpt2ffn.cli generate --tp {tp} ... (WORLD_SIZE is not set)")
+                           f"--nproc-per-node {tp} -m gpt2ffn.cli {command} --tp {tp} ... (WORLD_SIZE is not set)")
     if int(world) != tp:
         raise Gpt2ffnError(f"--tp {tp} but torchrun started {world} processes: use --nproc-per-node {tp}")
     if torch.cuda.is_available():
