@@ -181,23 +181,47 @@ def cmd_generate(args):
     """Stream a continuation of the prompt to the terminal and report tokens/s."""
     import time
 
-    from .generate import Sampling, TextStream, load, stream
-    model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device)
+    from .generate import Sampling, TextStream, engine_for, load, stream
+    rank = _join(args.tp, args.command)
+    model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device, tp=args.tp)
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt)
+    if rank != 0:  # --tp: the other ranks run rank 0's forward passes on their shards
+        engine_for(model, [ids], s, tok.decode).follow()
+        return _leave(args.tp)
     print(args.prompt, end="", flush=True)
     text, new, t0 = TextStream(tok.decode, args.stop), [], time.perf_counter()
-    for step in stream(model, [ids], s, tok.decode):
+    steps = stream(model, [ids], s, tok.decode)
+    for step in steps:
         new.append(step[0])
         delta, stopped = text.push(step[0])
         print(delta, end="", flush=True)
         if stopped:
             break
+    steps.close()  # --tp: releases the other ranks
     print(text.finish(), end="")
     dt = time.perf_counter() - t0
-    print(f"\n[{name}: {len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s]",
+    tp = f", tensor-parallel over {args.tp} ranks" if args.tp > 1 else ""
+    print(f"\n[{name}: {len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s{tp}]",
           file=sys.stderr)
+    return _leave(args.tp)
+
+
+def _join(tp: int, command: str) -> int:
+    """--tp N > 1: join torchrun's process group (gpt2ffn.launch); this process's rank (0 without --tp)."""
+    if tp < 1:
+        raise UsageError(f"--tp must be >= 1, got {tp}")
+    if tp == 1:
+        return 0
+    from .launch import init
+    return init(tp, command)
+
+
+def _leave(tp: int) -> int:
+    if tp > 1:
+        from .launch import finish
+        finish()
     return 0
 
 
@@ -212,9 +236,10 @@ def cmd_serve(args):
         from .serving.http import serve
     except ImportError:
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
+    rank = _join(args.tp, args.command)
     serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,
-          args.chat_template, args.threads, args.device, _dtype(args.dtype), args.kv_cache_fraction)
-    return 0
+          args.chat_template, args.threads, args.device, _dtype(args.dtype), args.kv_cache_fraction, args.tp, rank)
+    return _leave(args.tp)
 
 
 def _device_args(p):
@@ -293,6 +318,8 @@ def build_parser() -> Parser:
     _device_args(p)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="weights of the linear layers: fp32 (default, exact), bf16, int8 or int4; activations fp32")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gpt2ffn.parallel); N > 1 runs under "
+                   "torchrun --nproc-per-node N, fp32 weights (README, \"Tensor parallelism\")")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("serve", help="serve OpenAI-compatible /v1/completions over HTTP")
@@ -315,6 +342,8 @@ def build_parser() -> Parser:
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (as HF's apply_chat_template "
                    "uses): enables /v1/chat/completions")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gpt2ffn.parallel); N > 1 runs under "
+                   "torchrun --nproc-per-node N, fp32 weights (README, \"Tensor parallelism\")")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")

@@ -12,6 +12,18 @@ from .model import GPT2
 from .serving.engine import Engine, Request
 from .serving.sampling import Sampling, pick  # noqa: F401  (as above)
 from .serving.text import TextStream, cut_at_stop  # noqa: F401  (as above)
+from .serving.tp import make_engine
+
+
+def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False) -> Engine:
+    """The engine that runs these prompts: slots sized to them; a TPEngine on every rank of a tensor-parallel
+    model (ranks > 0 call its follow() while rank 0 streams)."""
+    if not prompts:
+        raise Gpt2ffnError("every prompt needs at least one token")
+    longest = max(len(p) for p in prompts) + s.max_new_tokens
+    max_len = min(longest, model.config.n_positions) if longest > 0 else 1
+    return make_engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,
+                       kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant)
 
 
 @torch.no_grad()
@@ -20,22 +32,20 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
 
     The prompts run through the serving engine (continuous batching), the one batching path of gpt2ffn;
     each gets the tokens it would get alone. With decode, stop strings end a sequence."""
-    if not prompts:
-        raise Gpt2ffnError("every prompt needs at least one token")
-    longest = max(len(p) for p in prompts) + s.max_new_tokens
-    max_len = min(longest, model.config.n_positions) if longest > 0 else 1
-    engine = Engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,
-                    kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant)
+    engine = engine_for(model, prompts, s, decode, batch_invariant)
     requests = [Request(list(p), s) for p in prompts]
     row = {r.id: i for i, r in enumerate(requests)}
     engine.add(*requests)
-    while engine.has_work():
-        out = [None] * len(prompts)
-        for ev in engine.step():
-            if ev.id >= 0:
-                out[row[ev.request.id]] = ev.id
-        if any(t is not None for t in out):
-            yield out
+    try:
+        while engine.has_work():
+            out = [None] * len(prompts)
+            for ev in engine.step():
+                if ev.id >= 0:
+                    out[row[ev.request.id]] = ev.id
+            if any(t is not None for t in out):
+                yield out
+    finally:  # also when the caller stops early: a TPEngine releases the other ranks
+        engine.close()
 
 
 def generate(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False) -> list:

@@ -8,6 +8,7 @@ import torch
 
 from .errors import Gpt2ffnError
 from .model import load_model, parse_random
+from .parallel import make_mesh, parallelize
 from .precision import check_precision
 from .tokenizer import ByteTokenizer, load_tokenizer
 
@@ -51,19 +52,25 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "cpu"):
+def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "cpu", tp: int = 1):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
 
     device: 'cpu' (default), 'cuda[:N]' or 'auto'; dtype: every tensor's (default: default_dtype(device)).
     precision: the linear layers' weights on the CPU, 'fp32' (default), 'bf16', 'int8' or 'int4'
     (gpt2ffn.quantize, the native kernels); it applies to float32 models (with dtype=bfloat16 everything
-    runs in bf16 instead). On CUDA the model is plain torch in dtype: precision must be fp32 (or None)."""
+    runs in bf16 instead). On CUDA the model is plain torch in dtype: precision must be fp32 (or None).
+    tp > 1: sharded over the default process group's tp ranks (gpt2ffn.parallel; fp32 weights on torch's ops)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if device.startswith("cuda"):
         if precision not in (None, "fp32"):
             raise Gpt2ffnError(f"precision={precision!r} packs weights for gpt2ffn's CPU kernels; on CUDA the "
                                "weights are the dtype's (--dtype bfloat16, the default there, or float32)")
+        precision = None
+    if tp > 1:
+        if precision not in ("fp32", None) or dtype != torch.float32:
+            raise Gpt2ffnError(f"--tp shards fp32 weights; it does not combine with precision={precision!r}, "
+                               f"dtype={dtype}")
         precision = None
     if precision is not None:
         check_precision(precision)
@@ -82,6 +89,8 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     model = load_model(spec, dtype, precision)
     if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
         model = model.to(device)
+    if tp > 1:
+        model = parallelize(model, make_mesh(tp))
     if spec.startswith("random:"):
         return model, ByteTokenizer(), parse_random(spec)[2]
     return model, load_tokenizer(spec), Path(spec).name

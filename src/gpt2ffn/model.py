@@ -63,8 +63,9 @@ class CausalSelfAttention(nn.Module):
         return F.softmax(att, dim=-1)
 
     def forward(self, x, layer=0, cache=None, mask=None):
-        B, T, C = x.shape
+        T = x.shape[1]
         q, k, v = self.qkv(x)
+        B = q.shape[0]
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, H, past + T, C/H)
         dropout = self.attn_dropout.p if self.training else 0.0
@@ -76,7 +77,10 @@ class CausalSelfAttention(nn.Module):
             if mask is None:
                 mask = causal_mask(T, k.shape[2] - T, device=x.device)
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
-        y = y.transpose(1, 2).reshape(B, T, C)                     # (B, H, T, C/H) -> (B, T, C)
+        return self.project(y.transpose(1, 2).reshape(B, T, -1))   # (B, H, T, C/H) -> (B, T, C)
+
+    def project(self, y):
+        """The heads' outputs (B, T, C) -> c_proj -> dropout (parallel.py: this rank's heads, one all-reduce)."""
         return self.resid_dropout(self.c_proj(y))
 
 
@@ -163,6 +167,9 @@ class GPT2(nn.Module):
         ))
         self.lm_head = head
         self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        # The heads of the KV cache a forward pass writes (serving/kv_cache.py): parallel.py narrows it to a
+        # rank's heads.
+        self.kv_config = cfg
         for name, p in self.named_parameters():
             if name.endswith("wte.weight") or name.endswith("wpe.weight"):
                 nn.init.normal_(p, std=cfg.initializer_range)

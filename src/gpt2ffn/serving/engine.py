@@ -123,9 +123,9 @@ class Engine:
         self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
         if self.fused:
             block_size = self.max_len
-        kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype, slots=self.fused,
+        kv_tokens = kv_tokens or default_kv_tokens(model.kv_config, max_batch, weight.dtype, slots=self.fused,
                                                    device=weight.device, fraction=kv_fraction)
-        self.cache = PagedKVCache(cfg, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
+        self.cache = PagedKVCache(model.kv_config, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
         self.device = weight.device
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
         self.generator.seed()
@@ -234,7 +234,7 @@ class Engine:
         mask = ((key_seq[None] == q_seq[:, None]) &
                 (torch.tensor(key_pos, device=dev)[None] <= positions[0][:, None]))[None, None]  # (1, 1, T, K)
         last = list(itertools.accumulate(n for _, _, n in chunks))
-        logits = self.model.forward_paged(ids, positions, self.cache, None, [e - 1 for e in last], mask, slots, keys)
+        logits = self.forward(ids, positions, None, [e - 1 for e in last], mask, slots, keys)
         events = []
         for i, (r, _, n) in enumerate(chunks):
             r.computed += n
@@ -245,8 +245,8 @@ class Engine:
     def prefill_alone(self, r: Request, start: int, n: int) -> list:
         ids = torch.tensor([r.prompt[start:start + n]], device=self.device)
         pos = torch.arange(start, start + n, device=self.device)[None]
-        logits = self.model.forward_paged(ids, pos, self.cache, self.table([r], [start + n]),
-                                          "all" if r.params.prompt_logprobs else "last")
+        logits = self.forward(ids, pos, self.table([r], [start + n]),
+                              "all" if r.params.prompt_logprobs else "last")
         r.computed += n
         if r.params.prompt_logprobs:
             logits = logits[0]                                               # (n, V)
@@ -269,13 +269,20 @@ class Engine:
             logits = self.model.decode_slots(ids[:, 0], pos[:, 0], self.cache.k, self.cache.v,
                                              torch.tensor([r.blocks[0] for r in rows], device=self.device))
         elif self.batch_invariant:  # each row through the same M=1 path: its logits cannot depend on the others
-            logits = torch.cat([self.model.forward_paged(ids[i:i + 1], pos[i:i + 1], self.cache,
-                                                         self.table([r], lengths[i:i + 1]))
+            logits = torch.cat([self.forward(ids[i:i + 1], pos[i:i + 1], self.table([r], lengths[i:i + 1]))
                                 for i, r in enumerate(rows)])
         else:
-            logits = self.model.forward_paged(ids, pos, self.cache, self.table(rows, lengths))    # (B, V)
+            logits = self.forward(ids, pos, self.table(rows, lengths))    # (B, V)
         picked = next_tokens(logits, rows, self.generator)
         return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
+
+    def forward(self, ids, positions, tables, *args):
+        """One forward pass of the model over the engine's paged cache (GPT2.forward_paged's arguments, less the
+        cache): the one place a step runs the model (serving/tp.py broadcasts it to the other ranks)."""
+        return self.model.forward_paged(ids, positions, self.cache, tables, *args)
+
+    def close(self):
+        """Called by the Loop thread when it ends (serving/tp.py releases the other ranks)."""
 
     def emit(self, r: Request, logits, row: int, token: int | None = None) -> Token:
         if token is None:
@@ -341,6 +348,7 @@ class Loop:
                 while not self.engine.has_work() and not self.stopping:
                     self.wake.wait()
                 if self.stopping and not self.engine.has_work():
+                    self.engine.close()
                     return
             try:
                 events = self.engine.step()

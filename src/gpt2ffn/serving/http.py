@@ -294,8 +294,10 @@ def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
 
 
 def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
-          precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None):
-    """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first)."""
+          precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
+          rank=0):
+    """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
+    tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes."""
     import uvicorn
     if model_spec and not model_spec.startswith("random:") and not Path(model_spec).is_dir():
         raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
@@ -305,7 +307,11 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     if kv_fraction is not None and not 0 < kv_fraction <= 1:
         raise Gpt2ffnError(f"--kv-cache-fraction must be in (0, 1], got {kv_fraction!r}")
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
-                  dtype, kv_fraction)
+                  dtype, kv_fraction, tp)
+    if rank != 0:
+        svc.load()
+        svc.engine.follow()  # returns when rank 0's engine thread stops
+        return
     app = create_app(svc)
     print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on http://{host}:{port} "
           "(OpenAPI: /docs, /openapi.json)", flush=True)

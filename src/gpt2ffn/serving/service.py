@@ -12,10 +12,11 @@ import time
 import uuid
 
 from ..loading import load
-from .engine import Engine, Loop
+from .engine import Loop
 from .metrics import Metrics
 from .protocol import SamplingFields
 from .sampling import Sampling
+from .tp import make_engine
 
 MAX_CHOICES = 128   # prompts x n in one request
 
@@ -32,8 +33,8 @@ class Service:
     """The model, its tokenizer, the engine and the thread that steps it."""
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
-                 chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None):
-        self.model_spec, self.max_batch, self.max_waiting = model_spec, max_batch, max_waiting
+                 chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1):
+        self.model_spec, self.tp, self.max_batch, self.max_waiting = model_spec, tp, max_batch, max_waiting
         self.device, self.dtype, self.kv_fraction = device, dtype, kv_fraction
         self.threads = threads
         self.batch_invariant, self.precision = batch_invariant, precision
@@ -51,10 +52,13 @@ class Service:
         if self.threads:
             import torch
             torch.set_num_threads(self.threads)
-        self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device)
+        self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device, self.tp)
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
-        self.engine = Engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
-                             batch_invariant=self.batch_invariant, metrics=self.metrics, kv_fraction=self.kv_fraction)
+        self.engine = make_engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
+                                  batch_invariant=self.batch_invariant, metrics=self.metrics,
+                                  kv_fraction=self.kv_fraction)
+        if getattr(self.engine, "follower", False):
+            return  # ranks > 0 of --tp run rank 0's forward passes (engine.follow()); no HTTP, no Loop
         self.loop = Loop(self.engine)
         self.ready.set()
 
