@@ -25,10 +25,11 @@ from .text import TextStream
 CHUNK = 128
 
 
-def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False) -> int:
-    """Room for max_batch sequences at full context, or a quarter of the free memory (at most 2 GiB) if that
-    is less: requests reserve only prompt + max_tokens, so short ones share what a full context would take.
-    slots (a whole context per sequence): max_batch of them if a quarter of the free memory holds them."""
+def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, max_len: int | None = None) -> int:
+    """Room for max_batch sequences of max_len positions (default: the full context), or a quarter of the free
+    memory (at most 2 GiB) if that is less: requests reserve only prompt + max_tokens, so short ones share what
+    a full context would take. slots (max_len positions per sequence): max_batch of them if a quarter of the
+    free memory holds them."""
     import os
     per_token = 2 * cfg.n_layer * cfg.n_embd * torch.finfo(dtype).bits // 8
     try:
@@ -36,7 +37,8 @@ def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False) -> int:
     except (ValueError, OSError):
         free = 4 << 30
     cap = free / 4 if slots else min(free / 4, 2 << 30)
-    return max(min(max_batch * cfg.n_positions, int(cap // per_token)), cfg.n_positions)
+    max_len = max_len or cfg.n_positions
+    return max(min(max_batch * max_len, int(cap // per_token)), max_len)
 
 
 class QueueFull(Gpt2ffnError):
@@ -104,7 +106,8 @@ class Engine:
         self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
         if self.fused:
             block_size = self.max_len
-        kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype, slots=self.fused)
+        kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype, slots=self.fused,
+                                                   max_len=self.max_len)
         self.cache = PagedKVCache(cfg, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
         self.device = weight.device
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
