@@ -10,7 +10,6 @@ temperature + top-k, a quarter top-p + penalties, a quarter seeded with logit_bi
 
 import argparse
 import json
-import platform
 import statistics
 import time
 from pathlib import Path
@@ -19,6 +18,7 @@ import torch
 
 import gpt2ffn.serving.engine as engine_mod
 from gpt2ffn import GPT2, Config
+from gpt2ffn.bench import cpu_info
 from gpt2ffn.model import random_weights_
 from gpt2ffn.serving.engine import Engine, Request
 from gpt2ffn.serving.sampling import Sampling, adjust, next_tokens, pick
@@ -43,13 +43,6 @@ def samplings(n: int, vocab: int) -> list:
              dict(temperature=0.7, logit_bias={11: 2.0, vocab - 1: -100.0})]
     return [Sampling(max_new_tokens=100, ignore_eos=True, seed=i if i % 4 == 3 else None, **kinds[i % 4])
             for i in range(n)]
-
-
-def cpu_name() -> str:
-    try:
-        return next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor()
 
 
 def main():
@@ -88,7 +81,7 @@ def main():
                 eng.step()
                 steps[name].append(1e3 * (time.perf_counter() - t0))
     engine_mod.next_tokens = next_tokens
-    result = {"machine": f"{cpu_name()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+    result = {"machine": f"{cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}",
               "batch": B, "vocab": V,
               "sampler_ms_median": {k: statistics.median(v) for k, v in ms.items()},
               "engine_step_ms_median": {k: statistics.median(v) for k, v in steps.items()}}

@@ -48,14 +48,34 @@ def _linear_stack(ffn, gelu):
     return seq
 
 
-def machine() -> dict:
-    cpu = "unknown"
+def cpu_info() -> dict:
+    """/proc/cpuinfo's model name, family/model (with AMD's Zen generation: "AMD EPYC" names none) and the
+    vector extensions that pick a kernel: enough to tell which machine a number came from."""
+    fields = {}
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+            if key.strip() == "flags":
+                break
+    except OSError:
+        return {"cpu": platform.processor() or "unknown", "isa": []}
+    family, model = int(fields.get("cpu family", -1)), int(fields.get("model", -1))
+    zen = None
+    if fields.get("vendor_id") == "AuthenticAMD":
+        zen = {23: "Zen/Zen 2", 26: "Zen 5"}.get(family)
+        if family == 25:
+            zen = "Zen 4" if 0x10 <= model <= 0x1f or 0x60 <= model <= 0xaf else "Zen 3"
+    flags = set(fields.get("flags", "").split())
+    isa = [f for f in ("avx2", "fma", "avx_vnni", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16",
+                       "amx_tile") if f in flags]
+    name = fields.get("model name", "unknown")
+    return {"cpu": f"{name} (family {family} model {model}{', ' + zen if zen else ''})", "isa": isa}
+
+
+def machine() -> dict:
     from threadpoolctl import threadpool_info
-    return {"cpu": cpu, "threads": torch.get_num_threads(), "python": platform.python_version(),
+    return {**cpu_info(), "threads": torch.get_num_threads(), "python": platform.python_version(),
             "OPENBLAS_THREAD_TIMEOUT": os.environ.get("OPENBLAS_THREAD_TIMEOUT"),
             "torch": torch.__version__, "numpy": np.__version__,
             "blas": sorted({f"{i['internal_api']} {i.get('version') or ''}".strip() for i in threadpool_info()})}
@@ -265,9 +285,8 @@ def plot(rows, path):
 
 
 def run(args):
-    device = args.device
-    if device == "cuda" and not torch.cuda.is_available():
-        raise Gpt2ffnError("--device cuda: no CUDA device on this machine")
+    from .loading import resolve_device
+    device = resolve_device(args.device)
     grid = QUICK if args.quick else FULL
     dims = args.dims or grid["d"]
     tokens = args.tokens or grid["tokens"]
@@ -278,12 +297,14 @@ def run(args):
     print(f"machine: {result['machine']}")
     parts = {"kernels": args.kernels, "model": args.model, "accuracy": args.accuracy}
     if any(parts.values()):
+        if device != "cpu" and (args.kernels or args.accuracy):
+            raise Gpt2ffnError("--kernels and --accuracy measure the CPU kernels and formats: use --device cpu")
         precisions = args.precision or (["fp32"] if args.model else ["fp32", "bf16", "int8", "int4"])
         for part in (k for k, on in parts.items() if on):
             if part == "kernels":
                 result[part] = bench_kernels(repeats=repeats)
             elif part == "model":
-                result[part] = bench_model(precisions, repeats=max(5, repeats // 2))
+                result[part] = bench_model(precisions, repeats=max(5, repeats // 2), device=device)
             else:
                 result[part] = bench_accuracy(args.weights, precisions)
             file = out_dir / ("accuracy.json" if part == "accuracy" else f"bench-{part}.json")
@@ -327,12 +348,16 @@ def summarize(result) -> str:
 
 
 
-def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print) -> dict:
+def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print,
+                device="cpu") -> dict:
     """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
     (sdpa, KV cache, fp32), the same random gpt2 (124M shape) weights, greedy, interleaved rounds in one
     process. fp32's tokens are checked equal to HF's first. Each precision's floor: the bytes a decode step
     must read (its packed weights, lm_head included) over the DRAM read bandwidth measured in the same run.
-    The per-step overhead: a decode step of a 1-layer model with tiny widths, where weights cost nothing."""
+    The per-step overhead: a decode step of a 1-layer model with tiny widths, where weights cost nothing.
+    On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16), HF also with its static cache."""
+    if device != "cpu":
+        return bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device)
     from transformers import GPT2Config, GPT2LMHeadModel
 
     from .generate import Sampling, generate
@@ -387,6 +412,51 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
         log(f"  {name:<22}{e['prefill_ms']:>11.1f}{e['decode_tokens_per_s']:>14.1f}"
             + (f"{e['floor_tokens_per_s']:>13.1f}{e['of_floor']:>9.2f}{e['step_overhead_us']:>18.0f}"
                if "floor_tokens_per_s" in e else ""))
+    return out
+
+
+def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device) -> dict:
+    """bench_model on a GPU: per dtype ('fp32', 'bf16'), gpt2ffn's engine and HF generate (dynamic and static
+    cache), greedy, batch 1, synchronized timings, interleaved rounds."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from .generate import Sampling, generate
+    from .model import GPT2, random_weights_
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    bad = [p for p in precisions if p not in dtypes]
+    if bad:
+        raise Gpt2ffnError(f"on CUDA --precision is the dtype: fp32 or bf16, got {', '.join(bad)}")
+    cfg = Config.from_name("gpt2")
+    hf_cfg = GPT2Config(**cfg.to_hf_dict())
+    hf_cfg._attn_implementation = "sdpa"
+    base = random_weights_(GPT2LMHeadModel(hf_cfg), 0).eval()
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    s = Sampling(max_new_tokens=new_tokens)
+    out = {"device": torch.cuda.get_device_name(device), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
+           "engines": {}}
+    runs = {}
+    with torch.no_grad():
+        for p in precisions:
+            hf = GPT2LMHeadModel(hf_cfg).to(device, dtypes[p]).eval()
+            hf.load_state_dict(base.state_dict())
+            hf.generation_config.eos_token_id = None
+            ours = GPT2(cfg).to(device, dtypes[p]).eval()
+            ours.load_state_dict(base.state_dict())
+            want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:]
+            got = generate(ours, [ids[0].tolist()], s)[0]
+            same = sum(a == b for a, b in zip(got, want.tolist())) / new_tokens
+            out["engines"][f"gpt2ffn {p}"] = {"greedy_same_as_hf": same}
+            runs[f"gpt2ffn {p}"] = lambda m=ours: generate(m, [ids[0].tolist()], s)
+            runs[f"HF transformers {p}"] = lambda m=hf: m.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                                                   pad_token_id=0)
+            runs[f"HF transformers {p} static cache"] = lambda m=hf: m.generate(
+                ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static")
+        ms = rounds(runs, max(3, repeats // 2), device)
+    log(f"gpt2 (124M shape, random weights) on {out['device']}, {prompt_tokens} prompt + {new_tokens} new, greedy")
+    for name, t in ms.items():
+        e = out["engines"].setdefault(name, {})
+        e["generate_ms"], e["tokens_per_s"] = t, new_tokens / t * 1e3
+        log(f"  {name:<40}{t:>10.1f} ms{e['tokens_per_s']:>10.1f} tok/s (prompt + new, end to end)")
     return out
 
 

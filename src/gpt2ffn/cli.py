@@ -182,11 +182,8 @@ def cmd_generate(args):
     """Stream a continuation of the prompt to the terminal and report tokens/s."""
     import time
 
-    import torch
-
     from .generate import Sampling, TextStream, load, stream
-    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[args.dtype]
-    model, tok, name = load(args.model, dtype, precision=args.precision)
+    model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device)
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt)
@@ -205,6 +202,11 @@ def cmd_generate(args):
     return 0
 
 
+def _dtype(name):
+    import torch
+    return {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+
+
 def cmd_serve(args):
     """OpenAI-compatible completions over HTTP."""
     try:
@@ -213,10 +215,19 @@ def cmd_serve(args):
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
     key = os.environ.get("GPT2FFN_API_KEY")
     serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,
-          args.chat_template, args.threads, api_keys=args.api_key or ([key] if key is not None else []),
-          metrics_public=args.metrics_public, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
-          limit_concurrency=args.limit_concurrency, max_model_len=args.max_model_len, max_n=args.max_n)
+          args.chat_template, args.threads, args.device, _dtype(args.dtype), args.kv_cache_fraction,
+          api_keys=args.api_key or ([key] if key is not None else []), metrics_public=args.metrics_public,
+          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
+          max_model_len=args.max_model_len, max_n=args.max_n)
     return 0
+
+
+def _device_args(p):
+    p.add_argument("--device", default="cpu", metavar="{auto,cpu,cuda}",
+                   help="where the model runs: cpu (default), cuda[:N], or auto (CUDA when torch sees one)")
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+                   help="dtype of every tensor (activations too); auto: bfloat16 on CUDA, float32 on the CPU "
+                   "(needed for --precision)")
 
 
 def build_parser() -> Parser:
@@ -284,8 +295,7 @@ def build_parser() -> Parser:
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32",
-                   help="dtype of every tensor (activations too); float32 is needed for --precision")
+    _device_args(p)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="weights of the linear layers: fp32 (default, exact), bf16, int8 or int4; activations fp32")
     p.set_defaults(func=cmd_generate)
@@ -302,7 +312,11 @@ def build_parser() -> Parser:
     p.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent "
                    "of what runs beside it (slower: rows are computed one at a time)")
     p.add_argument("--precision", choices=["fp32", "bf16", "int8", "int4"], default="fp32",
-                   help="weights' precision (default fp32)")
+                   help="weights' precision on the CPU (default fp32)")
+    _device_args(p)
+    p.add_argument("--kv-cache-fraction", type=float, metavar="F", help="the paged KV cache takes up to this "
+                   "fraction of the memory free after loading (default: 0.25 of the host's, at most 2 GiB; "
+                   "0.8 of the GPU's on CUDA)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (as HF's apply_chat_template "
                    "uses): enables /v1/chat/completions")
@@ -334,7 +348,8 @@ def build_parser() -> Parser:
                    help="instead: KL divergence, top-1 and greedy agreement of each precision vs fp32")
     p.add_argument("--weights", default="random:gpt2",
                    help="with --accuracy: a checkpoint directory or random:<preset>[:seed] (default random:gpt2)")
-    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
+                   help="where the timed modules run (auto: CUDA when present; default cpu)")
     p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
     p.set_defaults(func=cmd_bench)
     return parser

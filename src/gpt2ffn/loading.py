@@ -23,11 +23,48 @@ def hf_cache_gpt2():
     return None
 
 
-def load(spec=None, dtype=torch.float32, precision: str | None = "fp32"):
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str | None = "cpu") -> str:
+    """'auto' (CUDA when torch sees a GPU, else CPU), 'cpu', 'cuda' or 'cuda:N' -> the device to use."""
+    name = name or "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    kind, _, index = name.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise Gpt2ffnError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise Gpt2ffnError(f"device {name!r}: torch {torch.__version__} sees no CUDA device ({why}); "
+                           "use --device cpu or auto")
+    if index and int(index) >= torch.cuda.device_count():
+        raise Gpt2ffnError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return name
+
+
+def default_dtype(device: str) -> torch.dtype:
+    """bfloat16 on CUDA (tensor cores; HF and vLLM serve GPT-2 so), float32 on the CPU (exact; the packed
+    kernels take bf16/int8/int4 through precision instead)."""
+    return torch.bfloat16 if device.startswith("cuda") else torch.float32
+
+
+def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "cpu"):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
 
-    precision: the linear layers' weights, 'fp32' (default), 'bf16', 'int8' or 'int4' (gpt2ffn.quantize);
-    it applies to float32 models (with dtype=bfloat16 everything runs in bf16 instead)."""
+    device: 'cpu' (default), 'cuda[:N]' or 'auto'; dtype: every tensor's (default: default_dtype(device)).
+    precision: the linear layers' weights on the CPU, 'fp32' (default), 'bf16', 'int8' or 'int4'
+    (gpt2ffn.quantize, the native kernels); it applies to float32 models (with dtype=bfloat16 everything
+    runs in bf16 instead). On CUDA the model is plain torch in dtype: precision must be fp32 (or None)."""
+    device = resolve_device(device)
+    dtype = dtype or default_dtype(device)
+    if device.startswith("cuda"):
+        if precision not in (None, "fp32"):
+            raise Gpt2ffnError(f"precision={precision!r} packs weights for gpt2ffn's CPU kernels; on CUDA the "
+                               "weights are the dtype's (--dtype bfloat16, the default there, or float32)")
+        precision = None
     if precision is not None:
         check_precision(precision)
         if dtype != torch.float32:
@@ -42,7 +79,7 @@ def load(spec=None, dtype=torch.float32, precision: str | None = "fp32"):
                                "`huggingface-cli download openai-community/gpt2`, then pass --model DIR "
                                "(or try --model random:gpt2)")
         spec = str(found)
-    model = load_model(spec, dtype, precision)
+    model = load_model(spec, dtype, precision).to(device)
     if spec.startswith("random:"):
         return model, ByteTokenizer(), parse_random(spec)[2]
     return model, load_tokenizer(spec), Path(spec).name

@@ -7,6 +7,7 @@ what runs beside it does not change its tokens (temperature 0: the same argmax; 
 """
 
 import itertools
+import os
 import threading
 import time
 from collections import deque
@@ -25,18 +26,36 @@ from .text import TextStream
 CHUNK = 128
 
 
-def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, max_len: int | None = None) -> int:
-    """Room for max_batch sequences of max_len positions (default: the full context), or a quarter of the free
-    memory (at most 2 GiB) if that is less: requests reserve only prompt + max_tokens, so short ones share what
-    a full context would take. slots (max_len positions per sequence): max_batch of them if a quarter of the
-    free memory holds them."""
-    import os
-    per_token = 2 * cfg.n_layer * cfg.n_embd * torch.finfo(dtype).bits // 8
+KV_FRACTION = {"cpu": 0.25, "cuda": 0.8}
+
+
+def free_memory(device) -> int:
+    """Bytes free now where the cache will live: the device's (torch.cuda.mem_get_info, after the weights are
+    loaded) or the host's available pages."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
     try:
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
-        free = 4 << 30
-    cap = free / 4 if slots else min(free / 4, 2 << 30)
+        return 4 << 30
+
+
+def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, device="cpu",
+                      fraction: float | None = None, max_len: int | None = None) -> int:
+    """Positions of KV cache: room for max_batch sequences of max_len positions (default: the full context),
+    or what `fraction` of the free memory holds if that is less (as vLLM's gpu_memory_utilization, but of what
+    is free after the weights). Default fraction: a quarter of the host's free memory on the CPU, at most 2 GiB
+    (requests reserve only prompt + max_tokens, so short ones share what a full context would take; slots,
+    max_len positions per sequence, lift the 2 GiB cap); 0.8 of the GPU's free memory on CUDA. Never less than
+    one sequence of max_len."""
+    kind = torch.device(device).type
+    if fraction is not None and not 0 < fraction <= 1:
+        raise Gpt2ffnError(f"the KV cache fraction of free memory must be in (0, 1], got {fraction!r}")
+    per_token = 2 * cfg.n_layer * cfg.n_embd * torch.finfo(dtype).bits // 8
+    cap = free_memory(device) * (fraction or KV_FRACTION.get(kind, 0.25))
+    if fraction is None and kind == "cpu" and not slots:
+        cap = min(cap, 2 << 30)
     max_len = max_len or cfg.n_positions
     return max(min(max_batch * max_len, int(cap // per_token)), max_len)
 
@@ -86,13 +105,13 @@ class Request:
 class Engine:
     """Continuous batching over a paged KV cache. max_batch: sequences decoded together; max_waiting:
     requests queued beyond them (more: QueueFull); kv_tokens: size of the cache pool in positions
-    (default: default_kv_tokens);
+    (default: default_kv_tokens, with kv_fraction of the free memory);
     max_len: the longest prompt + max_new_tokens it takes (default n_positions); batch_invariant: each
     row's logits bitwise independent of its batch mates (see decode_step)."""
 
     def __init__(self, model: GPT2, decode=None, max_batch: int = 64, max_waiting: int = 256,
                  kv_tokens: int | None = None, chunk: int = CHUNK, block_size: int = 16, max_len: int | None = None,
-                 batch_invariant: bool = False, metrics=None):
+                 batch_invariant: bool = False, metrics=None, kv_fraction: float | None = None):
         cfg = model.config
         self.model, self.decode, self.metrics = model, decode, metrics
         self.max_batch, self.max_waiting, self.chunk = max_batch, max_waiting, chunk
@@ -107,7 +126,7 @@ class Engine:
         if self.fused:
             block_size = self.max_len
         kv_tokens = kv_tokens or default_kv_tokens(cfg, max_batch, weight.dtype, slots=self.fused,
-                                                   max_len=self.max_len)
+                                                   device=weight.device, fraction=kv_fraction, max_len=self.max_len)
         self.cache = PagedKVCache(cfg, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
         self.device = weight.device
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed

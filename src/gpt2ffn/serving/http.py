@@ -32,6 +32,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import Gpt2ffnError
+from ..loading import resolve_device
 from .engine import QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
@@ -381,14 +382,18 @@ def busy_in_openai_shape(svc: Service):
 
 
 def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
-          precision="fp32", chat_template=None, threads=None, api_keys=(), metrics_public=False, ssl_certfile=None,
-          ssl_keyfile=None, limit_concurrency=None, max_model_len=None, max_n=16):
+          precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None,
+          api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
+          max_model_len=None, max_n=16):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first)."""
     import uvicorn
     if model_spec and not model_spec.startswith("random:") and not Path(model_spec).is_dir():
         raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
     if chat_template and not Path(chat_template).is_file():
         raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
+    device = resolve_device(device)  # a missing GPU is one line and exit 2 here, before anything starts
+    if kv_fraction is not None and not 0 < kv_fraction <= 1:
+        raise Gpt2ffnError(f"--kv-cache-fraction must be in (0, 1], got {kv_fraction!r}")
     # uvicorn counts the connection asking among its connections: --limit-concurrency 1 would refuse everything
     for flag, value, least, most in (("--max-model-len", max_model_len, 1, None), ("--max-n", max_n, 1, MAX_CHOICES),
                                      ("--limit-concurrency", limit_concurrency, 2, None)):
@@ -396,8 +401,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
             raise Gpt2ffnError(f"{flag} must be in [{least}, {most or 'inf'}], got {value}")
     api_keys = check_keys(api_keys)
     check_tls(ssl_certfile, ssl_keyfile)
-    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads,
-                  max_model_len, max_n)
+    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
+                  dtype, kv_fraction, max_model_len, max_n)
     app = create_app(svc, api_keys=api_keys, metrics_public=metrics_public)
     if limit_concurrency:
         busy_in_openai_shape(svc)

@@ -33,8 +33,10 @@ class Service:
     """The model, its tokenizer, the engine and the thread that steps it."""
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
-                 chat_template=None, threads=None, max_model_len=None, max_n=16):
+                 chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, max_model_len=None,
+                 max_n=16):
         self.model_spec, self.max_batch, self.max_waiting = model_spec, max_batch, max_waiting
+        self.device, self.dtype, self.kv_fraction = device, dtype, kv_fraction
         self.threads, self.max_model_len, self.max_n = threads, max_model_len, max_n
         self.max_len = None  # prompt + max_tokens a request may reach: --max-model-len, or the model's context
         self.batch_invariant, self.precision = batch_invariant, precision
@@ -52,7 +54,7 @@ class Service:
         if self.threads:
             import torch
             torch.set_num_threads(self.threads)
-        self.model, self.tok, self.name = load(self.model_spec, precision=self.precision)
+        self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device)
         context = self.model.config.n_positions
         if self.max_model_len is not None and not 0 < self.max_model_len <= context:
             raise Gpt2ffnError(f"--max-model-len {self.max_model_len} is outside [1, {context}], the model's "
@@ -60,7 +62,8 @@ class Service:
         self.max_len = self.max_model_len or context
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
         self.engine = Engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
-                             max_len=self.max_len, batch_invariant=self.batch_invariant, metrics=self.metrics)
+                             max_len=self.max_len, batch_invariant=self.batch_invariant, metrics=self.metrics,
+                             kv_fraction=self.kv_fraction)
         self.loop = Loop(self.engine)
         self.ready.set()
 
@@ -68,8 +71,10 @@ class Service:
         """load(), and on a bad model spec say so in one line and end the process with exit code 2."""
         try:
             self.load()
-            print(f"gpt2ffn: {self.name} loaded, ready (max batch {self.max_batch}, max waiting "
-                  f"{self.max_waiting}, max model len {self.max_len}, max n {self.max_n}"
+            cache = self.engine.cache
+            print(f"gpt2ffn: {self.name} loaded on {self.engine.device} ({self.model.transformer.wte.weight.dtype}), "
+                  f"ready (max batch {self.max_batch}, max waiting {self.max_waiting}, KV cache "
+                  f"{cache.num_blocks * cache.block_size} positions, max model len {self.max_len}, max n {self.max_n}"
                   f"{', batch-invariant' if self.batch_invariant else ''})", flush=True)
         except Exception as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
