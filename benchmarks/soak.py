@@ -206,6 +206,7 @@ def main():
     p.add_argument("--out", default="benchmarks/results")
     p.add_argument("--name", default="soak", help="file names: <out>/<name>.json and .png")
     args = p.parse_args()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(1))  # a soak stopped by `timeout` still stops its server
     port = free_port()
     proc, url, cmd, log = start_server(args, port)
     try:
