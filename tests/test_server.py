@@ -23,18 +23,21 @@ def free_port() -> int:
 
 
 class Server:
-    def __init__(self, model, *extra):
+    """`gpt2ffn serve` as a subprocess; cafile: it serves HTTPS (--ssl-certfile among extra) signed by that."""
+
+    def __init__(self, model, *extra, env=None, cafile=None):
         self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"{'https' if cafile else 'http'}://127.0.0.1:{self.port}"
         self.proc = subprocess.Popen([sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", str(model),
                                       "--port", str(self.port), *extra],
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                     env=None if env is None else {**os.environ, **env})
         deadline = time.time() + 120
         while time.time() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited: {self.proc.stderr.read()}")
             try:
-                r = httpx.get(self.url + "/health", timeout=1)
+                r = httpx.get(self.url + "/health", timeout=1, verify=cafile or True)
                 if r.status_code == 200:
                     self.model = r.json()["model"]
                     return
@@ -164,7 +167,8 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": "hi", "top_p": 0}, 400, "top_p", "greater than 0"),
     ({"model": "tiny-gpt2", "prompt": 42}, 400, "prompt", ""),
     ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": 6}, 400, "logprobs", "less than or equal to 5"),
-    ({"model": "tiny-gpt2", "prompt": "hi", "best_of": 3}, 400, "best_of", "Extra inputs"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "best_of": 0}, 400, "best_of", "greater than or equal to 1"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "best_of_": 3}, 400, "best_of_", "Extra inputs"),
     ({"model": "tiny-gpt2", "prompt": "hi", "logprobs": -1}, 400, "logprobs", "greater than or equal to 0"),
     ({"model": "tiny-gpt2", "prompt": "hi", "echo": "maybe"}, 400, "echo", "boolean"),
     ({"model": "tiny-gpt2", "prompt": "hi", "n": 0}, 400, "n", "greater than or equal to 1"),
@@ -226,8 +230,11 @@ def test_schemathesis_finds_no_5xx(server):
     st = shutil.which("schemathesis") or os.path.join(os.path.dirname(sys.executable), "schemathesis")
     if not os.path.exists(st):
         pytest.skip("schemathesis is not installed")
+    # --request-timeout: a chat request without max_tokens generates up to the whole context, which on a busy
+    # 2-core machine can pass schemathesis's default of 10 s (a client timeout, not a server error)
     r = subprocess.run([st, "run", server.url + "/openapi.json", "--checks", "not_a_server_error",
-                        "--max-examples", "40", "--no-color"], capture_output=True, text=True, timeout=300)
+                        "--max-examples", "40", "--request-timeout", "60", "--no-color"],
+                       capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
@@ -494,3 +501,262 @@ def test_serve_precision_answers_as_the_model_in_process(model_dir):
     got = r["choices"][0]["logprobs"]["token_logprobs"][1:]
     assert got == pytest.approx(logprobs("int8"), abs=1e-4)
     assert got != pytest.approx(logprobs("fp32"), abs=1e-4)
+
+
+# -- beyond localhost: API keys, TLS, limits ---------------------------------------------------------------
+KEYS = ("sk-first-key", "sk-second-key")
+
+
+@pytest.fixture(scope="module")
+def cert(tmp_path_factory):
+    """A self-signed certificate for localhost and 127.0.0.1 (openssl), and its key."""
+    if not shutil.which("openssl"):
+        pytest.skip("openssl is not installed")
+    d = tmp_path_factory.mktemp("tls")
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1", "-keyout", str(d / "key.pem"),
+                    "-out", str(d / "cert.pem")], check=True, capture_output=True)
+    return d / "cert.pem", d / "key.pem"
+
+
+@pytest.fixture(scope="module")
+def secure(model_dir, cert):
+    """HTTPS, two API keys, prompt + max_tokens <= 64, n and best_of <= 3."""
+    s = Server(model_dir, "--api-key", KEYS[0], "--api-key", KEYS[1], "--ssl-certfile", str(cert[0]),
+               "--ssl-keyfile", str(cert[1]), "--max-model-len", "64", "--max-n", "3", cafile=str(cert[0]))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def secure_client(secure, cert):
+    from openai import OpenAI
+    return OpenAI(base_url=secure.url + "/v1", api_key=KEYS[1], max_retries=0,
+                  http_client=httpx.Client(verify=str(cert[0])))
+
+
+def assert_401(r):
+    assert r.status_code == 401, r.text
+    assert r.json() == {"error": {"message": r.json()["error"]["message"], "type": "invalid_request_error",
+                                  "param": None, "code": "invalid_api_key"}}
+    assert r.headers["www-authenticate"] == "Bearer"
+
+
+def test_openai_client_over_tls_with_a_key(secure, secure_client, model_dir):
+    r = secure_client.completions.create(model=secure.model, prompt="the quick brown", max_tokens=8, temperature=0)
+    model, tok, _ = load(str(model_dir))
+    expected = generate(model, [tok.encode("the quick brown")], Sampling(max_new_tokens=8, eos_token_id=0))[0]
+    assert r.choices[0].text == tok.decode([t for t in expected if t != 0])
+    assert [m.id for m in secure_client.models.list().data] == [secure.model]
+    import openai
+    wrong = secure_client.with_options(api_key="sk-first-kez")
+    with pytest.raises(openai.AuthenticationError) as e:
+        wrong.completions.create(model=secure.model, prompt="hi", max_tokens=2)
+    assert e.value.status_code == 401 and e.value.code == "invalid_api_key"
+
+
+@pytest.mark.parametrize("method, path, body", [
+    ("GET", "/v1/models", None), ("POST", "/v1/completions", {"model": "tiny-gpt2", "prompt": "hi"}),
+    ("POST", "/v1/chat/completions", {"model": "tiny-gpt2", "messages": []}),
+    ("POST", "/tokenize", {"prompt": "hi"}), ("POST", "/detokenize", {"tokens": [1]}), ("GET", "/metrics", None),
+    ("GET", "/v1/no-such-path", None), ("POST", "/v1/completions", '{"model": "tiny'),  # malformed: 401 first
+])
+@pytest.mark.parametrize("auth", [None, "Bearer sk-wrong", "Bearer sk-first-key-and-more", "Bearer sk-first-ke",
+                                  "Basic sk-first-key", "sk-first-key", "Bearer"])
+def test_every_guarded_path_refuses_without_the_key(secure, cert, method, path, body, auth):
+    headers = {"Content-Type": "application/json", **({"Authorization": auth} if auth is not None else {})}
+    content = body if isinstance(body, str) or body is None else json.dumps(body)
+    r = httpx.request(method, secure.url + path, content=content, headers=headers, verify=str(cert[0]))
+    assert_401(r)
+    # a wrong key and a prefix of a right one read alike: nothing tells which keys exist
+    assert r.json()["error"]["message"] == ("missing API key: send the header `Authorization: Bearer KEY`"
+                                            if auth is None else "invalid API key")
+
+
+def test_keys_open_what_they_guard_and_health_stays_open(secure, cert):
+    v = str(cert[0])
+    assert httpx.get(secure.url + "/health", verify=v).status_code == 200
+    assert httpx.get(secure.url + "/openapi.json", verify=v).status_code == 200
+    for key in KEYS:
+        auth = {"Authorization": f"Bearer {key}"}
+        assert httpx.get(secure.url + "/metrics", headers=auth, verify=v).status_code == 200
+        r = httpx.post(secure.url + "/tokenize", json={"prompt": "the lazy dog"}, headers=auth, verify=v)
+        assert r.status_code == 200 and r.json()["max_model_len"] == 64
+    auth = {"Authorization": f"bearer {KEYS[0]}"}  # the scheme is case-insensitive (RFC 7235)
+    assert httpx.post(secure.url + "/detokenize", json={"tokens": [1]}, headers=auth, verify=v).status_code == 200
+    over = httpx.post(secure.url + "/v1/completions", content=b"x" * (2 << 20), headers=auth, verify=v)
+    assert over.status_code == 413  # with the key, the body limit is next
+    assert_401(httpx.post(secure.url + "/v1/completions", content=b"x" * (2 << 20), verify=v))  # without: 401
+
+
+def test_curl_over_tls(secure, cert):
+    if not shutil.which("curl"):
+        pytest.skip("curl is not installed")
+    body = json.dumps({"model": secure.model, "prompt": "Hello", "max_tokens": 5, "temperature": 0})
+    args = ["curl", "-s", secure.url + "/v1/completions", "-H", "Content-Type: application/json", "-d", body]
+    out = subprocess.run([*args, "--cacert", str(cert[0]), "-H", f"Authorization: Bearer {KEYS[0]}"],
+                         capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["usage"]["completion_tokens"] <= 5
+    out = subprocess.run([*args, "--cacert", str(cert[0])], capture_output=True, text=True, check=True).stdout
+    assert json.loads(out)["error"]["code"] == "invalid_api_key"
+    # the certificate is really checked: without the CA curl refuses (60), and plain HTTP gets no answer
+    assert subprocess.run(args, capture_output=True).returncode == 60
+    plain = subprocess.run(["curl", "-s", secure.url.replace("https", "http") + "/health"], capture_output=True)
+    assert plain.returncode != 0 or b'"ok"' not in plain.stdout
+
+
+def test_max_model_len_refuses_past_it(secure, secure_client):
+    import openai
+    ids = list(range(1, 41))  # 40 prompt tokens
+    ok = secure_client.completions.create(model=secure.model, prompt=ids, max_tokens=24,
+                                          extra_body={"ignore_eos": True})
+    assert ok.usage.completion_tokens == 24  # 40 + 24 = 64: exactly the limit
+    with pytest.raises(openai.BadRequestError) as e:
+        secure_client.completions.create(model=secure.model, prompt=ids, max_tokens=25)
+    err = e.value.body
+    assert e.value.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
+    assert err["message"] == "prompt (40 tokens) + max_tokens (25) = 65 exceeds this server's --max-model-len of 64 tokens"
+    assert secure_client.models.list().data[0].model_extra["max_model_len"] == 64
+
+
+@pytest.mark.parametrize("kw, param, text", [
+    ({"n": 4}, "n", "n (4) exceeds this server's limit of 3 (--max-n)"),
+    ({"best_of": 4}, "best_of", "best_of (4) exceeds this server's limit of 3 (--max-n)"),
+    ({"n": 3, "best_of": 2}, "best_of", "best_of (2) must be at least n (3)"),
+    ({"n": 1, "best_of": 3, "stream": True}, "best_of", "best_of (3) > n (1) cannot be streamed"),
+])
+def test_n_and_best_of_caps(secure, secure_client, kw, param, text):
+    import openai
+    with pytest.raises(openai.BadRequestError) as e:
+        secure_client.completions.create(model=secure.model, prompt="dog", max_tokens=4, **kw)
+    assert e.value.body["param"] == param and e.value.body["message"].startswith(text)
+
+
+def test_best_of_returns_the_n_likeliest_candidates(secure, secure_client):
+    """best_of 3, n 2: of the three candidates (seeds s, s+1, s+2, as n=3 draws them) the two of highest
+    cumulative log-prob, best first; usage counts all three."""
+    common = dict(model=secure.model, prompt="dog", max_tokens=6, temperature=1.0, seed=11,
+                  extra_body={"ignore_eos": True})
+    three = secure_client.completions.create(n=3, logprobs=0, **common).choices
+    total = {c.text: sum(c.logprobs.token_logprobs) for c in three}
+    assert len(set(total.values())) == 3  # three distinct candidates, else the ranking is vacuous
+    best = sorted(total, key=total.get, reverse=True)[:2]
+    r = secure_client.completions.create(n=2, best_of=3, **common)
+    assert [c.text for c in r.choices] == best and [c.index for c in r.choices] == [0, 1]
+    assert all(c.logprobs is None for c in r.choices)  # ranked by log-probs, shown only when asked
+    assert r.usage.completion_tokens == 18
+    shown = secure_client.completions.create(n=2, best_of=3, logprobs=0, **common).choices
+    assert [sum(c.logprobs.token_logprobs) for c in shown] == pytest.approx(sorted(total.values())[::-1][:2])
+    one = secure_client.completions.create(n=1, best_of=3, **common).choices
+    assert [c.text for c in one] == best[:1]
+
+
+def test_sigterm_over_tls_with_an_idle_pooled_client_exits_0(secure, secure_client):
+    """The last test of `secure`: the client's keep-alive connection is open and idle; the server still drains
+    and exits 0 on its own (asyncio would wait 30 s for that client's TLS close_notify; Server.stop kills at 30)."""
+    secure_client.models.list()
+    secure.stop()
+    assert secure.proc.returncode == 0
+
+
+@pytest.fixture(scope="module")
+def guarded(model_dir):
+    """The key from the environment, /metrics public, at most 2 connections."""
+    s = Server(model_dir, "--metrics-public", "--limit-concurrency", "2",
+               env={"GPT2FFN_API_KEY": "sk-from-env"})
+    yield s
+    s.stop()
+
+
+def test_env_key_and_public_metrics(guarded):
+    assert_401(httpx.get(guarded.url + "/v1/models"))
+    assert_401(httpx.get(guarded.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}))
+    assert httpx.get(guarded.url + "/v1/models", headers={"Authorization": "Bearer sk-from-env"}).status_code == 200
+    assert "gpt2ffn_requests_total" in httpx.get(guarded.url + "/metrics").text  # --metrics-public: no key
+
+
+def test_limit_concurrency_is_503_in_openai_shape(guarded):
+    from openai import InternalServerError, OpenAI
+    client = OpenAI(base_url=guarded.url + "/v1", api_key="sk-from-env", max_retries=0)
+    assert client.models.list().data[0].id == guarded.model
+    idle = socket.create_connection(("127.0.0.1", guarded.port))  # one more connection: the limit of 2 is reached
+    try:
+        for _ in range(50):  # until the server has accepted the idle connection
+            try:
+                client.models.list()
+            except InternalServerError as e:
+                err = e
+                break
+            time.sleep(0.05)
+        else:
+            pytest.fail("no 503 at the connection limit")
+    finally:
+        idle.close()
+    assert err.status_code == 503 and err.response.headers["retry-after"] == "1"
+    assert err.body["type"] == "server_busy" and "--limit-concurrency" in err.body["message"]
+    time.sleep(0.2)
+    assert client.models.list().data[0].id == guarded.model  # the idle connection gone: served again
+
+
+@pytest.mark.parametrize("host, keys, warned", [("0.0.0.0", [], True), ("::", [], True), ("0.0.0.0", ["k"], False),
+                                               ("127.0.0.1", [], False), ("localhost", [], False)])
+def test_one_warning_for_an_open_server_without_keys(monkeypatch, capsys, cert, host, keys, warned):
+    """serve() as far as uvicorn.run (replaced here): one warning line exactly when it binds beyond loopback
+    without a key; the certificate and key reach uvicorn."""
+    import signal as signal_module
+
+    import uvicorn
+
+    from gpt2ffn.serving.http import serve
+    ran = {}
+    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(kw))
+    monkeypatch.setattr(signal_module, "signal", lambda *a: None)  # serve() sets SIGTERM's handler: not here's
+    monkeypatch.setattr("asyncio.constants.SSL_SHUTDOWN_TIMEOUT", 30.0)  # serve() shortens it for its process
+    serve("random:tiny", host=host, port=8123, api_keys=keys, ssl_certfile=str(cert[0]), ssl_keyfile=str(cert[1]),
+          max_n=4)
+    out, err = capsys.readouterr()
+    expected = [f"warning: serving on {host} without an API key: anyone who can reach port 8123 can use it (give "
+                "--api-key KEY or set GPT2FFN_API_KEY)"] if warned else []
+    assert [line for line in err.splitlines() if "warning" in line] == expected
+    assert f"on https://{host}:8123" in out
+    assert ran["host"] == host and ran["limit_concurrency"] is None
+    assert (ran["ssl_certfile"], ran["ssl_keyfile"]) == (str(cert[0]), str(cert[1]))
+
+
+def test_loopback_and_authorized():
+    from gpt2ffn.serving.http import authorized, digest, loopback
+    assert all(map(loopback, ["127.0.0.1", "127.0.0.2", "::1", "localhost"]))
+    assert not any(map(loopback, ["0.0.0.0", "::", "10.1.2.3", "192.168.0.1"]))
+    keys = [digest(k) for k in KEYS]
+    assert authorized("Bearer sk-second-key", keys) and authorized("bearer  sk-first-key", keys)
+    assert not any(authorized(h, keys) for h in [None, "", "Bearer", "Bearer sk-first", "Token sk-first-key",
+                                                 "Bearer sk-first-key2", "sk-first-key"])
+    assert not authorized("Bearer sk-first-key", [])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--limit-concurrency", "1"], "--limit-concurrency must be in [2, inf], got 1"),
+    (["--max-n", "0"], "--max-n must be in [1, 128], got 0"),
+    (["--max-model-len", "0"], "--max-model-len must be in [1, inf], got 0"),
+    (["--api-key", ""], "--api-key: a key must be non-empty"),
+    (["--api-key", "two words"], "--api-key: a key must be non-empty"),
+    (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
+    (["--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile '/nonexistent.pem' / --ssl-keyfile None: cannot load"),
+])
+def test_serve_flags_refused_in_one_line(capsys, argv, message):
+    from gpt2ffn.cli import main
+    assert main(["serve", "--model", "random:tiny", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+
+
+def test_max_model_len_beyond_the_context_is_refused(model_dir):
+    from gpt2ffn.errors import Gpt2ffnError
+    from gpt2ffn.serving.service import Service
+    with pytest.raises(Gpt2ffnError, match=r"--max-model-len 129 is outside \[1, 128\], the model's context"):
+        Service(str(model_dir), max_model_len=129).load()
+    svc = Service(str(model_dir), max_batch=4, max_model_len=40)
+    svc.load()
+    # the KV cache holds max_batch sequences of --max-model-len positions, not of the model's whole context
+    assert svc.engine.max_len == 40 and svc.engine.cache.num_blocks * svc.engine.cache.block_size == 4 * 40
+    svc.loop.stop()

@@ -1,6 +1,7 @@
 """The `gpt2ffn` command: one subcommand per task, each mapped to a function. Errors print one line, exit 2."""
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
@@ -237,8 +238,12 @@ def cmd_serve(args):
     except ImportError:
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
     rank = _join(args.tp, args.command)
+    key = os.environ.get("GPT2FFN_API_KEY")
     serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,
-          args.chat_template, args.threads, args.device, _dtype(args.dtype), args.kv_cache_fraction, args.tp, rank)
+          args.chat_template, args.threads, args.device, _dtype(args.dtype), args.kv_cache_fraction, args.tp, rank,
+          api_keys=args.api_key or ([key] if key is not None else []), metrics_public=args.metrics_public,
+          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
+          max_model_len=args.max_model_len, max_n=args.max_n)
     return _leave(args.tp)
 
 
@@ -344,6 +349,16 @@ def build_parser() -> Parser:
                    "uses): enables /v1/chat/completions")
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gpt2ffn.parallel); N > 1 runs under "
                    "torchrun --nproc-per-node N, fp32 weights (README, \"Tensor parallelism\")")
+    p.add_argument("--api-key", action="append", metavar="KEY", help="require `Authorization: Bearer KEY` on "
+                   "/v1/*, /tokenize, /detokenize and /metrics; repeatable (default: $GPT2FFN_API_KEY, else none)")
+    p.add_argument("--metrics-public", action="store_true", help="serve /metrics without a key")
+    p.add_argument("--ssl-certfile", metavar="PEM", help="serve HTTPS with this certificate (chain)")
+    p.add_argument("--ssl-keyfile", metavar="PEM", help="the certificate's private key")
+    p.add_argument("--max-model-len", type=int, metavar="TOKENS", help="longest prompt + max_tokens a request "
+                   "may ask for (default: the model's context); the KV cache is sized by it")
+    p.add_argument("--max-n", type=int, default=16, help="largest n and best_of per request (default 16)")
+    p.add_argument("--limit-concurrency", type=int, metavar="N", help="uvicorn's: beyond N connections or "
+                   "requests at once, 503 at once (default: no limit; --max-waiting still applies)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")

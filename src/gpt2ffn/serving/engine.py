@@ -42,12 +42,13 @@ def free_memory(device) -> int:
 
 
 def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, device="cpu",
-                      fraction: float | None = None) -> int:
-    """Positions of KV cache: room for max_batch sequences at full context, or what `fraction` of the free
-    memory holds if that is less (as vLLM's gpu_memory_utilization, but of what is free after the weights).
-    Default fraction: a quarter of the host's free memory on the CPU, at most 2 GiB (requests reserve only
-    prompt + max_tokens, so short ones share what a full context would take; slots, a whole context per
-    sequence, lift the 2 GiB cap); 0.8 of the GPU's free memory on CUDA. Never less than one full context."""
+                      fraction: float | None = None, max_len: int | None = None) -> int:
+    """Positions of KV cache: room for max_batch sequences of max_len positions (default: the full context),
+    or what `fraction` of the free memory holds if that is less (as vLLM's gpu_memory_utilization, but of what
+    is free after the weights). Default fraction: a quarter of the host's free memory on the CPU, at most 2 GiB
+    (requests reserve only prompt + max_tokens, so short ones share what a full context would take; slots,
+    max_len positions per sequence, lift the 2 GiB cap); 0.8 of the GPU's free memory on CUDA. Never less than
+    one sequence of max_len."""
     kind = torch.device(device).type
     if fraction is not None and not 0 < fraction <= 1:
         raise Gpt2ffnError(f"the KV cache fraction of free memory must be in (0, 1], got {fraction!r}")
@@ -55,7 +56,8 @@ def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, device="c
     cap = free_memory(device) * (fraction or KV_FRACTION.get(kind, 0.25))
     if fraction is None and kind == "cpu" and not slots:
         cap = min(cap, 2 << 30)
-    return max(min(max_batch * cfg.n_positions, int(cap // per_token)), cfg.n_positions)
+    max_len = max_len or cfg.n_positions
+    return max(min(max_batch * max_len, int(cap // per_token)), max_len)
 
 
 class QueueFull(Gpt2ffnError):
@@ -124,7 +126,7 @@ class Engine:
         if self.fused:
             block_size = self.max_len
         kv_tokens = kv_tokens or default_kv_tokens(model.kv_config, max_batch, weight.dtype, slots=self.fused,
-                                                   device=weight.device, fraction=kv_fraction)
+                                                   device=weight.device, fraction=kv_fraction, max_len=self.max_len)
         self.cache = PagedKVCache(model.kv_config, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
         self.device = weight.device
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed

@@ -6,12 +6,22 @@ The event loop never runs the model. Beyond --max-batch running and --max-waitin
 Retry-After. A client that disconnects frees its slot at the next step. SIGTERM (uvicorn's graceful
 shutdown) stops accepting, lets in-flight requests finish, exits. Every error is JSON in OpenAI's shape:
 {"error": {"message", "type", "param", "code"}}, naming the field at fault.
+
+Beyond localhost: with API keys (--api-key, GPT2FFN_API_KEY) every path but /health and the API's docs (and
+/metrics with --metrics-public) needs `Authorization: Bearer KEY`, else 401 before the body is read; TLS is
+uvicorn's (--ssl-certfile, --ssl-keyfile); --limit-concurrency is uvicorn's, its 503 in OpenAI's shape.
 """
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import importlib
+import ipaddress
 import json
 import signal
+import socket
+import ssl
 import sys
 import threading
 from pathlib import Path
@@ -38,10 +48,11 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from .service import BadRequest, Choices, Service
+from .service import MAX_CHOICES, BadRequest, Choices, Service
 
 MAX_BODY = 1 << 20  # 1 MiB: a GPT-2 context is 1024 tokens, a few KiB of text
-ERRORS = {code: {"model": ErrorResponse} for code in (400, 404, 413, 499, 500, 503)}
+ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 499, 500, 503)}
+OPEN_PATHS = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"}  # no key needed, ever
 
 router = APIRouter()
 
@@ -95,7 +106,7 @@ async def metrics(svc: ServiceDep):
 @router.get("/v1/models", response_model=ModelList)
 async def models(svc: ServiceDep):
     return {"object": "list", "data": [{"id": svc.name, "object": "model", "created": 0, "owned_by": "gpt2ffn",
-                                        "max_model_len": svc.model.config.n_positions if svc.model else None}]}
+                                        "max_model_len": svc.max_len}]}
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
@@ -104,7 +115,7 @@ async def tokenize(body: TokenizeRequest, svc: ServiceDep):
     if text is None or not svc.ready.is_set():
         return refuse(svc, 400, "prompt: a string to tokenize is required", param="prompt")
     ids = svc.tok.encode(text)
-    return {"tokens": ids, "count": len(ids), "max_model_len": svc.model.config.n_positions}
+    return {"tokens": ids, "count": len(ids), "max_model_len": svc.max_len}
 
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
@@ -145,7 +156,7 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
                                bos_token="<|endoftext|>", eos_token="<|endoftext|>")
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
-        max_tokens = max(1, svc.model.config.n_positions - len(svc.tok.encode(text)))
+        max_tokens = max(1, svc.max_len - len(svc.tok.encode(text)))
     try:
         prompts = svc.prompts(text)
         samplings = svc.sampling(body, prompts, max_tokens)
@@ -262,9 +273,31 @@ async def lifespan(app: FastAPI):
         svc.loop.stop()
 
 
-async def limit_body(request: Request, call_next):
-    """413 for a body over the limit, before it is read."""
-    length, limit = request.headers.get("content-length"), request.app.state.max_body
+def digest(key: str) -> bytes:
+    return hashlib.sha256(key.encode()).digest()
+
+
+def authorized(header: str | None, digests: list) -> bool:
+    """Whether an Authorization header carries one of the keys (as digests). Every key is compared, in constant
+    time, on SHA-256 digests: the timing tells neither a key's length nor whether or which one matched."""
+    scheme, _, token = (header or "").partition(" ")
+    given, match = digest(token.strip()), False
+    for d in digests:
+        match |= hmac.compare_digest(given, d)
+    return match and scheme.lower() == "bearer"
+
+
+async def gate(request: Request, call_next):
+    """Before a body is read: 401 without a valid API key (when the server has keys) on any path but the open
+    ones, then 413 for a body over the limit."""
+    state, path = request.app.state, request.url.path
+    guarded = path not in OPEN_PATHS and not (path == "/metrics" and state.metrics_public)
+    if state.api_keys and guarded and not authorized(request.headers.get("authorization"), state.api_keys):
+        given = "authorization" in request.headers
+        return refuse(state.service, 401, "invalid API key" if given else
+                      "missing API key: send the header `Authorization: Bearer KEY`", code="invalid_api_key",
+                      headers={"WWW-Authenticate": "Bearer"})
+    length, limit = request.headers.get("content-length"), state.max_body
     if length is not None and (not length.isdigit() or int(length) > limit):
         return error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
                      code="request_too_large")
@@ -282,20 +315,76 @@ async def invalid(request: Request, exc: RequestValidationError):
                   param=".".join(where) or None)
 
 
-def create_app(svc: Service, max_body: int = MAX_BODY) -> FastAPI:
-    """The FastAPI app over `svc`: routes, the body limit and the OpenAI-shaped validation errors."""
+def create_app(svc: Service, max_body: int = MAX_BODY, api_keys=(), metrics_public: bool = False) -> FastAPI:
+    """The FastAPI app over `svc`: routes, API keys, the body limit and the OpenAI-shaped validation errors."""
     app = FastAPI(title="gpt2ffn", version=__import__("gpt2ffn").__version__, lifespan=lifespan,
                   description="OpenAI-compatible completions over gpt2ffn's GPT-2, continuously batched.")
     app.state.service, app.state.max_body = svc, max_body
-    app.middleware("http")(limit_body)
+    app.state.api_keys, app.state.metrics_public = [digest(k) for k in api_keys], metrics_public
+    app.middleware("http")(gate)
     app.add_exception_handler(RequestValidationError, invalid)
     app.include_router(router)
     return app
 
 
+def loopback(host: str) -> bool:
+    """Whether binding `host` serves this machine only (every address it stands for is a loopback one)."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        pass
+    try:
+        return all(ipaddress.ip_address(info[4][0]).is_loopback for info in socket.getaddrinfo(host, None))
+    except (OSError, ValueError):
+        return False
+
+
+def check_keys(api_keys) -> list:
+    for k in api_keys:
+        if not k or not k.isprintable() or any(c.isspace() for c in k):
+            raise Gpt2ffnError("--api-key: a key must be non-empty printable text without spaces (it travels in "
+                               "the header `Authorization: Bearer KEY`)")
+    return list(api_keys)
+
+
+def check_tls(certfile, keyfile):
+    """A readable certificate and key (uvicorn would fail later, inside its startup)."""
+    if keyfile and not certfile:
+        raise Gpt2ffnError("--ssl-keyfile needs --ssl-certfile")
+    if certfile:
+        try:
+            ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(certfile, keyfile)
+        except (OSError, ssl.SSLError) as e:
+            raise Gpt2ffnError(f"--ssl-certfile {certfile!r} / --ssl-keyfile {keyfile!r}: cannot load the "
+                               f"certificate and its key: {e}") from None
+
+
+def busy_in_openai_shape(svc: Service):
+    """uvicorn answers beyond --limit-concurrency with a plain-text 503 of its own, before the app sees the
+    request; put OpenAI's error shape (and Retry-After) in its place, counted in gpt2ffn_requests_total."""
+    body = json.dumps({"error": {"message": "the server is at its connection limit (--limit-concurrency); retry "
+                                            "shortly", "type": "server_busy", "param": None, "code": None}}).encode()
+
+    async def busy(scope, receive, send):
+        svc.metrics.requests.labels("503").inc()
+        await send({"type": "http.response.start", "status": 503,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                                (b"retry-after", b"1"), (b"connection", b"close")]})
+        await send({"type": "http.response.body", "body": body, "more_body": False})
+
+    for name in ("h11_impl", "httptools_impl", "zttp_impl", "zttp_h2_impl"):
+        try:
+            module = importlib.import_module(f"uvicorn.protocols.http.{name}")
+        except ImportError:  # its parser is not installed: uvicorn will not use it either
+            continue
+        if hasattr(module, "service_unavailable"):
+            module.service_unavailable = busy
+
+
 def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
           precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
-          rank=0):
+          rank=0, api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
+          max_model_len=None, max_n=16):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
     tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes."""
     import uvicorn
@@ -306,15 +395,36 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     device = resolve_device(device)  # a missing GPU is one line and exit 2 here, before anything starts
     if kv_fraction is not None and not 0 < kv_fraction <= 1:
         raise Gpt2ffnError(f"--kv-cache-fraction must be in (0, 1], got {kv_fraction!r}")
+    # uvicorn counts the connection asking among its connections: --limit-concurrency 1 would refuse everything
+    for flag, value, least, most in (("--max-model-len", max_model_len, 1, None), ("--max-n", max_n, 1, MAX_CHOICES),
+                                     ("--limit-concurrency", limit_concurrency, 2, None)):
+        if value is not None and not least <= value <= (most or value):
+            raise Gpt2ffnError(f"{flag} must be in [{least}, {most or 'inf'}], got {value}")
+    api_keys = check_keys(api_keys)
+    check_tls(ssl_certfile, ssl_keyfile)
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
-                  dtype, kv_fraction, tp)
+                  dtype, kv_fraction, max_model_len, max_n, tp)
     if rank != 0:
         svc.load()
         svc.engine.follow()  # returns when rank 0's engine thread stops
         return
-    app = create_app(svc)
-    print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on http://{host}:{port} "
-          "(OpenAPI: /docs, /openapi.json)", flush=True)
+    app = create_app(svc, api_keys=api_keys, metrics_public=metrics_public)
+    if limit_concurrency:
+        busy_in_openai_shape(svc)
+    if not api_keys and not loopback(host):
+        print(f"warning: serving on {host} without an API key: anyone who can reach port {port} can use it "
+              "(give --api-key KEY or set GPT2FFN_API_KEY)", file=sys.stderr, flush=True)
+    scheme = "https" if ssl_certfile else "http"
+    print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on {scheme}://{host}:{port} "
+          f"(OpenAPI: /docs, /openapi.json; {len(api_keys) or 'no'} API key{'s' * (len(api_keys) != 1)})",
+          flush=True)
+    if ssl_certfile:
+        # uvicorn closes idle keep-alive connections at SIGTERM; over TLS asyncio then waits for each client's
+        # close_notify, 30 s by default, which an idle pooled client (the openai package's) never sends. What
+        # the server had to send is flushed within it too (the transport holds at most 64 KiB): 3 s. uvicorn has
+        # no option for create_server's ssl_shutdown_timeout; asyncio reads its default from here.
+        asyncio.constants.SSL_SHUTDOWN_TIMEOUT = 3.0
     # uvicorn drains, restores the handlers it found, then re-raises SIGTERM: let that end the process with 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60)
+    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
+                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, limit_concurrency=limit_concurrency)

@@ -23,7 +23,7 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: dict | None = None
-    n: int = Field(1, ge=1, le=16)
+    n: int = Field(1, ge=1, le=128, description="choices per prompt (the server caps it: --max-n, default 16)")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(1.0, gt=0.0, le=10.0)
@@ -39,6 +39,8 @@ class CompletionRequest(SamplingFields):
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
     logprobs: int | None = Field(None, ge=0, le=5)
     echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=128, description="candidates generated per prompt; the n of "
+                                "highest cumulative log-prob come back (not streamed; capped by --max-n)")
 
 
 class Message(BaseModel):

@@ -11,6 +11,7 @@ import threading
 import time
 import uuid
 
+from ..errors import Gpt2ffnError
 from ..loading import load
 from .engine import Loop
 from .metrics import Metrics
@@ -33,10 +34,12 @@ class Service:
     """The model, its tokenizer, the engine and the thread that steps it."""
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
-                 chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1):
+                 chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, max_model_len=None,
+                 max_n=16, tp=1):
         self.model_spec, self.tp, self.max_batch, self.max_waiting = model_spec, tp, max_batch, max_waiting
         self.device, self.dtype, self.kv_fraction = device, dtype, kv_fraction
-        self.threads = threads
+        self.threads, self.max_model_len, self.max_n = threads, max_model_len, max_n
+        self.max_len = None  # prompt + max_tokens a request may reach: --max-model-len, or the model's context
         self.batch_invariant, self.precision = batch_invariant, precision
         self.template = None
         if chat_template:
@@ -53,9 +56,14 @@ class Service:
             import torch
             torch.set_num_threads(self.threads)
         self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device, self.tp)
+        context = self.model.config.n_positions
+        if self.max_model_len is not None and not 0 < self.max_model_len <= context:
+            raise Gpt2ffnError(f"--max-model-len {self.max_model_len} is outside [1, {context}], the model's "
+                               "context (n_positions)")
+        self.max_len = self.max_model_len or context
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
         self.engine = make_engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
-                                  batch_invariant=self.batch_invariant, metrics=self.metrics,
+                                  max_len=self.max_len, batch_invariant=self.batch_invariant, metrics=self.metrics,
                                   kv_fraction=self.kv_fraction)
         if getattr(self.engine, "follower", False):
             return  # ranks > 0 of --tp run rank 0's forward passes (engine.follow()); no HTTP, no Loop
@@ -69,7 +77,7 @@ class Service:
             cache = self.engine.cache
             print(f"gpt2ffn: {self.name} loaded on {self.engine.device} ({self.model.transformer.wte.weight.dtype}), "
                   f"ready (max batch {self.max_batch}, max waiting {self.max_waiting}, KV cache "
-                  f"{cache.num_blocks * cache.block_size} positions"
+                  f"{cache.num_blocks * cache.block_size} positions, max model len {self.max_len}, max n {self.max_n}"
                   f"{', batch-invariant' if self.batch_invariant else ''})", flush=True)
         except Exception as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
@@ -97,13 +105,23 @@ class Service:
         return out
 
     def sampling(self, body: SamplingFields, prompts: list, max_tokens: int, logprobs=None, echo=False) -> list:
-        """One Sampling per choice (prompt-major, n per prompt); choice j of n gets seed + j."""
+        """One Sampling per candidate (prompt-major, best_of or n per prompt); candidate j gets seed + j."""
         cfg = self.model.config
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise BadRequest("stop must be up to 4 non-empty strings", "stop")
-        if len(prompts) * body.n > MAX_CHOICES:
-            raise BadRequest(f"{len(prompts)} prompts x n={body.n} exceed {MAX_CHOICES} choices per request", "n")
+        best_of = getattr(body, "best_of", None) or body.n
+        for name, value in (("n", body.n), ("best_of", best_of)):
+            if value > self.max_n:
+                raise BadRequest(f"{name} ({value}) exceeds this server's limit of {self.max_n} (--max-n)", name)
+        if best_of < body.n:
+            raise BadRequest(f"best_of ({best_of}) must be at least n ({body.n})", "best_of")
+        if best_of > body.n and body.stream:
+            raise BadRequest(f"best_of ({best_of}) > n ({body.n}) cannot be streamed: the best are known at the end",
+                             "best_of")
+        if len(prompts) * best_of > MAX_CHOICES:
+            raise BadRequest(f"{len(prompts)} prompts x {'best_of' if best_of > body.n else 'n'}={best_of} exceed "
+                             f"{MAX_CHOICES} choices per request", "n")
         if max_tokens == 0 and not echo:
             raise BadRequest("max_tokens 0 needs echo: true (the prompt's own log-probs)", "max_tokens")
         if body.min_tokens > max_tokens:
@@ -116,16 +134,20 @@ class Service:
                 raise BadRequest(f"logit_bias: value {value} for token {key} is outside [-100, 100]", "logit_bias")
             bias[int(key)] = value
         longest = max(len(p) for p in prompts)
-        if longest + max_tokens > cfg.n_positions:
-            raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) exceeds the model's context "
-                             f"of {cfg.n_positions} tokens", "max_tokens", code="context_length_exceeded")
+        if longest + max_tokens > self.max_len:
+            limit = (f"the model's context of {self.max_len} tokens" if self.max_len == cfg.n_positions else
+                     f"this server's --max-model-len of {self.max_len} tokens")
+            raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) = {longest + max_tokens} "
+                             f"exceeds {limit}", "max_tokens", code="context_length_exceeded")
+        # best_of: each token's log-prob ranks the candidates (the response shows them only if asked: want_lp)
+        token_lp = 0 if best_of > body.n and logprobs is None else logprobs
         return [Sampling(max_new_tokens=max_tokens, temperature=body.temperature,
                          top_k=body.top_k if body.top_k > 0 else None, top_p=body.top_p if body.top_p < 1 else None,
                          seed=None if body.seed is None else body.seed + j, eos_token_id=cfg.eos_token_id, stop=stop,
                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                          repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens,
-                         ignore_eos=body.ignore_eos, logprobs=logprobs, prompt_logprobs=echo and logprobs is not None)
-                for _ in prompts for j in range(body.n)]
+                         ignore_eos=body.ignore_eos, logprobs=token_lp, prompt_logprobs=echo and logprobs is not None)
+                for _ in prompts for j in range(best_of)]
 
     def logprobs(self, ids: list, lps: list, tops: list) -> dict:
         """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the top ones and the chosen
@@ -146,14 +168,15 @@ class Service:
 
 
 class Choices:
-    """The choices of one API request as their Tokens arrive (prompt-major, n per prompt), and the OpenAI
-    objects made of them: the whole response, or its stream chunks."""
+    """The choices of one API request as their Tokens arrive (prompt-major, best_of or n candidates per prompt),
+    and the OpenAI objects made of them: the whole response, or its stream chunks."""
 
     def __init__(self, svc: Service, body, prompts: list, samplings: list, echo_text=None, chat=False):
         self.svc, self.chat, self.echo = svc, chat, echo_text
         self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         n = self.n = len(samplings)
-        self.per_prompt = n // len(prompts)
+        self.per_prompt, self.keep = n // len(prompts), body.n
+        self.cumulative = [0.0] * n                # sum of the generated tokens' log-probs (ranks best_of)
         self.prompt_tokens = sum(len(prompts[c // self.per_prompt]) for c in range(n))
         self.want_lp = not chat and body.logprobs is not None
         self.include_usage = bool((body.stream_options or {}).get("include_usage"))
@@ -175,6 +198,7 @@ class Choices:
                 self.lps[c] = [lp for lp, _ in r.prompt_logprobs]
                 self.tops[c] = [top for _, top in r.prompt_logprobs]
         if ev.id >= 0:
+            self.cumulative[c] += ev.logprob or 0.0
             self.gen[c].append(ev.id)
             self.shown[c].append(ev.id)
             self.lps[c].append(ev.logprob)
@@ -193,15 +217,24 @@ class Choices:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.svc.name, "choices": choices,
                 **({"usage": usage} if usage else {})}
 
+    def kept(self) -> list:
+        """The candidates that come back: all of them, or with best_of > n, per prompt the n of highest
+        cumulative log-prob, best first (as vLLM ranks them). Usage counts every candidate generated."""
+        per = self.per_prompt
+        if per == self.keep:
+            return list(range(self.n))
+        return [c for p in range(0, self.n, per)
+                for c in sorted(range(p, p + per), key=lambda c: -self.cumulative[c])[:self.keep]]
+
     def response(self) -> dict:
         """The whole answer: a completion or a chat completion, with usage."""
         if self.chat:
-            choices = [{"index": c, "message": {"role": "assistant", "content": self.texts[c]},
-                        "finish_reason": self.finish[c]} for c in range(self.n)]
+            choices = [{"index": i, "message": {"role": "assistant", "content": self.texts[c]},
+                        "finish_reason": self.finish[c]} for i, c in enumerate(self.kept())]
             return self.head("chat.completion", choices, self.usage())
-        choices = [{"index": c, "text": self.texts[c], "finish_reason": self.finish[c],
+        choices = [{"index": i, "text": self.texts[c], "finish_reason": self.finish[c],
                     "logprobs": self.svc.logprobs(self.shown[c], self.lps[c], self.tops[c]) if self.want_lp else None}
-                   for c in range(self.n)]
+                   for i, c in enumerate(self.kept())]
         return self.head("text_completion", choices, self.usage())
 
     @property

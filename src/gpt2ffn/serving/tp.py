@@ -39,7 +39,9 @@ class TPEngine(Engine):
     @staticmethod
     def default_tokens(model, kwargs) -> int:
         from .engine import default_kv_tokens  # free memory differs between ranks: rank 0's count is used
-        return default_kv_tokens(model.kv_config, kwargs.get("max_batch", 64), model.transformer.wpe.weight.dtype)
+        weight = model.transformer.wpe.weight
+        return default_kv_tokens(model.kv_config, kwargs.get("max_batch", 64), weight.dtype, device=weight.device,
+                                 fraction=kwargs.get("kv_fraction"), max_len=kwargs.get("max_len"))
 
     def broadcast(self, obj):
         """rank 0's obj on every rank (a pickled object: small, once per forward pass)."""
