@@ -61,7 +61,8 @@ class Report:
     info: list
     rows: list
     verdict: str
-    diagnosis: Diagnosis | None = None
+    diagnosis: Diagnosis | None = None   # the most upstream mistake
+    diagnoses: list = field(default_factory=list)   # every mistake named, most upstream first
     passed: bool = field(init=False)
 
     def __post_init__(self):
@@ -80,7 +81,8 @@ class Report:
     def as_dict(self) -> dict:
         return {"kind": self.kind, "subject": self.subject, "passed": self.passed, "info": self.info,
                 "rows": [r.as_dict() for r in self.rows], "verdict": self.verdict,
-                "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None}
+                "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None,
+                "diagnoses": [d.as_dict() for d in self.diagnoses]}
 
 
 # ---- the FFN's two linear layers -----------------------------------------------------------------------
@@ -238,7 +240,8 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
         if r.status == "FAIL" and np.isfinite(first[stage]).all():
             failing.append(stage)
     deterministic = all(np.array_equal(first[k], again[k], equal_nan=True) for k in first)
-    diagnosis = diagnose_stages(case, first, failing, atol)
+    diagnoses = diagnose_stages(case, first, failing, atol)
+    diagnosis = diagnoses[0] if diagnoses else None
     if not failing and all(r.status != "FAIL" for r in rows):
         verdict = f"PASS: {name} computes GPT-2's FFN (c_fc -> {FORMS[TARGET[case.approximate]][1]} -> c_proj)"
         if not deterministic:
@@ -246,26 +249,45 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
             rows.append(Row("2 runs identical", (), 0.0, None, "FAIL", "two runs gave different outputs"))
     else:
         bad = next(r for r in rows if r.status == "FAIL")
-        verdict = (f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if diagnosis
-                   else f"FAIL ({bad.name}): {bad.note}")
+        verdict = (f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if len(diagnoses) == 1
+                   else f"FAIL: {len(diagnoses)} known mistakes, most upstream first: " + "; ".join(
+                       f"({i}) {STAGE_LABELS[d.stage]}: {d.text}" for i, d in enumerate(diagnoses, 1))
+                   if diagnoses else f"FAIL ({bad.name}): {bad.note}")
         if not deterministic and (diagnosis is None or diagnosis.key != "dropout"):
             verdict += " (and two runs differ: something random is on at inference)"
-    return Report("ffn", name, info, rows, verdict, diagnosis)
+    return Report("ffn", name, info, rows, verdict, diagnosis, diagnoses)
 
 
-def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float):
-    """The known mistake that explains the most failing stages (then the earliest, then the closest): both
-    biases missing matches all three stages, c_fc's bias alone only the first two. Else dropout's signature
-    at any stage, else the output's worst element. None when nothing failed."""
+def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float) -> list:
+    """Every known mistake the failing stages show, most upstream first. One known mistake that explains every
+    failing stage is named alone (both biases missing matches all three stages; c_fc's bias alone only the first
+    two). Otherwise each failing stage is judged on the module's own input to it (its own c_fc output, its own
+    activation output), so independent mistakes (no biases and ReLU) are each named. Else dropout's signature,
+    else the output's worst element. [] when nothing failed."""
     found = {}  # key -> [stages it matches, variant, first stage, distance there]
     for stage in failing:
         for dist, v in case.matching(stage, outputs[stage], atol):
             found.setdefault(v.key, [0, v, stage, dist])[0] += 1
-    if found:
-        _, v, stage, dist = max(found.values(), key=lambda f: (f[0], -STAGES.index(f[2]), -f[3]))
-        return named(v, stage, dist)
+    best = max(found.values(), key=lambda f: (f[0], -STAGES.index(f[2]), -f[3])) if found else None
+    if best and best[0] == len(failing):
+        return [named(best[1], best[2], best[3])]
+    own = []
+    for stage in failing:
+        if stage == "c_fc":
+            hits = [h for h in case.matching(stage, outputs[stage], atol) if h[1].key != "biases_missing"]
+        else:
+            before = STAGES[STAGES.index(stage) - 1]
+            if before not in outputs:
+                continue
+            ok, hits = case.local(stage, outputs[before], outputs[stage], atol)
+        if hits:
+            own.append(named(hits[0][1], stage, hits[0][0]))
+    if len(own) > 1:
+        return own
+    if best:
+        return [named(best[1], best[2], best[3])]
     plain = [case.diagnose(stage, outputs[stage], atol) for stage in failing]
-    return next((d for d in plain if d.key), plain[-1] if plain else None)
+    return [next((d for d in plain if d.key), plain[-1])] if plain else []
 
 
 def _run(module, l1, l2, x, name) -> dict:
