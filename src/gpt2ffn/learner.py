@@ -234,4 +234,4 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     both = BothStyles({**gpt2_values(values), **book})
     return (_call(cls, [both], f"{cls.__name__}(config)", "config"),
             f"{cls.__name__}(config), an object with both naming styles (config.n_embd = config['emb_dim'] = "
-            f"{both['emb_dim']}): no config class in its file")
+            f"{both['emb_dim']}), as its file has no config class")
