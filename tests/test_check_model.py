@@ -137,7 +137,7 @@ class MLP(nn.Module):
      "its file has no config class"),
     # A plain class (not a dataclass) whose fields name the width d_model.
     (NANOGPT_MLP.replace("@dataclass\nclass GPTConfig:", "class ModelArgs:").replace("n_embd: int", "d_model: int")
-     .replace("config.n_embd", "config.d_model"), "built as MLP(ModelArgs(d_model=64, dropout=0.1, bias=True))"),
+     .replace("config.n_embd", "config.d_model"), "built as MLP(ModelArgs(block_size=128, d_model=64, dropout=0.1, bias=True))"),
 ])
 def test_nanogpt_style_ffn_classes_build_and_pass(source, built, tmp_path, capsys):
     path = tmp_path / "mlp.py"
@@ -154,7 +154,7 @@ def test_config_overrides_a_config_class(tmp_path, capsys):
     code = main(["check", f"{path}:MLP", "--golden", TINY, "--config", '{"n_embd": 64, "bias": false}'])
     out = capsys.readouterr().out
     assert code == 1 and "built as MLP(GPTConfig(block_size=1024, n_embd=64, dropout=0.1, bias=False))" in out
-    assert out.splitlines()[-1].startswith("FAIL (output): both biases missing (c_fc and c_proj)")
+    assert out.splitlines()[-1].startswith("FAIL (after c_fc (1st linear)): both biases missing (c_fc and c_proj)")
 
 
 def test_every_ffn_mistake_is_named_most_upstream_first(tmp_path, capsys):
@@ -230,7 +230,7 @@ def test_own_names_map_by_shape_and_order(tmp_path, capsys):
     (OWN_NAMES.replace("self.norm_a, self.norm_b = nn.LayerNorm(d), nn.LayerNorm(d)", "self.norm_a = nn.LayerNorm(d)"),
      "stack.0 (Unit) has LayerNorms ['norm_a'] and other layers []"),
     (OWN_NAMES.replace("self.last = nn.LayerNorm(d)", "self.last = nn.LayerNorm(d)\n        self.extra = "
-                       "nn.Parameter(torch.ones(1))"), "1 of 30 parameters have no GPT-2 tensor: extra"),
+                       "nn.Parameter(torch.ones(1))"), "1 of 29 parameters have no GPT-2 tensor: extra"),
 ])
 def test_what_cannot_be_mapped_is_refused_in_one_line(source, message, tmp_path, capsys):
     code, out, err = run(tmp_path, capsys, source, "Model")

@@ -20,6 +20,7 @@ import torch
 import torch.nn as nn
 
 from .check_model import DEFAULT_MODEL, TOKEN_IDS, check_model, is_model, model_source
+from .config import Config
 from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
 from .learner import CheckError, build, load_object, super_message, super_missing
 from .tolerances import GOLDEN_ATOL
@@ -164,7 +165,10 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     model and gets gpt2ffn.check_model's checkpoint-by-checkpoint report."""
     name = name or getattr(obj, "__name__", type(obj).__name__)
     source = model_source(golden, model)
-    ref_cfg, case_of = reference(golden if model is None else source)
+    if model is not None and not str(model).startswith("random:"):  # a checkpoint: a whole model's reference
+        ref_cfg, case_of = Config.from_pretrained(model), None
+    else:
+        ref_cfg, case_of = reference(golden if model is None else source)
     if inspect.isclass(obj):
         if not issubclass(obj, nn.Module):
             raise CheckError(f"{name} is a class but not an nn.Module; check takes an FFN, GELU or GPT-2 module")
@@ -181,6 +185,9 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
                          "or a GELU function")
     if is_model(module):
         return check_model(module, name, built, source)
+    if case_of is None:
+        raise CheckError(f"{name} is an FFN or GELU, judged on one block: give --golden DIR (from gpt2ffn extract) "
+                         "or random:<preset>; --model DIR is a whole model's reference")
     linears = linear_layers(module)
     if not linears:
         return check_gelu(module, name, ref_cfg.gelu_approximate, built)

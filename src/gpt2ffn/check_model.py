@@ -99,8 +99,9 @@ class Structure:
 
 
 def _leaves(module: nn.Module, skip=()) -> list:
-    """(name, module) of every module holding parameters directly, in registration order."""
-    return [(n, m) for n, m in module.named_modules() if any(p is not None for p in m._parameters.values())
+    """(name, module) of every submodule holding parameters directly, in registration order (the module's own
+    parameters have no GPT-2 role: loading names them as left over)."""
+    return [(n, m) for n, m in module.named_modules() if n and any(p is not None for p in m._parameters.values())
             and not any(n == s or n.startswith(s + ".") for s in skip)]
 
 
