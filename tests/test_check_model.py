@@ -103,7 +103,7 @@ def test_known_mistakes_are_computed_from_hf_and_differ_from_it():
 
 # ---- any config style ----------------------------------------------------------------------------------
 
-NANOGPT_MLP = '''
+NANOGPT_MLP = """
 import torch.nn as nn
 from dataclasses import dataclass
 
@@ -116,17 +116,7 @@ class GPTConfig:
     bias: bool = True
 
 
-class MLP(nn.Module):
-    def __init__(self, config):
-        super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
-        self.gelu = nn.GELU(approximate="tanh")
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
-        self.dropout = nn.Dropout(config.dropout)
-
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
-'''
+""" + NANOGPT[NANOGPT.index("class MLP("):NANOGPT.index("class Block(")]  # nanoGPT's MLP, as written
 
 
 @pytest.mark.parametrize("source, built", [
