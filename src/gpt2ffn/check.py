@@ -11,26 +11,23 @@ diagnosed (gpt2ffn.diagnose). A GELU (a module or function with no linear layer)
 which form it computes.
 """
 
-import importlib.util
 import inspect
-import json
-import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
-from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from .config import GPT_CONFIG_124M, Config
+from .check_model import DEFAULT_MODEL, TOKEN_IDS, check_model, is_model, model_source
+from .config import Config
 from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
-from .errors import Gpt2ffnError
+from .learner import CheckError, build, load_object, super_message, super_missing
 from .tolerances import GOLDEN_ATOL
 
-DEFAULT_REFERENCE = "random:gpt2:0"
-# Seed 001's prompt "Hello, my dog is cute" in GPT-2's BPE: a random: model has no tokenizer.
-TOKEN_IDS = [15496, 11, 616, 3290, 318, 13779]
+__all__ = ["CheckError", "Report", "Row", "check", "check_ffn", "check_gelu", "load_object"]
+
+DEFAULT_REFERENCE = DEFAULT_MODEL
 GPT2_WIDTHS = (768, 1024, 1280, 1600)
 STAGE_LABELS = {"c_fc": "after c_fc (1st linear)", "gelu": "after activation", "ffn": "output"}
 # Seed 000's spot check of its GELU, to 4 decimals.
@@ -39,10 +36,6 @@ SPOT_Y = [-0.0454, -0.1588, 0.0, 0.8412, 1.9546]
 GELU_GRID = np.concatenate([np.linspace(-10.0, 10.0, 2001), [-400.0, 400.0]])
 # A GELU "is" a form within this: fp32 rounding of a right one is ~2.4e-7; tanh and exact differ by 4.7e-4.
 FORM_ATOL = 1e-5
-
-
-class CheckError(Gpt2ffnError):
-    """What stops a check from running, in one line."""
 
 
 @dataclass
@@ -69,7 +62,8 @@ class Report:
     info: list
     rows: list
     verdict: str
-    diagnosis: Diagnosis | None = None
+    diagnosis: Diagnosis | None = None   # the most upstream mistake
+    diagnoses: list = field(default_factory=list)   # every mistake named, most upstream first
     passed: bool = field(init=False)
 
     def __post_init__(self):
@@ -88,109 +82,11 @@ class Report:
     def as_dict(self) -> dict:
         return {"kind": self.kind, "subject": self.subject, "passed": self.passed, "info": self.info,
                 "rows": [r.as_dict() for r in self.rows], "verdict": self.verdict,
-                "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None}
+                "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None,
+                "diagnoses": [d.as_dict() for d in self.diagnoses]}
 
 
-# ---- finding and building what to check ----------------------------------------------------------------
-
-def _where(e, path) -> str:
-    """' (line N)' of the deepest traceback frame in the learner's file."""
-    line, tb = None, e.__traceback__
-    while tb is not None:
-        if Path(tb.tb_frame.f_code.co_filename) == path:
-            line = tb.tb_lineno
-        tb = tb.tb_next
-    return f" (line {line})" if line else ""
-
-
-def _super_missing(e):
-    """The module class whose __init__ assigned a layer before calling super().__init__(), or None."""
-    if not (isinstance(e, AttributeError) and "before Module.__init__() call" in str(e)):
-        return None
-    name, tb = None, e.__traceback__
-    while tb is not None:
-        me = tb.tb_frame.f_locals.get("self")
-        if tb.tb_frame.f_code.co_name == "__init__" and isinstance(me, nn.Module):
-            name = type(me).__name__
-        tb = tb.tb_next
-    return name
-
-
-def _super_message(name, e) -> str:
-    return (f"{name}.__init__ never calls super().__init__(): add super().__init__() as its first line "
-            f"(nn.Module sets itself up there; without it torch says: {e})")
-
-
-def load_object(target: str):
-    """(object, label) for FILE.py:NAME; the file is imported as a module from its path (its __main__ block
-    does not run)."""
-    file, sep, name = target.rpartition(":")
-    if not sep or not file or not name:
-        raise CheckError(f"expected FILE.py:NAME (a class or an instance in the file), got {target!r}")
-    path = Path(file).resolve()
-    if not path.is_file():
-        raise CheckError(f"no file {file}")
-    spec = importlib.util.spec_from_file_location(f"gpt2ffn_check_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # @dataclass and pickling look a class's module up by name
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:
-        del sys.modules[spec.name]
-        who = _super_missing(e)
-        why = _super_message(who, e) if who else f"{type(e).__name__}: {e}"
-        raise CheckError(f"importing {file} failed{_where(e, path)}: {why}".splitlines()[0]) from None
-    if not hasattr(module, name):
-        found = [n for n, v in vars(module).items() if not n.startswith("_") and (
-            isinstance(v, nn.Module) or inspect.isclass(v) and issubclass(v, nn.Module) and v.__module__ == spec.name)]
-        raise CheckError(f"{file} has no {name!r}; its modules: {', '.join(found) or 'none'}")
-    return getattr(module, name), f"{Path(file).name}:{name}"
-
-
-def _config(config, ref: Config) -> tuple:
-    """(the dict a class is built with, how to show it). Default: the book-style dict of the reference's width."""
-    if config is None:
-        if (ref.n_embd, ref.hidden) == (768, 3072):
-            return GPT_CONFIG_124M, "GPT_CONFIG_124M"
-        return ref.to_book_dict(), "cfg"
-    if isinstance(config, Config):
-        return config.to_book_dict(), "cfg"
-    if isinstance(config, dict):
-        return config, "cfg"
-    text = str(config)
-    if text.lstrip().startswith(("{", "[")) or text.endswith(".json"):
-        try:
-            d = json.loads(Path(text).read_text() if text.endswith(".json") else text)
-        except (OSError, json.JSONDecodeError) as e:
-            raise CheckError(f"--config {text!r} is not a JSON object or file: {e}") from None
-        if not isinstance(d, dict):
-            raise CheckError(f"--config {text!r} holds a {type(d).__name__}, expected a JSON object")
-        return d, "cfg"
-    return Config.from_name(text).to_book_dict(), "cfg"
-
-
-def instantiate(cls, cfg: dict, cfg_label: str):
-    """cls(cfg) when its constructor takes one argument, cls() when it takes none; (instance, how it was built)."""
-    try:
-        sig = inspect.signature(cls)
-    except (TypeError, ValueError):
-        sig = None
-    params = [] if sig is None else [p for p in sig.parameters.values()
-                                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
-    if len(params) > 1 or (params and params[0].kind is inspect.Parameter.KEYWORD_ONLY):
-        raise CheckError(f"{cls.__name__}{sig} wants {', '.join(p.name for p in params)}; check builds a class with "
-                         f"one config dict ({cfg_label}): make an instance in your file (ffn = {cls.__name__}(...)) "
-                         f"and check that (FILE.py:ffn)")
-    how = f"{cls.__name__}({cfg_label if params else ''})"
-    try:
-        return cls(*([cfg] if params else [])), how
-    except Exception as e:
-        who = _super_missing(e)
-        if who:
-            raise CheckError(_super_message(who, e)) from None
-        hint = f": it reads a key {cfg_label} does not have ({', '.join(cfg)})" if isinstance(e, KeyError) else ""
-        raise CheckError(f"{how} raised {type(e).__name__}: {e}{hint}".splitlines()[0]) from None
-
+# ---- the FFN's two linear layers -----------------------------------------------------------------------
 
 def linear_layers(module: nn.Module) -> list:
     """(name, submodule) of every submodule holding a 2-D `weight` (nn.Linear, Conv1D-style), in order."""
@@ -260,19 +156,26 @@ def reference(golden=None) -> tuple:
 
 # ---- the checks ---------------------------------------------------------------------------------------
 
-def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None) -> Report:
-    """Check a learner's FFN or GELU: an nn.Module class (built with one config dict), an instance, or a
-    GELU function. golden: a directory from `gpt2ffn extract`, or random:<preset>[:seed] (default
-    random:gpt2:0, offline); layer: its block; config: the dict, preset name or JSON a class is built with
-    (default: the seeds' book-style dict of the reference's width, GPT_CONFIG_124M for gpt2)."""
+def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None, model=None):
+    """Check a learner's FFN, GELU or whole GPT-2: an nn.Module class (built with its file's config class or
+    one config dict), an instance, or a GELU function. golden: a directory from `gpt2ffn extract`, or
+    random:<preset>[:seed] (default random:gpt2:0, offline); layer: the FFN's block; config: what a class is
+    built with (--config: a dict, preset name or JSON); model: a whole model's reference weights (a checkpoint
+    directory or random:<preset>[:seed]; default: golden's model). A module holding an nn.Embedding is a whole
+    model and gets gpt2ffn.check_model's checkpoint-by-checkpoint report."""
     name = name or getattr(obj, "__name__", type(obj).__name__)
-    ref_cfg, case_of = reference(golden)
+    source = model_source(golden, model)
+    if model is not None and not str(model).startswith("random:"):  # a checkpoint: a whole model's reference
+        ref_cfg, case_of = Config.from_pretrained(model), None
+    else:
+        ref_cfg, case_of = reference(golden if model is None else source)
     if inspect.isclass(obj):
         if not issubclass(obj, nn.Module):
-            raise CheckError(f"{name} is a class but not an nn.Module; check takes an FFN or GELU module")
-        cfg, cfg_label = _config(config, ref_cfg)
-        module, how = instantiate(obj, cfg, cfg_label)
-        built = [f"built as {how}" + (f", cfg = {json.dumps(cfg)}" if how.endswith("(cfg)") else "")]
+            raise CheckError(f"{name} is a class but not an nn.Module; check takes an FFN, GELU or GPT-2 module")
+        module, how = build(obj, ref_cfg, config)
+        if how.endswith("(GPT_CONFIG_124M)") and is_model(module):  # the book's dict turns off c_attn's bias
+            module, how = build(obj, ref_cfg, config, qkv_bias=True)
+        built = [f"built as {how}"]
     elif isinstance(obj, nn.Module):
         module, built = obj, [f"an instance of {type(obj).__name__}"]
     elif callable(obj):
@@ -280,6 +183,11 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     else:
         raise CheckError(f"{name} is a {type(obj).__name__}; check takes an nn.Module class or instance, "
                          "or a GELU function")
+    if is_model(module):
+        return check_model(module, name, built, source)
+    if case_of is None:
+        raise CheckError(f"{name} is an FFN or GELU, judged on one block: give --golden DIR (from gpt2ffn extract) "
+                         "or random:<preset>; --model DIR is a whole model's reference")
     linears = linear_layers(module)
     if not linears:
         return check_gelu(module, name, ref_cfg.gelu_approximate, built)
@@ -339,7 +247,8 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
         if r.status == "FAIL" and np.isfinite(first[stage]).all():
             failing.append(stage)
     deterministic = all(np.array_equal(first[k], again[k], equal_nan=True) for k in first)
-    diagnosis = diagnose_stages(case, first, failing, atol)
+    diagnoses = diagnose_stages(case, first, failing, atol)
+    diagnosis = diagnoses[0] if diagnoses else None
     if not failing and all(r.status != "FAIL" for r in rows):
         verdict = f"PASS: {name} computes GPT-2's FFN (c_fc -> {FORMS[TARGET[case.approximate]][1]} -> c_proj)"
         if not deterministic:
@@ -347,26 +256,45 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
             rows.append(Row("2 runs identical", (), 0.0, None, "FAIL", "two runs gave different outputs"))
     else:
         bad = next(r for r in rows if r.status == "FAIL")
-        verdict = (f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if diagnosis
-                   else f"FAIL ({bad.name}): {bad.note}")
+        verdict = (f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if len(diagnoses) == 1
+                   else f"FAIL: {len(diagnoses)} known mistakes, most upstream first: " + "; ".join(
+                       f"({i}) {STAGE_LABELS[d.stage]}: {d.text}" for i, d in enumerate(diagnoses, 1))
+                   if diagnoses else f"FAIL ({bad.name}): {bad.note}")
         if not deterministic and (diagnosis is None or diagnosis.key != "dropout"):
             verdict += " (and two runs differ: something random is on at inference)"
-    return Report("ffn", name, info, rows, verdict, diagnosis)
+    return Report("ffn", name, info, rows, verdict, diagnosis, diagnoses)
 
 
-def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float):
-    """The known mistake that explains the most failing stages (then the earliest, then the closest): both
-    biases missing matches all three stages, c_fc's bias alone only the first two. Else dropout's signature
-    at any stage, else the output's worst element. None when nothing failed."""
+def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float) -> list:
+    """Every known mistake the failing stages show, most upstream first. One known mistake that explains every
+    failing stage is named alone (both biases missing matches all three stages; c_fc's bias alone only the first
+    two). Otherwise each failing stage is judged on the module's own input to it (its own c_fc output, its own
+    activation output), so independent mistakes (no biases and ReLU) are each named. Else dropout's signature,
+    else the output's worst element. [] when nothing failed."""
     found = {}  # key -> [stages it matches, variant, first stage, distance there]
     for stage in failing:
         for dist, v in case.matching(stage, outputs[stage], atol):
             found.setdefault(v.key, [0, v, stage, dist])[0] += 1
-    if found:
-        _, v, stage, dist = max(found.values(), key=lambda f: (f[0], -STAGES.index(f[2]), -f[3]))
-        return named(v, stage, dist)
+    best = max(found.values(), key=lambda f: (f[0], -STAGES.index(f[2]), -f[3])) if found else None
+    if best and best[0] == len(failing):
+        return [named(best[1], best[2], best[3])]
+    own = []
+    for stage in failing:
+        if stage == "c_fc":
+            hits = [h for h in case.matching(stage, outputs[stage], atol) if h[1].key != "biases_missing"]
+        else:
+            before = STAGES[STAGES.index(stage) - 1]
+            if before not in outputs:
+                continue
+            ok, hits = case.local(stage, outputs[before], outputs[stage], atol)
+        if hits:
+            own.append(named(hits[0][1], stage, hits[0][0]))
+    if len(own) > 1:
+        return own
+    if best:
+        return [named(best[1], best[2], best[3])]
     plain = [case.diagnose(stage, outputs[stage], atol) for stage in failing]
-    return next((d for d in plain if d.key), plain[-1] if plain else None)
+    return [next((d for d in plain if d.key), plain[-1])] if plain else []
 
 
 def _run(module, l1, l2, x, name) -> dict:
@@ -381,8 +309,8 @@ def _run(module, l1, l2, x, name) -> dict:
         with torch.no_grad():
             out = module(x)
     except Exception as e:
-        who = _super_missing(e)
-        raise CheckError(_super_message(who, e) if who else f"{name} failed on input of shape {tuple(x.shape)}: "
+        who = super_missing(e)
+        raise CheckError(super_message(who, e) if who else f"{name} failed on input of shape {tuple(x.shape)}: "
                          f"{type(e).__name__}: {e}".splitlines()[0]) from None
     finally:
         for h in hooks:

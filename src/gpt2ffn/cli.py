@@ -138,14 +138,15 @@ def cmd_verify(args):
 
 
 def cmd_check(args):
-    """Judge a learner's FFN or GELU module from a .py file, and say what is wrong."""
+    """Judge a learner's FFN, GELU or whole GPT-2 from a .py file, and say what is wrong."""
     import contextlib
     import json
 
     from .check import check, load_object
     with contextlib.redirect_stdout(sys.stderr):  # what the learner's file prints must not mix into the report
         obj, label = load_object(args.target)
-        report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label)
+        model = args.model or (f"random:{args.preset}:0" if args.preset else None)
+        report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label, model=model)
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.passed else 1
 
@@ -292,13 +293,19 @@ def build_parser() -> Parser:
                    "tolerance as a line, failing bars marked")
     p.set_defaults(func=cmd_verify)
 
-    p = sub.add_parser("check", help="judge your own FFN or GELU module (FILE.py:NAME) and say what is wrong")
+    p = sub.add_parser("check", help="judge your own FFN, GELU or whole GPT-2 (FILE.py:NAME) and say what is wrong")
     p.add_argument("target", metavar="FILE.py:NAME", help="a class or an instance in the file (imported from its path)")
     p.add_argument("--golden", help="a directory written by gpt2ffn extract, or random:<preset>[:seed] "
                    "(default random:gpt2:0, computed offline)")
     p.add_argument("--layer", type=int, default=0, help="the block whose FFN weights and input to use (default 0)")
     p.add_argument("--config", help="what a class is built with: JSON (text or .json file) or a preset name; "
-                   "default: the book-style dict of the reference's width (GPT_CONFIG_124M for gpt2)")
+                   "default: the file's own config class with GPT-2's values, else the book-style dict of the "
+                   "reference's width (GPT_CONFIG_124M for gpt2)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--model", help="a whole model's reference weights: an HF checkpoint directory or "
+                   "random:<preset>[:seed] (default: --golden's model, else random:gpt2:0)")
+    g.add_argument("--preset", choices=["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"],
+                   help="the same as --model random:<preset>:0 (gpt2-medium: seed 001's 1024-wide checkpoints)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_check)
 

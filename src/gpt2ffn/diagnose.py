@@ -148,6 +148,27 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None) -> list:
     return out
 
 
+def local_variants(stage: str, inp, x, weights: dict, approximate: str, known: list) -> tuple:
+    """(what the stage computes from its own input, the known mistakes of that stage alone): the activation
+    applied to the module's own c_fc output, c_proj to its own activation output. A stage that is right given
+    its own input only inherits an earlier mistake; one that is wrong holds a mistake of its own, so a module
+    with two (no biases and ReLU) has each named. x: the FFN's input, for the residual added inside it."""
+    inp = np.asarray(inp, np.float64)
+    names = {v.key: (v.name, v.fix) for v in known}
+    if stage == "gelu":
+        target = TARGET[approximate]
+        right = FORMS[target][0](inp)
+        tensors = {f"gelu_{k}": f(inp) for k, (f, *_) in FORMS.items() if k != target}
+    else:  # ffn: c_proj of the module's own activation output
+        w2, b2 = (np.asarray(weights[k], np.float64) for k in ("c_proj.weight", "c_proj.bias"))
+        n_in, n_out = w2.shape
+        right = inp @ w2 + b2
+        tensors = {"c_proj_bias_missing": inp @ w2, "c_proj_not_transposed": inp @ w2.reshape(n_out, n_in).T + b2,
+                   "c_proj_viewed": inp @ w2.T.reshape(n_in, n_out) + b2,
+                   "residual_added": np.asarray(x, np.float64) + right}
+    return right, [Variant(k, *names[k], {stage: t}) for k, t in tensors.items() if k in names]
+
+
 def _fit(got, shape):
     """got reshaped to shape when only leading 1s differ ([T, d] for [1, T, d]); else None."""
     squeeze = lambda s: tuple(s)[next((i for i, n in enumerate(s) if n != 1), len(s)):]  # noqa: E731
@@ -234,6 +255,13 @@ class FFNCase:
 
     def matching(self, stage, got, atol) -> list:
         return matching(stage, got, self.known, atol)
+
+    def local(self, stage, inp, got, atol):
+        """(True when the stage is right given its own input inp, the known mistakes it equals given inp)."""
+        right, known = local_variants(stage, inp, self.x, self.weights, self.approximate, self.known)
+        g = _fit(np.asarray(got, np.float64), right.shape)
+        ok = g is not None and float(np.abs(g - right).max()) <= atol
+        return ok, ([] if ok else matching(stage, got, known, atol))
 
     def given(self, x) -> "FFNCase":
         """The same FFN fed another input (an engine's own ln_2 output): expected is the right FFN of x."""

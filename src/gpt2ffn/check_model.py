@@ -1,0 +1,723 @@
+"""Check a learner's whole GPT-2, checkpoint by checkpoint: the first divergence named, and diagnosed.
+
+    gpt2ffn check nanogpt.py:GPT                    # built with the file's GPTConfig, GPT-2 124M's values
+    gpt2ffn check gpt.py:GPTModel --model random:tiny:3
+    print(gpt2ffn.check(GPT).format())              # the same from Python
+
+The learner's parameters are matched to GPT-2's (by name where they follow HF, nanoGPT or the book, else by
+shape and order within each block), loaded with the reference weights, and the model runs once in eval() on a
+fixed prompt with forward hooks on its modules. Each stage is compared with what HF's own GPT2LMHeadModel
+returned (gpt2ffn.golden.capture) at the golden tolerance, in forward order: embeddings, then per block ln_1,
+q/k/v, attention probabilities (where a dropout module sees them), attention output, first residual, ln_2,
+the FFN's stages, block output; ln_f; logits; greedy next tokens. The first stage that diverges is named by
+block and checkpoint, and compared with each known mistake computed from HF's weights and its input there.
+"""
+
+import math
+import re
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import numpy as np
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import Config
+from .diagnose import FFNCase, dropout_rate, named
+from .golden import CHECKPOINTS, Golden, capture, compare, load_reference
+from .learner import CheckError
+from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
+
+DEFAULT_MODEL = "random:gpt2:0"
+# Seed 001's prompt "Hello, my dog is cute" in GPT-2's BPE (taken mod the vocabulary for small presets).
+TOKEN_IDS = [15496, 11, 616, 3290, 318, 13779]
+NEW_TOKENS = 4
+# Per block, forward order: (stage, seed 001's checkpoint, label).
+BLOCK_STAGES = [
+    ("ln_1", "01", "ln_1"),
+    ("q", "02", "q (c_attn)"),
+    ("k", "03", "k (KV cache)"),
+    ("v", "03", "v (KV cache)"),
+    ("attn_probs", "04", "attention probabilities"),
+    ("attn_out", "05", "attention output (c_proj)"),
+    ("attn_resid", "05", "x + attention (1st residual)"),
+    ("ln_2", "05", "ln_2"),
+    ("c_fc", "06", "FFN c_fc"),
+    ("gelu", "06", "FFN activation"),
+    ("ffn", "06", "FFN output"),
+    ("block", "07", "block output (2nd residual)"),
+]
+MODEL_STAGES = [("embeddings", "00", "embeddings (wte + wpe)"), ("ln_f", "08", "ln_f"), ("logits", "09", "logits"),
+                ("tokens", "10", f"greedy next {NEW_TOKENS} tokens")]
+LABELS = {s: label for s, _, label in BLOCK_STAGES + MODEL_STAGES}
+CHECKPOINT = {s: ck for s, ck, _ in BLOCK_STAGES + MODEL_STAGES}
+
+
+def is_model(module: nn.Module) -> bool:
+    """A whole model holds a token embedding; an FFN or a GELU does not."""
+    return any(isinstance(m, nn.Embedding) for m in module.modules())
+
+
+def model_source(golden=None, model=None) -> str:
+    """The reference weights: --model, else --golden's model (random:... or the directory it was taken from)."""
+    if model is not None:
+        return str(model)
+    if golden is None or str(golden).startswith("random:"):
+        return str(golden or DEFAULT_MODEL)
+    return Golden(golden).manifest["model"]["source"]
+
+
+# ---- the learner's modules in GPT-2's roles -------------------------------------------------------------
+
+NORM_HINTS = {"ln_1": r"(ln_?1|norm_?1|attn_norm|input_layernorm)$", "ln_2": r"(ln_?2|norm_?2|ffn_norm|mlp_norm|"
+              r"post_attention_layernorm)$"}
+LINEAR_HINTS = {"q": r"(^|\.)(w_?q|q|q_proj|query|w_query)$", "k": r"(^|\.)(w_?k|k|k_proj|key|w_key)$",
+                "v": r"(^|\.)(w_?v|v|v_proj|value|w_value)$", "attn.c_proj": r"(c_proj|out_proj|o_proj|w_?o|proj|out)$",
+                "mlp.c_fc": r"(c_fc|fc1?|up(_proj)?|w1|layers\.0)$", "mlp.c_proj": r"(c_proj|fc2|down(_proj)?|w2|proj|layers\.2)$"}
+WEIGHT_NAMES, BIAS_NAMES = ("weight", "scale", "gamma", "g", "w"), ("bias", "shift", "beta", "b")
+
+
+@dataclass
+class Part:
+    """A learner module in one GPT-2 role: its name, the module, and its weight layout ([in, out] or [out, in])."""
+
+    name: str
+    module: nn.Module
+    layout: str | None = None
+
+
+@dataclass
+class Structure:
+    wte: Part
+    wpe: Part
+    blocks: list            # per block: {role: Part}, roles ln_1, ln_2, attn.c_attn or q/k/v, attn.c_proj,
+    ln_f: Part              # mlp.c_fc, mlp.c_proj, and the containers attn, mlp, block
+    lm_head: Part | None    # None: logits come from wte (tied)
+    style: str
+    notes: list = field(default_factory=list)
+
+
+def _leaves(module: nn.Module, skip=()) -> list:
+    """(name, module) of every submodule holding parameters directly, in registration order (the module's own
+    parameters have no GPT-2 role: loading names them as left over)."""
+    return [(n, m) for n, m in module.named_modules() if n and any(p is not None for p in m._parameters.values())
+            and not any(n == s or n.startswith(s + ".") for s in skip)]
+
+
+def _is_norm(m, d) -> bool:
+    ps = [p for p in m._parameters.values() if p is not None]
+    return bool(ps) and all(p.dim() == 1 and p.shape[0] == d for p in ps)
+
+
+def _weight2d(m):
+    w = m._parameters.get("weight")
+    return w if isinstance(w, torch.Tensor) and w.dim() == 2 else None
+
+
+def _common(names: list) -> str:
+    """The deepest module name that contains all names ('' for the root)."""
+    parts = [n.split(".")[:-1] for n in names]
+    out = []
+    for level in zip(*parts):
+        if len(set(level)) != 1:
+            break
+        out.append(level[0])
+    return ".".join(out)
+
+
+def _blocks(model: nn.Module) -> tuple:
+    """(name, container) of the learner's transformer blocks: the list of same-type modules with most weights."""
+    found = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
+             and len({type(c) for c in m}) == 1 and sum(_weight2d(x) is not None for x in m[0].modules()) >= 3]
+    if not found:
+        raise CheckError(f"{type(model).__name__} has no list of transformer blocks (an nn.ModuleList or "
+                         "nn.Sequential of blocks, each with attention and an FFN)")
+    return max(found, key=lambda f: sum(p.numel() for p in f[1].parameters()))
+
+
+def _pick(roles: list, named: list, hints: dict) -> dict:
+    """Assign modules to roles by name hints when each role gets exactly one, else in registration order."""
+    by_hint = {}
+    for role in roles:
+        hits = [x for x in named if re.search(hints[role], x[0], re.IGNORECASE)]
+        by_hint[role] = hits[0] if len(hits) == 1 else None
+    if all(by_hint.values()) and len({id(x[1]) for x in by_hint.values()}) == len(roles):
+        return by_hint
+    return dict(zip(roles, named))
+
+
+def _layout(m, n_in, n_out, siblings) -> str:
+    """[out, in] for nn.Linear, [in, out] for a Conv1D; other modules by which side is n_in, a square one as
+    its non-square siblings of the same class are."""
+    w = _weight2d(m)
+    if isinstance(m, nn.Linear):
+        return "[out, in]"
+    if "conv1d" in type(m).__name__.lower():
+        return "[in, out]"
+    if n_in != n_out:
+        return "[in, out]" if tuple(w.shape) == (n_in, n_out) else "[out, in]"
+    for s in siblings:
+        ws = _weight2d(s)
+        if type(s) is type(m) and ws.shape[0] != ws.shape[1]:
+            return "[in, out]" if ws.shape[0] < ws.shape[1] or ws.shape[0] == m.weight.shape[0] else "[out, in]"
+    return "[out, in]"
+
+
+def find_structure(model: nn.Module, cfg: Config) -> Structure:
+    """Every GPT-2 role in the learner's model, or a CheckError saying what does not fit."""
+    d, V, P = cfg.n_embd, cfg.vocab_size, cfg.n_positions
+    bname, container = _blocks(model)
+    if len(container) != cfg.n_layer:
+        raise CheckError(f"{type(model).__name__} has {len(container)} blocks ({bname}); the reference has "
+                         f"n_layer={cfg.n_layer}: build it with the reference's config (--config) or check against "
+                         f"a reference of its size (--model random:<preset>)")
+    top = _leaves(model, skip=[bname])
+    embs = [(n, m) for n, m in top if isinstance(m, nn.Embedding)]
+    wte = next((x for x in embs if x[1].num_embeddings == V), None)
+    wpe = next((x for x in embs if x[1].num_embeddings == P and x is not wte), None)
+    if wte is None or wpe is None:
+        got = ", ".join(f"{n} {tuple(m.weight.shape)}" for n, m in embs) or "none"
+        raise CheckError(f"{type(model).__name__}'s embeddings are {got}; GPT-2 here has wte ({V}, {d}) and "
+                         f"wpe ({P}, {d})")
+    norms = [(n, m) for n, m in top if _is_norm(m, d)]
+    heads = [(n, m) for n, m in top if not isinstance(m, nn.Embedding) and _weight2d(m) is not None]
+    other = [n for n, m in top if not isinstance(m, nn.Embedding) and (n, m) not in norms + heads]
+    if len(norms) != 1 or len(heads) > 1 or other:
+        raise CheckError(f"outside its blocks {type(model).__name__} has norms {[n for n, _ in norms]}, output "
+                         f"layers {[n for n, _ in heads]} and {other or 'nothing else'}; GPT-2 has one final "
+                         f"LayerNorm (ln_f) and at most one lm_head")
+    lm_head = None
+    if heads and heads[0][1].weight is not wte[1].weight:
+        h = heads[0][1]
+        if sorted(h.weight.shape) != sorted((V, d)):
+            raise CheckError(f"{heads[0][0]} has weight {tuple(h.weight.shape)}; GPT-2's lm_head maps {d} -> {V}")
+        lm_head = Part(heads[0][0], h, "[out, in]" if tuple(h.weight.shape) == (V, d) else "[in, out]")
+    blocks = [_block_roles(f"{bname}.{i}", b, cfg) for i, b in enumerate(container)]
+    names = " ".join(p.name for p in blocks[0].values()) + " " + wte[0]
+    style = ("nanoGPT/HF" if re.search(r"c_attn|c_fc", names) and "ln_1" in names else
+             "the book's" if re.search(r"W_query|norm1|tok_emb", names) else None)
+    return Structure(Part(*wte), Part(*wpe), blocks, Part(*norms[0]), lm_head, style)
+
+
+def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
+    d, hidden = cfg.n_embd, cfg.hidden
+    leaves = _leaves(block)
+    norms = [(n, m) for n, m in leaves if _is_norm(m, d)]
+    lin = [(n, m) for n, m in leaves if _weight2d(m) is not None]
+    strange = [n for n, m in leaves if (n, m) not in norms + lin]
+    shape = lambda m: sorted(_weight2d(m).shape)  # noqa: E731
+    fused = [x for x in lin if shape(x[1]) == sorted((d, 3 * d))]
+    square = [x for x in lin if shape(x[1]) == [d, d]]
+    ffn = [x for x in lin if shape(x[1]) == sorted((d, hidden))]
+    rest = [n for n, m in lin if (n, m) not in fused + square + ffn] + strange
+    where = f"{prefix} ({type(block).__name__})"
+    if len(norms) != 2 or rest:
+        raise CheckError(f"{where} has LayerNorms {[n for n, _ in norms]} and other layers {rest}; a GPT-2 block has "
+                         f"two LayerNorms of width {d} and linear layers of shapes [{d}, {3 * d}] or 3 x [{d}, {d}], "
+                         f"[{d}, {d}], [{d}, {hidden}], [{hidden}, {d}]")
+    roles = _pick(["ln_1", "ln_2"], norms, NORM_HINTS)
+    if len(ffn) != 2:
+        raise CheckError(f"{where} has {len(ffn)} layers of shape {d} x {hidden} ({[n for n, _ in ffn]}); GPT-2's FFN "
+                         "has two, c_fc then c_proj")
+    mods = [m for _, m in lin]
+    linear_fc = [x for x in ffn if isinstance(x[1], nn.Linear)]
+    if len(linear_fc) == 2:  # nn.Linear stores [out, in]: c_fc's weight is [hidden, d]
+        ffn = sorted(ffn, key=lambda x: x[1].weight.shape[1] != d)
+        roles.update({"mlp.c_fc": ffn[0], "mlp.c_proj": ffn[1]})
+    else:
+        roles.update(_pick(["mlp.c_fc", "mlp.c_proj"], ffn, LINEAR_HINTS))
+    if len(fused) == 1 and len(square) == 1:
+        roles.update({"attn.c_attn": fused[0], "attn.c_proj": square[0]})
+        attn = [fused[0][0], square[0][0]]
+    elif not fused and len(square) == 4:
+        roles.update(_pick(["q", "k", "v", "attn.c_proj"], square, LINEAR_HINTS))
+        attn = [n for n, _ in square]
+    else:
+        raise CheckError(f"{where} has {len(fused)} layers of shape {d} x {3 * d} and {len(square)} of {d} x {d} "
+                         f"({', '.join(n for n, _ in fused + square)}): cannot tell which is which; GPT-2's attention "
+                         f"has c_attn [{d}, {3 * d}] and c_proj [{d}, {d}], or q, k, v and an output projection, "
+                         f"4 x [{d}, {d}]")
+    out = {}
+    for role, (n, m) in roles.items():
+        n_in, n_out = {"attn.c_attn": (d, 3 * d), "mlp.c_fc": (d, hidden), "mlp.c_proj": (hidden, d)}.get(role, (d, d))
+        lay = _layout(m, n_in, n_out, mods) if _weight2d(m) is not None else None
+        out[role] = Part(f"{prefix}.{n}", m, lay)
+    named_mods = dict(block.named_modules())
+    for role, names in (("attn", attn), ("mlp", [roles["mlp.c_fc"][0], roles["mlp.c_proj"][0]])):
+        n = _common(names)
+        out[role] = Part(f"{prefix}.{n}" if n else prefix, named_mods[n])
+    out["block"] = Part(prefix, block)
+    return out
+
+
+# ---- loading the reference weights ----------------------------------------------------------------------
+
+def _copy(param, value, what) -> None:
+    if tuple(param.shape) != tuple(value.shape):
+        raise CheckError(f"{what} has shape {tuple(param.shape)}; GPT-2's tensor for it is {tuple(value.shape)}")
+    with torch.no_grad():
+        param.copy_(value)
+
+
+def _params(part: Part, one_d: bool):
+    """(weight, bias) Parameters of a layer: by name (weight/scale/gamma, bias/shift/beta), else in order."""
+    ps = [(k, p) for k, p in part.module._parameters.items() if p is not None]
+    w = next((p for k, p in ps if k in WEIGHT_NAMES), None)
+    b = next((p for k, p in ps if k in BIAS_NAMES), None)
+    if w is None:
+        w = ps[0][1]
+    if b is None and not one_d:
+        b = next((p for k, p in ps if p is not w and p.dim() == 1), None)
+    elif b is None:
+        b = next((p for k, p in ps if p is not w), None)
+    return w, b
+
+
+def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
+    """Copy HF's weights into the learner's model: (tensors copied, notes on what GPT-2 has and it lacks,
+    names of the learner's parameters left without a GPT-2 tensor)."""
+    d = cfg.n_embd
+    tr, done, notes = hf.transformer, set(), []
+
+    def put(part, key, w, b=None):
+        weight, bias = _params(part, w.dim() == 1)
+        _copy(weight, w.T if part.layout == "[out, in]" else w, f"{part.name} ({key}) weight")
+        done.add(id(weight))
+        if b is not None:
+            if bias is None:
+                notes.append(f"{part.name} has no bias (GPT-2's {key} has one)")
+            else:
+                _copy(bias, b, f"{part.name} ({key}) bias")
+                done.add(id(bias))
+
+    put(s.wte, "wte", tr.wte.weight)
+    put(s.wpe, "wpe", tr.wpe.weight)
+    for i, roles in enumerate(s.blocks):
+        h = tr.h[i]
+        for key in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
+            m = h.get_submodule(key)
+            put(roles[key], f"h.{i}.{key}", m.weight, m.bias)
+        if "attn.c_attn" in roles:
+            put(roles["attn.c_attn"], f"h.{i}.attn.c_attn", h.attn.c_attn.weight, h.attn.c_attn.bias)
+        else:
+            for j, role in enumerate("qkv"):
+                put(roles[role], f"h.{i}.attn.c_attn[{role}]", h.attn.c_attn.weight[:, j * d:(j + 1) * d],
+                    h.attn.c_attn.bias[j * d:(j + 1) * d])
+    put(s.ln_f, "ln_f", tr.ln_f.weight, tr.ln_f.bias)
+    if s.lm_head is not None and s.style != "nanoGPT/HF":
+        put(s.lm_head, "lm_head", tr.wte.weight.T)  # [in, out], as the book's loader does: out_head.weight = wte
+        notes.append(f"{s.lm_head.name} is not tied to {s.wte.name}: given wte's values, as GPT-2 ties them")
+    return len(done), notes, [n for n, p in model.named_parameters() if id(p) not in done]
+
+
+# ---- running it: every stage, by forward hooks ----------------------------------------------------------
+
+def _tensor(o):
+    """A module's output tensor: the tensor, a tuple's first element, or an output object's logits."""
+    if isinstance(o, torch.Tensor):
+        return o
+    if isinstance(o, (tuple, list)) and o and isinstance(o[0], torch.Tensor):
+        return o[0]
+    logits = getattr(o, "logits", None)
+    return logits if isinstance(logits, torch.Tensor) else None
+
+
+def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str) -> dict:
+    """One eval() forward of the learner's model; every stage its modules saw, as float32 numpy (first call)."""
+    seen, hooks, T, d, H = {}, [], len(ids), cfg.n_embd, cfg.n_head
+
+    def keep(key, t):
+        if isinstance(t, torch.Tensor) and key not in seen:
+            seen[key] = t.detach().float().numpy().copy()
+
+    def out(key, pick=lambda t: t):
+        return lambda m, a, o: keep(key, pick(_tensor(o)))
+
+    def first_input(key):
+        return lambda m, a, kw: keep(key, a[0] if a else next(iter(kw.values()), None))
+
+    def add(r, role, fn, pre=False):
+        m = r[role].module
+        hooks.append(m.register_forward_pre_hook(fn, with_kwargs=True) if pre else m.register_forward_hook(fn))
+
+    hooks.append(s.blocks[0]["block"].module.register_forward_pre_hook(first_input("embeddings"), with_kwargs=True))
+    for i, r in enumerate(s.blocks):
+        def hook(role, fn, pre=False, r=r):
+            add(r, role, fn, pre)
+        hook("ln_1", out(f"h{i}_ln_1"))
+        if "attn.c_attn" in r:
+            for j, role in enumerate("qkv"):
+                hook("attn.c_attn", out(f"h{i}_{role}", lambda t, j=j: t[..., j * d:(j + 1) * d]))
+        else:
+            for role in "qkv":
+                hook(role, out(f"h{i}_{role}"))
+        for m in r["attn"].module.modules():  # attention probabilities: what a dropout after the softmax sees
+            if isinstance(m, nn.Dropout):
+                hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: keep(f"h{i}_attn_probs", a[0]) if (
+                    a[0].dim() == 4 and tuple(a[0].shape[-3:]) == (H, T, T)) else None))
+        hook("attn.c_proj", out(f"h{i}_attn_out"))
+        hook("ln_2", first_input(f"h{i}_attn_resid"), pre=True)
+        hook("ln_2", out(f"h{i}_ln_2"))
+        hook("mlp.c_fc", out(f"h{i}_c_fc"))
+        hook("mlp.c_proj", first_input(f"h{i}_gelu"), pre=True)
+        hook("mlp" if r["mlp"].module is not r["block"].module else "mlp.c_proj", out(f"h{i}_ffn"))
+        hook("block", out(f"h{i}_block"))
+    hooks.append(s.ln_f.module.register_forward_hook(out("ln_f")))
+    try:
+        with torch.no_grad():
+            logits = _tensor(model(torch.tensor([ids])))
+    except Exception as e:
+        raise CheckError(f"{name} failed on token ids of shape (1, {T}): {type(e).__name__}: {e}".splitlines()[0]) \
+            from None
+    finally:
+        for h in hooks:
+            h.remove()
+    if logits is None or logits.dim() != 3 or logits.shape[-1] != cfg.vocab_size:
+        got = tuple(logits.shape) if logits is not None else "no tensor"
+        raise CheckError(f"{name} returned {got}; a GPT-2 returns logits (1, T, {cfg.vocab_size}) (or a tuple or "
+                         "output object holding them first)")
+    seen["logits"] = logits.detach().float().numpy()
+    return seen
+
+
+def greedy(step, ids: list, n: int) -> list:
+    """n greedy next tokens, each from a full forward of the prompt so far (no KV cache: nothing to trust)."""
+    ids = list(ids)
+    with torch.no_grad():
+        for _ in range(n):
+            ids.append(int(step(torch.tensor([ids]))[0, -1].argmax()))
+    return ids[-n:]
+
+
+# ---- the known mistakes at the first divergence ---------------------------------------------------------
+
+def _layer_norm(x, w, b, eps, unbiased=False):
+    mu = x.mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(x.var(-1, keepdim=True, unbiased=unbiased) + eps) * w + b
+
+
+def _act(approximate):
+    return (lambda h: torch.relu(h)) if approximate == "relu" else (lambda h: F.gelu(h, approximate=approximate))
+
+
+EPS_TRIED = (1e-12, 1e-8, 1e-6, 1e-5, 1e-3)
+# key -> (name, what to change). Each is computed from HF's weights and HF's input to the block (float64).
+MISTAKES = {
+    "no_scale": ("attention scores not scaled by 1/sqrt(d_head)",
+                 "divide q @ k^T by math.sqrt(d_head), d_head = n_embd // n_head, before the mask and softmax"),
+    "scale_n_embd": ("attention scores scaled by 1/sqrt(n_embd) instead of 1/sqrt(d_head)",
+                     "divide by math.sqrt(n_embd // n_head), the head's width, not the model's"),
+    "no_mask": ("no causal mask: each position attends to later tokens",
+                "before the softmax set the scores of keys after the query to -inf: "
+                "att.masked_fill(torch.tril(torch.ones(T, T)) == 0, float('-inf'))"),
+    "inverted_mask": ("causal mask inverted: each position attends to itself and later tokens, not earlier ones",
+                      "mask the keys AFTER the query (the upper triangle, torch.triu(..., diagonal=1)), keep the lower"),
+    "softmax_axis": ("softmax over the wrong axis (dim=-2, the queries) instead of the keys (dim=-1)",
+                     "torch.softmax(att, dim=-1): each query's weights over the keys sum to 1"),
+    "ln_unbiased": ("LayerNorm with unbiased variance (divides by n - 1)",
+                    "x.var(dim=-1, keepdim=True, unbiased=False), or nn.LayerNorm: GPT-2 divides by n"),
+    "post_norm": ("post-norm: LayerNorm after the residual add (x = ln(x + attn(x))) instead of before the sublayer",
+                  "GPT-2 is pre-norm: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))"),
+    "no_resid_attn": ("missing residual around attention (x = attn(ln_1(x)))", "x = x + attn(ln_1(x))"),
+    "no_resid_mlp": ("missing residual around the FFN (x = mlp(ln_2(x)))", "x = x + mlp(ln_2(x))"),
+    "c_attn_not_transposed": ("c_attn weight not transposed ([in, out] Conv1D data used as [out, in])",
+                              "GPT-2's Conv1D stores c_attn.weight as [in, out]; copy its .T into nn.Linear.weight "
+                              "(a reshape or view is not a transpose)"),
+    "attn_c_proj_not_transposed": ("attn.c_proj weight not transposed ([in, out] Conv1D data used as [out, in])",
+                                   "GPT-2's Conv1D stores attn.c_proj.weight as [in, out]: copy its .T into "
+                                   "nn.Linear.weight, or compute x @ W for a Conv1D-layout W"),
+    "qkv_bias_missing": ("q/k/v bias missing (GPT-2's c_attn has one)",
+                         "build the q, k, v projections with bias=True (the book's qkv_bias=True when loading GPT-2)"),
+    "positions_not_added": ("position embeddings not added (wte only)", "x = wte(idx) + wpe(torch.arange(T))"),
+    "lm_head_untied": ("lm_head not tied to wte: its own weight, which GPT-2's checkpoint does not hold",
+                       "tie it (self.transformer.wte.weight = self.lm_head.weight), or copy wte into it on loading"),
+}
+for _eps in EPS_TRIED:
+    MISTAKES[f"ln_eps_{_eps:g}"] = (f"LayerNorm eps {_eps:g}", "use GPT-2's eps, 1e-5 (nn.LayerNorm's default)")
+
+
+def block_forward(x, w: dict, cfg: Config, mistake=None) -> dict:
+    """Every stage of GPT-2 block (HF weights w, HF layout) on x, float64, with one known mistake planted."""
+    d, H, T = cfg.n_embd, cfg.n_head, x.shape[1]
+    dh = d // H
+    eps, unbiased = cfg.layer_norm_epsilon, mistake == "ln_unbiased"
+    if mistake and mistake.startswith("ln_eps_"):
+        eps = float(mistake.removeprefix("ln_eps_"))
+    ln = lambda t, k: _layer_norm(t, w[f"{k}.weight"], w[f"{k}.bias"], eps, unbiased)  # noqa: E731
+    act = _act(cfg.gelu_approximate)
+
+    def attn(h):
+        wa, ba = w["attn.c_attn.weight"], w["attn.c_attn.bias"]
+        if mistake == "c_attn_not_transposed":
+            wa = wa.reshape(3 * d, d).T
+        if mistake == "qkv_bias_missing":
+            ba = 0 * ba
+        q, k, v = (h @ wa + ba).split(d, -1)                                   # (1, T, d) each
+        heads = lambda t: t.reshape(1, T, H, dh).transpose(1, 2)               # noqa: E731  (1, H, T, dh)
+        scale = {"no_scale": 1.0, "scale_n_embd": 1 / math.sqrt(d)}.get(mistake, 1 / math.sqrt(dh))
+        att = heads(q) @ heads(k).transpose(-1, -2) * scale                    # (1, H, T, T)
+        i = torch.arange(T)
+        mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None]}.get(mistake, i[None, :] > i[:, None])
+        if mask is not None:
+            att = att.masked_fill(mask, float("-inf"))
+        p = torch.softmax(att, dim=-2 if mistake == "softmax_axis" else -1)
+        ctx = (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
+        wp = w["attn.c_proj.weight"].T if mistake == "attn_c_proj_not_transposed" else w["attn.c_proj.weight"]
+        return {"q": q, "k": k, "v": v, "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
+
+    def mlp(h):
+        c_fc = h @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]
+        g = act(c_fc)
+        return {"c_fc": c_fc, "gelu": g, "ffn": g @ w["mlp.c_proj.weight"] + w["mlp.c_proj.bias"]}
+
+    if mistake == "post_norm":
+        a = attn(x)
+        h1 = ln(x + a["attn_out"], "ln_1")
+        m = mlp(h1)
+        out = ln(h1 + m["ffn"], "ln_2")
+        return {"ln_1": h1, **a, "attn_resid": h1 + m["ffn"], "ln_2": out, **m, "block": out}
+    h1 = ln(x, "ln_1")
+    a = attn(h1)
+    r = a["attn_out"] if mistake == "no_resid_attn" else x + a["attn_out"]
+    h2 = ln(r, "ln_2")
+    m = mlp(h2)
+    return {"ln_1": h1, **a, "attn_resid": r, "ln_2": h2, **m,
+            "block": m["ffn"] if mistake == "no_resid_mlp" else r + m["ffn"]}
+
+
+@dataclass
+class Reference:
+    """HF GPT-2 on the prompt: its model, config, every stage (float32 numpy), and its greedy tokens."""
+
+    source: str
+    model: nn.Module
+    cfg: Config
+    ids: list
+    stages: dict
+    tokens: list
+
+
+@lru_cache(maxsize=2)
+def reference(source: str) -> Reference:
+    model, cfg, info = load_reference(source)
+    ids = [i % cfg.vocab_size for i in TOKEN_IDS]
+    t = capture(model, cfg, ids, list(range(cfg.n_layer)))
+    d = cfg.n_embd
+    for L in range(cfg.n_layer):  # q, k, v as the c_attn output's thirds, (1, T, d): any learner's layout
+        for j, role in enumerate("qkv"):
+            t[f"h{L}_{role}"] = np.ascontiguousarray(t[f"h{L}_c_attn"][..., j * d:(j + 1) * d])
+    tokens = greedy(lambda x: model(x).logits, ids, NEW_TOKENS)
+    return Reference(info["source"], model, cfg, ids, t, tokens)
+
+
+def _float64(t):
+    return torch.as_tensor(np.asarray(t), dtype=torch.float64)
+
+
+def diagnose(ref: Reference, stage: str, layer, got, atol: float, lm_head_weight=None, runs_differ=False):
+    """The known mistake that the first divergent stage equals (closest first), else dropout, else the worst
+    element: a gpt2ffn.diagnose.Diagnosis."""
+    from .diagnose import Diagnosis
+    from .diagnose import diagnose as plain
+    cfg, t = ref.cfg, ref.stages
+    key = stage if layer is None else f"h{layer}_{stage}"
+    expected = t[key] if stage != "logits" else t["logits"][:, -got.shape[1]:]
+    found = []   # (distance, key, name, fix)
+
+    def offer(k, want):
+        want = want.detach().numpy() if isinstance(want, torch.Tensor) else want
+        if want.shape == got.shape and np.isfinite(want).all():
+            found.append((float(np.abs(got - want).max()), k, *MISTAKES[k]))
+
+    if layer is not None:
+        hf = ref.model.transformer.h[layer]
+        w = {k: v.detach().double() for k, v in hf.state_dict().items() if k not in ("attn.bias", "attn.masked_bias")}
+        x = _float64(t["embeddings"] if layer == 0 else t[f"h{layer - 1}_block"])
+        for k in MISTAKES:
+            if k not in ("positions_not_added", "lm_head_untied"):
+                offer(k, block_forward(x, w, cfg, k)[stage])
+        if stage in ("c_fc", "gelu", "ffn"):
+            case = FFNCase(ref.source, layer, cfg.gelu_approximate,
+                           {k.removeprefix("mlp."): v.numpy() for k, v in w.items() if k.startswith("mlp.")},
+                           t[f"h{layer}_ln_2"], t[f"h{layer}_attn_resid"], {s: t[f"h{layer}_{s}"] for s in
+                                                                             ("c_fc", "gelu", "ffn")})
+            hits = case.matching(stage, got, atol)
+            if hits:
+                return named(hits[0][1], stage, hits[0][0])
+    elif stage == "embeddings":
+        offer("positions_not_added", ref.model.transformer.wte.weight[ref.ids].detach().double()[None])
+    elif stage == "ln_f":
+        ln = ref.model.transformer.ln_f
+        x = _float64(t[f"h{cfg.n_layer - 1}_block"])
+        w, b = ln.weight.detach().double(), ln.bias.detach().double()
+        offer("ln_unbiased", _layer_norm(x, w, b, cfg.layer_norm_epsilon, True))
+        for eps in EPS_TRIED:
+            if eps != cfg.layer_norm_epsilon:
+                offer(f"ln_eps_{eps:g}", _layer_norm(x, w, b, eps))
+    elif stage == "logits" and lm_head_weight is not None:
+        offer("lm_head_untied", _float64(t["ln_f"])[:, -got.shape[1]:] @ lm_head_weight.double().T)
+    hits = sorted(f for f in found if f[0] <= atol)
+    if hits:
+        dist, k, name, fix = hits[0]
+        return Diagnosis(stage, k, f"{name} (within {dist:.1e} of it): {fix}", dist)
+    p = dropout_rate(got, expected, atol)
+    if p is not None or runs_differ:
+        rate = f"{p:.0%} of the elements are 0 and the rest scaled by {1 / (1 - p):.4f} = 1/(1 - p); " if p else ""
+        return Diagnosis(stage, "dropout", f"dropout left on in eval(): two runs differ; {rate}call model.eval(), "
+                                           "and use nn.Dropout or F.dropout(x, p, training=self.training)")
+    return plain(stage, got, expected, [], atol)
+
+
+# ---- the check ----------------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    """One stage, judged over the blocks it was reached in."""
+
+    checkpoint: str
+    stage: str
+    blocks: str
+    shape: tuple
+    max_abs: float
+    atol: float | None
+    status: str       # PASS, FAIL, or "--" (not hooked, or not reached)
+    note: str = ""
+
+    def as_dict(self):
+        return {**self.__dict__, "shape": list(self.shape)}
+
+
+@dataclass
+class ModelReport:
+    """A whole model's check: rows per stage in forward order, the first divergence and its diagnosis."""
+
+    subject: str
+    info: list
+    rows: list
+    verdict: str
+    diagnosis: object = None
+    first: dict | None = None    # {"layer", "stage", "checkpoint"} of the first divergence
+    kind: str = "model"
+    passed: bool = field(init=False)
+
+    def __post_init__(self):
+        self.passed = all(r.status != "FAIL" for r in self.rows)
+
+    def format(self) -> str:
+        w = max(len(r.stage) for r in self.rows) + 5
+        head = f"{'checkpoint':<{w}}{'blocks':<8}{'shape':<18}{'max abs':>11}{'tol':>9}  result"
+        lines = [f"MODEL check of {self.subject}", *[f"  {i}" for i in self.info], head, "-" * len(head)]
+        for r in self.rows:
+            num = f"{r.max_abs:>11.3e}" if r.max_abs == r.max_abs else f"{'':>11}"
+            tol = f"{r.atol:>9.0e}" if r.atol is not None else f"{'':>9}"
+            lines.append(f"{r.checkpoint + ' ' + r.stage:<{w}}{r.blocks:<8}{str(tuple(r.shape)):<18}{num}{tol}  "
+                         f"{r.status}" + (f"  {r.note}" if r.note else ""))
+        seen = {}
+        for r in self.rows:
+            seen[r.checkpoint] = "FAIL" if "FAIL" in (seen.get(r.checkpoint), r.status) else (
+                "PASS" if "PASS" in (seen.get(r.checkpoint), r.status) else "--")
+        lines.append("seed 001's checkpoints: " + "  ".join(f"{ck} {st}" for ck, st in seen.items()))
+        return "\n".join(lines + [self.verdict])
+
+    def as_dict(self) -> dict:
+        return {"kind": self.kind, "subject": self.subject, "passed": self.passed, "info": self.info,
+                "rows": [r.as_dict() for r in self.rows], "verdict": self.verdict, "first_divergence": self.first,
+                "diagnosis": self.diagnosis.as_dict() if self.diagnosis else None}
+
+
+def _span(layers: list) -> str:
+    if not layers:
+        return ""
+    return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
+
+
+def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_MODEL,
+                atol: float = GOLDEN_ATOL) -> ModelReport:
+    """Load the reference's weights into the learner's GPT-2, run it on the prompt, judge each stage in
+    forward order, stop at the first divergence and diagnose it."""
+    ref = reference(source)
+    cfg = ref.cfg
+    s = find_structure(model, cfg)
+    own_head = s.lm_head.module.weight.detach().clone() if s.lm_head is not None else None
+    n, notes = _load_all(s, model, ref, cfg)
+    tied = "lm_head tied to wte" if s.lm_head is None else f"lm_head = {s.lm_head.name}"
+    how = f"by name ({s.style} naming)" if s.style else "by shape and order within each block (names not HF's, " \
+                                                         "nanoGPT's or the book's)"
+    layouts = sorted({p.layout for b in s.blocks for p in b.values() if p.layout})
+    info = built + [f"weights: {ref.source} ({cfg.n_layer} blocks, n_embd {cfg.n_embd}), {n} tensors mapped {how}; "
+                    f"linear layers {' and '.join(layouts)}; {tied}" + "".join(f"; {x}" for x in notes),
+                    f"fed token ids {ref.ids} in eval(); each stage compared with HF GPT-2's own modules, tolerance "
+                    f"{atol:.0e} (logits: {GOLDEN_SCALED['09']:.0e} x max |logits| when larger)"]
+    was_training = model.training
+    model.eval()
+    try:
+        got = run_stages(model, s, ref.ids, cfg, name)
+        order = ([("embeddings", None)] + [(st, L) for L in range(cfg.n_layer) for st, _, _ in BLOCK_STAGES]
+                 + [("ln_f", None), ("logits", None)])
+        judged, unhooked, first = {}, set(), None   # stage -> [(layer, max_abs, status, note, shape)]
+        for stage, L in order:
+            key = stage if L is None else f"h{L}_{stage}"
+            if key not in got:
+                unhooked.add(stage)
+                continue
+            expected = ref.stages[key]
+            mine = got[key]
+            tol = atol
+            if stage == "logits":
+                if mine.ndim == 3 and mine.shape[1] < expected.shape[1]:  # nanoGPT: the last position only
+                    expected = expected[:, -mine.shape[1]:]
+                tol = max(atol, GOLDEN_SCALED["09"] * float(np.abs(expected).max()))
+            r = compare(key, {"checkpoint": CHECKPOINT[stage], "layer": L}, mine, expected, tol)
+            judged.setdefault(stage, []).append((L, r.max_abs, r.status, r.note, r.shape, tol))
+            if r.status == "FAIL":  # a second run tells dropout left on from a deterministic mistake
+                again = run_stages(model, s, ref.ids, cfg, name)
+                first = (stage, L, mine, not np.array_equal(mine, again.get(key), equal_nan=True))
+                break
+        tokens = None if first else greedy(lambda x: _tensor(model(x)), ref.ids, NEW_TOKENS)
+    finally:
+        model.train(was_training)
+    rows = []
+    for stage, ck, label in [MODEL_STAGES[0]] + BLOCK_STAGES + MODEL_STAGES[1:3]:
+        entries = judged.get(stage, [])
+        if not entries:
+            why = ("not reached" if stage not in unhooked else "not hooked: no dropout module sees them (fused or "
+                   "functional attention)" if stage == "attn_probs" else "not hooked: no module of yours returns it")
+            rows.append(Row(ck, label, "", (), float("nan"), None, "--", why))
+            continue
+        layers = [e[0] for e in entries if e[0] is not None]
+        worst = max(entries, key=lambda e: (e[2] == "FAIL", e[1] if e[1] == e[1] else np.inf))
+        note = worst[3] + (f" (block {worst[0]})" if worst[2] == "FAIL" and worst[0] is not None else "")
+        rows.append(Row(ck, label, _span(layers), worst[4], worst[1], worst[5], worst[2], note.strip()))
+    ck, label = MODEL_STAGES[3][1:]
+    if tokens is None:
+        rows.append(Row(ck, label, "", (), float("nan"), None, "--", "not reached"))
+    else:
+        ok = tokens == ref.tokens
+        rows.append(Row(ck, label, "", (NEW_TOKENS,), float("nan"), None, "PASS" if ok else "FAIL",
+                        f"got {tokens}" + ("" if ok else f", expected {ref.tokens}")))
+    if first is None:
+        verdict = (f"PASS: {name} computes GPT-2 ({cfg.n_layer} blocks, every stage within {atol:.0e} of HF's, "
+                   f"same greedy tokens)" if rows[-1].status == "PASS" else
+                   f"FAIL (greedy tokens): {rows[-1].note}, though every stage is within tolerance")
+        return ModelReport(name, info, rows, verdict)
+    stage, L, mine, differ = first
+    diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), own_head, differ)
+    where = f"block {L}, {LABELS[stage]}" if L is not None else LABELS[stage]
+    verdict = f"FAIL (first divergence: {where}, checkpoint {CHECKPOINT[stage]}): {diagnosis.text}"
+    return ModelReport(name, info, rows, verdict, diagnosis, {"layer": L, "stage": stage,
+                                                              "checkpoint": CHECKPOINT[stage],
+                                                              "what": CHECKPOINTS.get(CHECKPOINT[stage], LABELS[stage])})
+
+
+def _load_all(s: Structure, model: nn.Module, ref: Reference, cfg: Config) -> tuple:
+    """Load every weight; refuse a model with parameters GPT-2 has no tensor for."""
+    before = {id(p) for p in model.parameters()}
+    n, notes, left = load_weights(s, model, ref.model, cfg)
+    if s.lm_head is not None and s.style == "nanoGPT/HF":
+        left = [x for x in left if not x.startswith(s.lm_head.name + ".")]
+        notes.append(f"{s.lm_head.name} is its own Parameter, not tied to {s.wte.name}: GPT-2's checkpoint has no "
+                     "lm_head (its logits use wte), so it keeps your initialisation")
+    if left:
+        raise CheckError(f"{len(left)} of {len(before)} parameters have no GPT-2 tensor: {', '.join(left[:6])}")
+    return n, notes

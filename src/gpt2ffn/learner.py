@@ -1,0 +1,237 @@
+"""A learner's code, loaded and built: FILE.py:NAME imported from its path, a class built with the config
+its own file defines (nanoGPT's @dataclass GPTConfig, any class whose fields name the width), else the
+seeds' book-style dict (GPT_CONFIG_124M), else an object answering both naming styles.
+
+    obj, label = load_object("my_gpt.py:GPT")
+    module, how = build(obj, Config.from_name("gpt2"))   # how: "GPT(GPTConfig(n_embd=768, ...))"
+"""
+
+import dataclasses
+import importlib.util
+import inspect
+import json
+import sys
+from pathlib import Path
+
+import torch.nn as nn
+
+from .config import GPT_CONFIG_124M, Config
+from .errors import Gpt2ffnError
+
+
+class CheckError(Gpt2ffnError):
+    """What stops a check from running, in one line."""
+
+
+# The field names learners give GPT-2's hyperparameters (HF, nanoGPT, the book, common variants) -> the value.
+WIDTH_NAMES = ("n_embd", "emb_dim", "d_model", "hidden_size")
+FIELD_NAMES = {
+    "n_embd": WIDTH_NAMES + ("embed_dim", "dim"),
+    "n_head": ("n_head", "n_heads", "num_heads", "num_attention_heads"),
+    "n_layer": ("n_layer", "n_layers", "num_layers", "num_hidden_layers"),
+    "n_positions": ("block_size", "context_length", "n_positions", "n_ctx", "max_position_embeddings",
+                    "max_seq_len", "context_size"),
+    "vocab_size": ("vocab_size",),
+    "hidden": ("n_inner", "d_ff", "intermediate_size", "ffn_dim"),
+    "resid_pdrop": ("dropout", "drop_rate", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout_rate"),
+    "bias": ("bias", "qkv_bias", "use_bias"),
+    "layer_norm_epsilon": ("layer_norm_epsilon", "layer_norm_eps", "ln_eps", "norm_eps", "eps"),
+    "activation_function": ("activation_function",),
+}
+
+
+def gpt2_values(cfg: Config) -> dict:
+    """Every field name a learner's config may have -> its value for GPT-2 of cfg's shape (biases on)."""
+    value = {k: getattr(cfg, k) for k in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size", "hidden",
+                                          "resid_pdrop", "layer_norm_epsilon", "activation_function")}
+    value["bias"] = True  # GPT-2 has every bias, c_attn's too
+    return {name: value[key] for key, names in FIELD_NAMES.items() for name in names}
+
+
+# ---- loading the file -----------------------------------------------------------------------------------
+
+def _where(e, path) -> str:
+    """' (line N)' of the deepest traceback frame in the learner's file."""
+    line, tb = None, e.__traceback__
+    while tb is not None:
+        if Path(tb.tb_frame.f_code.co_filename) == path:
+            line = tb.tb_lineno
+        tb = tb.tb_next
+    return f" (line {line})" if line else ""
+
+
+def super_missing(e):
+    """The module class whose __init__ assigned a layer before calling super().__init__(), or None."""
+    if not (isinstance(e, AttributeError) and "before Module.__init__() call" in str(e)):
+        return None
+    name, tb = None, e.__traceback__
+    while tb is not None:
+        me = tb.tb_frame.f_locals.get("self")
+        if tb.tb_frame.f_code.co_name == "__init__" and isinstance(me, nn.Module):
+            name = type(me).__name__
+        tb = tb.tb_next
+    return name
+
+
+def super_message(name, e) -> str:
+    return (f"{name}.__init__ never calls super().__init__(): add super().__init__() as its first line "
+            f"(nn.Module sets itself up there; without it torch says: {e})")
+
+
+def load_object(target: str):
+    """(object, label) for FILE.py:NAME; the file is imported as a module from its path (its __main__ block
+    does not run)."""
+    file, sep, name = target.rpartition(":")
+    if not sep or not file or not name:
+        raise CheckError(f"expected FILE.py:NAME (a class or an instance in the file), got {target!r}")
+    path = Path(file).resolve()
+    if not path.is_file():
+        raise CheckError(f"no file {file}")
+    spec = importlib.util.spec_from_file_location(f"gpt2ffn_check_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # @dataclass and pickling look a class's module up by name
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:
+        del sys.modules[spec.name]
+        who = super_missing(e)
+        why = super_message(who, e) if who else f"{type(e).__name__}: {e}"
+        raise CheckError(f"importing {file} failed{_where(e, path)}: {why}".splitlines()[0]) from None
+    if not hasattr(module, name):
+        found = [n for n, v in vars(module).items() if not n.startswith("_") and (
+            isinstance(v, nn.Module) or inspect.isclass(v) and issubclass(v, nn.Module) and v.__module__ == spec.name)]
+        raise CheckError(f"{file} has no {name!r}; its modules: {', '.join(found) or 'none'}")
+    return getattr(module, name), f"{Path(file).name}:{name}"
+
+
+# ---- what a class is built with -------------------------------------------------------------------------
+
+def override(config) -> tuple:
+    """--config as (Config for the values, the raw dict or None): JSON text, a .json file, a preset name or a Config."""
+    if isinstance(config, Config):
+        return config, None
+    if isinstance(config, dict):
+        return Config.from_dict(config, ignore_unknown=True), config
+    text = str(config)
+    if text.lstrip().startswith(("{", "[")) or text.endswith(".json"):
+        try:
+            d = json.loads(Path(text).read_text() if text.endswith(".json") else text)
+        except (OSError, json.JSONDecodeError) as e:
+            raise CheckError(f"--config {text!r} is not a JSON object or file: {e}") from None
+        if not isinstance(d, dict):
+            raise CheckError(f"--config {text!r} holds a {type(d).__name__}, expected a JSON object")
+        try:
+            return Config.from_dict(d, ignore_unknown=True), d
+        except Gpt2ffnError:  # keys only the learner's class knows: they go to it as they are
+            return Config(), d
+    return Config.from_name(text), None
+
+
+def _fields(cls) -> list:
+    """The names a config class takes: dataclass fields, its own __init__'s parameters, or its class attributes."""
+    if dataclasses.is_dataclass(cls):
+        return [f.name for f in dataclasses.fields(cls) if f.init]
+    if "__init__" in vars(cls):
+        return [p for p in list(inspect.signature(cls.__init__).parameters)[1:]]
+    return [k for k, v in vars(cls).items() if not k.startswith("_") and not callable(v)]
+
+
+def config_class(cls):
+    """The config class cls's constructor takes: its parameter's annotation, else the one class in cls's file
+    (not a module) whose fields name the width (n_embd, emb_dim, d_model, hidden_size). None if there is none."""
+    mod = sys.modules.get(cls.__module__)
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:2]
+    ann = params[0].annotation if params else inspect.Parameter.empty
+    if isinstance(ann, str) and mod is not None:
+        ann = getattr(mod, ann, None)
+    candidates = [ann] if inspect.isclass(ann) else []
+    if mod is not None:
+        candidates += [v for v in vars(mod).values() if inspect.isclass(v) and v.__module__ == mod.__name__
+                       and not issubclass(v, nn.Module)]
+    return next((c for c in candidates if set(_fields(c)) & set(WIDTH_NAMES)), None)
+
+
+def make_config(cfg_cls, cfg: Config, raw: dict | None = None) -> tuple:
+    """(an instance of the learner's config class with GPT-2's values for the fields it has, its repr)."""
+    values = {**gpt2_values(cfg), **(raw or {})}
+    names = [n for n in _fields(cfg_cls) if n in values]
+    kw = {n: values[n] for n in names}
+    try:
+        if dataclasses.is_dataclass(cfg_cls) or "__init__" in vars(cfg_cls):
+            obj = cfg_cls(**kw)
+        else:
+            obj = cfg_cls()
+            for n, v in kw.items():
+                setattr(obj, n, v)
+    except Exception as e:
+        raise CheckError(f"{cfg_cls.__name__}({', '.join(f'{n}=...' for n in names)}) raised "
+                         f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    return obj, f"{cfg_cls.__name__}({', '.join(f'{n}={v!r}' for n, v in kw.items())})"
+
+
+class BothStyles(dict):
+    """A config answering both naming styles: cfg["emb_dim"] (the book's dict) and cfg.n_embd (nanoGPT, HF)."""
+
+    def __getattr__(self, name):
+        try:
+            return self[name]
+        except KeyError:
+            raise AttributeError(f"config has no field {name!r}; it has {', '.join(self)}") from None
+
+
+def _call(cls, args: list, how: str, cfg_label: str, cfg=None):
+    try:
+        return cls(*args)
+    except Exception as e:
+        who = super_missing(e)
+        if who:
+            raise CheckError(super_message(who, e)) from None
+        hint = f": it reads a key {cfg_label} does not have ({', '.join(cfg)})" if isinstance(e, KeyError) and cfg else ""
+        raise CheckError(f"{how} raised {type(e).__name__}: {e}{hint}".splitlines()[0]) from None
+
+
+def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
+    """(instance of cls, how it was built). cls() when its constructor takes nothing; else cls(one config):
+    the file's own config class filled with GPT-2's values (ref's shape, or --config's), else the book's dict
+    (GPT_CONFIG_124M for gpt2; qkv_bias as asked: a whole GPT-2 has c_attn biases), else, when the class reads
+    the dict's keys as attributes, an object with both naming styles."""
+    try:
+        sig = inspect.signature(cls)
+    except (TypeError, ValueError):
+        sig = None
+    params = [] if sig is None else [p for p in sig.parameters.values()
+                                     if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    if len(params) > 1 or (params and params[0].kind is inspect.Parameter.KEYWORD_ONLY):
+        raise CheckError(f"{cls.__name__}{sig} wants {', '.join(p.name for p in params)}; check builds a class with "
+                         f"one config dict (GPT_CONFIG_124M) or its file's config class: make an instance in "
+                         f"your file (ffn = {cls.__name__}(...)) and check that (FILE.py:ffn)")
+    if not params:
+        return _call(cls, [], f"{cls.__name__}()", ""), f"{cls.__name__}()"
+    values, raw = (ref, None) if config is None else override(config)
+    cfg_cls = config_class(cls)
+    if cfg_cls is not None:
+        obj, label = make_config(cfg_cls, values, raw)
+        return _call(cls, [obj], f"{cls.__name__}({label})", label), f"{cls.__name__}({label})"
+    if raw is not None:
+        book, label = raw, "cfg"
+    elif config is not None:
+        book, label = values.to_book_dict(), "cfg"
+    elif (ref.n_embd, ref.hidden) == (768, 3072):
+        book, label = dict(GPT_CONFIG_124M), "GPT_CONFIG_124M"
+    else:
+        book, label = ref.to_book_dict(), "cfg"
+    if qkv_bias and book.get("qkv_bias") is False:
+        book = {**book, "qkv_bias": True}
+        label += " with qkv_bias=True (GPT-2's c_attn has biases)"
+    how = f"{cls.__name__}({label})" + (f", cfg = {json.dumps(book)}" if label == "cfg" else "")
+    try:
+        return cls(book), how
+    except AttributeError as e:
+        if "'dict' object has no attribute" not in str(e):
+            _call(cls, [book], f"{cls.__name__}({label})", label, book)  # re-raise it as a CheckError
+    except Exception:
+        _call(cls, [book], f"{cls.__name__}({label})", label, book)
+    both = BothStyles({**gpt2_values(values), **book})
+    return (_call(cls, [both], f"{cls.__name__}(config)", "config"),
+            f"{cls.__name__}(config), an object with both naming styles (config.n_embd = config['emb_dim'] = "
+            f"{both['emb_dim']}), as its file has no config class")

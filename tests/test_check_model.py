@@ -1,0 +1,239 @@
+"""gpt2ffn check on a whole GPT-2: nanoGPT's, the book's and HF's models pass as written, any config style
+builds, each planted mistake is named at its first divergence, and an FFN with two mistakes gets both."""
+
+import json
+import textwrap
+
+import pytest
+import torch
+
+from gpt2ffn.check_model import MISTAKES, block_forward, reference
+from gpt2ffn.cli import main
+from gpt2ffn.tolerances import GOLDEN_ATOL
+from learners import BOOK, HF, MUTANTS, NANOGPT, plant
+
+TINY = "random:tiny:3"  # n_embd 64, 2 blocks, 4 heads, vocab 512, 128 positions: the fast reference
+
+
+def run(tmp_path, capsys, source, target, *args, name="learner.py"):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    code = main(["check", f"{path}:{target}", "--model", TINY, *args])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+@pytest.mark.parametrize("source, target, built, mapped", [
+    (NANOGPT, "GPT", "built as GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=64, "
+                     "dropout=0.1, bias=True))", "mapped by name (nanoGPT/HF naming); linear layers [out, in]"),
+    (BOOK, "GPTModel", 'built as GPTModel(cfg), cfg = {"vocab_size": 512, "context_length": 128, "emb_dim": 64',
+     "mapped by name (the book's naming); linear layers [out, in]; lm_head = out_head; out_head is not tied"),
+    (HF, "model", "an instance of GPT2LMHeadModel", "mapped by name (nanoGPT/HF naming); linear layers [in, out]"),
+])
+def test_learners_models_pass_as_written(source, target, built, mapped, tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys, source, target)
+    lines = out.splitlines()
+    assert code == 0, out + err
+    assert lines[0].startswith("MODEL check of learner.py:") and lines[1].startswith("  " + built), lines[1]
+    assert mapped in lines[2] and "random:tiny:3 (2 blocks, n_embd 64)" in lines[2]
+    assert lines[-1].startswith(f"PASS: learner.py:{target} computes GPT-2 (2 blocks")
+    assert lines[-2] == "seed 001's checkpoints: " + "  ".join(
+        f"{ck:02d} {'--' if ck == 4 and source is HF else 'PASS'}" for ck in range(11))  # HF's softmax: no module
+    for stage in ("00 embeddings", "03 k (KV cache)", "05 x + attention (1st residual)", "07 block output",
+                  "09 logits", "10 greedy next 4 tokens"):
+        assert any(line.startswith(stage) and line.split()[-1] == "PASS" or "PASS  got [" in line
+                   for line in lines if line.startswith(stage)), stage
+
+
+# The stage each planted mistake first shows at (the book's and nanoGPT's attention probabilities are hooked
+# through their dropout modules).
+FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "attn_probs",
+         "softmax_axis": "attn_probs", "ln_unbiased": "ln_1", "ln_eps_1e-06": "ln_1", "post_norm": "ln_1",
+         "no_resid_attn": "attn_resid", "no_resid_mlp": "block", "lm_head_untied": "logits",
+         "positions_not_added": "embeddings", "attn_c_proj_not_transposed": "attn_resid",
+         "dropout": "attn_out", "qkv_bias_missing": "q", "gelu_exact": "gelu"}
+
+
+@pytest.mark.parametrize("key", MUTANTS)
+def test_each_planted_mistake_is_named_at_its_first_divergence(key, tmp_path, capsys):
+    target = "GPT" if MUTANTS[key][0] is NANOGPT else "GPTModel"
+    code, out, err = run(tmp_path, capsys, plant(key), target, "--json")
+    report = json.loads(out)
+    assert code == 1 and not report["passed"], err
+    assert report["diagnosis"]["key"] == key, report["verdict"]
+    first = report["first_divergence"]
+    assert first["stage"] == FIRST[key] and first["layer"] in (0, None), first
+    assert report["verdict"].startswith("FAIL (first divergence: "), report["verdict"]
+    if key in MISTAKES:
+        assert MISTAKES[key][1] in report["verdict"]  # with what to change
+    statuses = [r["status"] for r in report["rows"]]
+    assert statuses.count("FAIL") == 1 and statuses[statuses.index("FAIL") + 1:].count("PASS") == 0
+
+
+def test_report_stops_at_the_first_divergence(tmp_path, capsys):
+    code, out, _ = run(tmp_path, capsys, plant("no_scale"), "GPT")
+    rows = {line[:32].strip(): line for line in out.splitlines() if line[:2].isdigit()}
+    assert code == 1
+    assert rows["04 attention probabilities"].endswith("FAIL  (block 0)")
+    assert rows["03 v (KV cache)"].split()[-1] == "PASS" and " 0  " in rows["03 v (KV cache)"]  # block 0 only
+    assert rows["05 attention output (c_proj)"].endswith("--  not reached")
+    assert out.splitlines()[-1].startswith("FAIL (first divergence: block 0, attention probabilities, checkpoint 04):"
+                                           " attention scores not scaled by 1/sqrt(d_head) (within ")
+
+
+def test_known_mistakes_are_computed_from_hf_and_differ_from_it():
+    """The float64 block the mistakes are planted in equals HF's own stages; each mistake moves its stage by
+    more than the tolerance (else naming it would be vacuous)."""
+    ref = reference(TINY)
+    t, cfg = ref.stages, ref.cfg
+    for L in range(cfg.n_layer):
+        w = {k: v.double() for k, v in ref.model.transformer.h[L].state_dict().items()}
+        x = torch.from_numpy(t["embeddings"] if L == 0 else t[f"h{L - 1}_block"]).double()
+        right = block_forward(x, w, cfg)
+        for stage, value in right.items():
+            assert (value.numpy() - t[f"h{L}_{stage}"]).__abs__().max() < 1e-5, (L, stage)
+        for key in MISTAKES:  # a LayerNorm's eps shows where the variance is small: block 0's embeddings
+            if key in ("positions_not_added", "lm_head_untied", "ln_eps_1e-05") or key.startswith("ln_") and L:
+                continue
+            stage = {"attn_c_proj_not_transposed": "attn_out", "c_attn_not_transposed": "q",
+                     "qkv_bias_missing": "q"}.get(key, "ln_1" if key.startswith("ln_") else "block")
+            wrong = block_forward(x, w, cfg, key)[stage]
+            assert (wrong - right[stage]).abs().max() > 2 * GOLDEN_ATOL, key
+
+
+# ---- any config style ----------------------------------------------------------------------------------
+
+NANOGPT_MLP = """
+import torch.nn as nn
+from dataclasses import dataclass
+
+
+@dataclass
+class GPTConfig:
+    block_size: int = 1024
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True
+
+
+""" + NANOGPT[NANOGPT.index("class MLP("):NANOGPT.index("class Block(")]  # nanoGPT's MLP, as written
+
+
+@pytest.mark.parametrize("source, built", [
+    (NANOGPT_MLP, "built as MLP(GPTConfig(block_size=128, n_embd=64, dropout=0.1, bias=True))"),
+    # No config class in the file: the book's dict is tried, then an object with both naming styles.
+    (NANOGPT_MLP.replace("@dataclass\nclass GPTConfig:", "class Unused:").replace("n_embd: int = 768", "x = 1"),
+     "built as MLP(config), an object with both naming styles (config.n_embd = config['emb_dim'] = 64), as "
+     "its file has no config class"),
+    # A plain class (not a dataclass) whose fields name the width d_model.
+    (NANOGPT_MLP.replace("@dataclass\nclass GPTConfig:", "class ModelArgs:").replace("n_embd: int", "d_model: int")
+     .replace("config.n_embd", "config.d_model"), "built as MLP(ModelArgs(block_size=128, d_model=64, dropout=0.1, bias=True))"),
+])
+def test_nanogpt_style_ffn_classes_build_and_pass(source, built, tmp_path, capsys):
+    path = tmp_path / "mlp.py"
+    path.write_text(source)
+    code = main(["check", f"{path}:MLP", "--golden", TINY])
+    out = capsys.readouterr().out
+    assert code == 0 and out.splitlines()[1] == "  " + built, out
+    assert out.splitlines()[-1].startswith("PASS: mlp.py:MLP computes GPT-2's FFN")
+
+
+def test_config_overrides_a_config_class(tmp_path, capsys):
+    path = tmp_path / "mlp.py"
+    path.write_text(NANOGPT_MLP)
+    code = main(["check", f"{path}:MLP", "--golden", TINY, "--config", '{"n_embd": 64, "bias": false}'])
+    out = capsys.readouterr().out
+    assert code == 1 and "built as MLP(GPTConfig(block_size=1024, n_embd=64, dropout=0.1, bias=False))" in out
+    assert out.splitlines()[-1].startswith("FAIL (after c_fc (1st linear)): both biases missing (c_fc and c_proj)")
+
+
+def test_every_ffn_mistake_is_named_most_upstream_first(tmp_path, capsys):
+    path = tmp_path / "mlp.py"
+    path.write_text(NANOGPT_MLP.replace('nn.GELU(approximate="tanh")', "nn.ReLU()"))
+    code = main(["check", f"{path}:MLP", "--golden", TINY, "--config", '{"n_embd": 64, "bias": false}', "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1
+    assert [d["key"] for d in report["diagnoses"]] == ["c_fc_bias_missing", "gelu_relu", "c_proj_bias_missing"]
+    assert [d["stage"] for d in report["diagnoses"]] == ["c_fc", "gelu", "ffn"]
+    assert report["verdict"].startswith("FAIL: 3 known mistakes, most upstream first: (1) after c_fc (1st linear): "
+                                        "c_fc bias missing (within ")
+    assert "(2) after activation: ReLU instead of GELU" in report["verdict"]
+
+
+# ---- mapping by shape and order, and what it refuses ------------------------------------------------------
+
+OWN_NAMES = '''
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Unit(nn.Module):  # a learner's own names: nothing to match by name
+    def __init__(self, d, h):
+        super().__init__()
+        self.norm_a, self.norm_b = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.mix = nn.Linear(d, 3 * d)
+        self.back = nn.Linear(d, d)
+        self.wide = nn.Linear(d, 4 * d)
+        self.narrow = nn.Linear(4 * d, d)
+        self.h = h
+
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = self.mix(self.norm_a(x)).split(C, -1)
+        heads = lambda t: t.view(B, T, self.h, C // self.h).transpose(1, 2)
+        y = F.scaled_dot_product_attention(heads(q), heads(k), heads(v), is_causal=True)
+        x = x + self.back(y.transpose(1, 2).reshape(B, T, C))
+        return x + self.narrow(F.gelu(self.wide(self.norm_b(x)), approximate="tanh"))
+
+
+class Model(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg["emb_dim"]
+        self.tokens = nn.Embedding(cfg["vocab_size"], d)
+        self.places = nn.Embedding(cfg["context_length"], d)
+        self.stack = nn.ModuleList([Unit(d, cfg["n_heads"]) for _ in range(cfg["n_layers"])])
+        self.last = nn.LayerNorm(d)
+
+    def forward(self, idx):
+        x = self.tokens(idx) + self.places(torch.arange(idx.shape[1]))
+        for unit in self.stack:
+            x = unit(x)
+        return self.last(x) @ self.tokens.weight.T
+'''
+
+
+def test_own_names_map_by_shape_and_order(tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys, OWN_NAMES, "Model")
+    assert code == 0, out + err
+    assert "mapped by shape and order within each block (names not HF's, nanoGPT's or the book's)" in out
+    assert "04 attention probabilities" in out and "not hooked: no dropout module sees them" in out
+
+
+@pytest.mark.parametrize("source, message", [
+    (OWN_NAMES.replace("self.mix = nn.Linear(d, 3 * d)", "self.mix = nn.Linear(d, d)"),
+     "stack.0 (Unit) has 0 layers of shape 64 x 192 and 2 of 64 x 64 (mix, back): cannot tell which is which"),
+    (OWN_NAMES.replace('range(cfg["n_layers"])', "range(3)"),
+     "Model has 3 blocks (stack); the reference has n_layer=2"),
+    (OWN_NAMES.replace("self.norm_a, self.norm_b = nn.LayerNorm(d), nn.LayerNorm(d)", "self.norm_a = nn.LayerNorm(d)"),
+     "stack.0 (Unit) has LayerNorms ['norm_a'] and other layers []"),
+    (OWN_NAMES.replace("self.last = nn.LayerNorm(d)", "self.last = nn.LayerNorm(d)\n        self.extra = "
+                       "nn.Parameter(torch.ones(1))"), "1 of 29 parameters have no GPT-2 tensor: extra"),
+])
+def test_what_cannot_be_mapped_is_refused_in_one_line(source, message, tmp_path, capsys):
+    code, out, err = run(tmp_path, capsys, source, "Model")
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert message in err, err
+
+
+def test_preset_and_golden_name_the_reference(tmp_path, capsys):
+    golden = tmp_path / "g"
+    assert main(["extract", "--model", TINY, "--ids", "1,2,3", "--out", str(golden), "--quiet"]) == 0
+    path = tmp_path / "nano.py"
+    path.write_text(NANOGPT)
+    assert main(["check", f"{path}:GPT", "--golden", str(golden)]) == 0
+    assert "weights: random:tiny:3 (2 blocks" in capsys.readouterr().out
+    assert main(["check", f"{path}:GPT", "--preset", "tiny"]) == 0
+    assert "weights: random:tiny:0 (2 blocks" in capsys.readouterr().out
