@@ -19,9 +19,9 @@ class PackedLayer:
         """The weight as (K in, N out)."""
         raise NotImplementedError
 
-    def pack(self, precision: str, group: int | None = None):
+    def pack(self, precision: str, group: int | None = None, activations: str = "fp32"):
         old = self.packed
-        self.packed = Packed(self.weight_kn(), self.bias, precision, group)
+        self.packed = Packed(self.weight_kn(), self.bias, precision, group, activations)
         if old is not None:
             on_cpu = self.weight.device.type == "cpu"
             self.packed.route = {k: r if on_cpu or r == "torch" else "torch" for k, r in old.route.items()}
@@ -35,7 +35,7 @@ class PackedLayer:
         """The packed weights, re-packed first if the Parameters changed since they were packed."""
         p = self.packed
         if p.stale(self.weight_kn(), self.bias):
-            self.pack(p.precision, p.group)
+            self.pack(p.precision, p.group, p.activations)
             p = self.packed
         return p
 

@@ -17,7 +17,14 @@ class above it.
 import torch
 
 from .errors import ConfigError
-from .kernels.formats import GROUP, PRECISIONS, check_precision  # noqa: F401  (PRECISIONS: public here)
+from .kernels.formats import (  # noqa: F401  (PRECISIONS, ACTIVATIONS: public here)
+    ACTIVATIONS,
+    DEFAULT_ACTIVATIONS,
+    GROUP,
+    PRECISIONS,
+    check_activations,
+    check_precision,
+)
 from .kernels.packed import probe
 
 
@@ -27,15 +34,19 @@ def packable(module) -> list:
     return [m for m in module.modules() if callable(getattr(m, "pack", None)) and hasattr(m, "weight_kn")]
 
 
-def quantize(module, precision: str, group: int | None = None):
+def quantize(module, precision: str, group: int | None = None, activations: str | None = None):
     """Give every linear layer of `module` (a FeedForward, a GPT2, a Block, ...) packed weights at
     `precision` ('fp32', 'bf16', 'int8', 'int4'), for inference; returns the module.
 
     The fp32 Parameters stay (state_dict() is HF's layout, and train() runs on them); eval() forward then
     reads the packed weights through the kernel route the probe measured fastest on this machine. For
     bf16/int8/int4 the Parameters stop asking for gradients, so no_grad or not, eval() computes at the
-    chosen precision; call requires_grad_() to train."""
+    chosen precision; call requires_grad_() to train.
+
+    activations ('fp32' or, for int8 / int4, 'int8': integer dot products on activations quantized per
+    group, kernels/formats.py): None takes DEFAULT_ACTIVATIONS[precision]."""
     check_precision(precision)
+    activations = check_activations(precision, activations or DEFAULT_ACTIVATIONS[precision])
     if group is not None and precision not in GROUP:
         raise ConfigError(f"group applies to int8 and int4, not {precision}")
     layers = packable(module)
@@ -49,7 +60,7 @@ def quantize(module, precision: str, group: int | None = None):
         # int4 keeps the tied lm_head (= wte, the most sensitive matrix) at int8, as llama.cpp's q4_0 keeps it
         # at q6_K: measured on random:gpt2, mean KLD vs fp32 0.301 -> 0.287 (q4_0: 0.294)
         head8 = precision == "int4" and m.keeps_int8
-        m.pack("int8" if head8 else precision, None if head8 else group)
+        m.pack("int8" if head8 else precision, None if head8 else group, activations)
         if precision != "fp32":
             for p in m.parameters():
                 p.requires_grad_(False)
@@ -57,4 +68,5 @@ def quantize(module, precision: str, group: int | None = None):
     for m in layers:
         m.packed.route = choice
     module.precision = precision
+    module.activations = activations
     return module
