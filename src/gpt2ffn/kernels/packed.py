@@ -156,7 +156,8 @@ def probe(layers: list, precision: str, device="cpu", log=None) -> dict:
     if len(cands) == 1:
         return {"decode": cands[0], "prefill": cands[0]}
     shapes = sorted({(p.K, p.N) for p, _, _ in layers})
-    key = f"{machine_key()}|{precision}|{shapes}|{len(layers)} layers"
+    acts = {p.activations for p, _, _ in layers}
+    key = f"{machine_key()}|{precision}|{shapes}|{len(layers)} layers" + ("|int8 activations" if "int8" in acts else "")
     file = _cache_file()
     with _LOCK, torch.no_grad():
         try:
