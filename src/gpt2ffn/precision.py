@@ -1,9 +1,10 @@
 """Weight precisions for inference: fp32, bf16, int8 and int4 weights, packed once from the Parameters.
 
 A layer's Parameters stay fp32 in HF's layout (state_dict() is unchanged); `quantize` derives a packed copy
-(kernels/formats.py says how each precision rounds) that decode and prefill read instead. Activations,
-LayerNorm, attention and embeddings stay fp32 at every precision; only the linear layers' weights (c_attn,
-attn.c_proj, c_fc, mlp.c_proj, and the lm_head tied to wte) are rounded. int4 keeps the tied lm_head at
+(kernels/formats.py says how each precision rounds) that decode and prefill read instead. LayerNorm,
+attention and embeddings stay fp32 at every precision, and so do activations unless int8 ones are asked
+for (int8 / int4 weights); only the linear layers' weights (c_attn, attn.c_proj, c_fc, mlp.c_proj, and the
+lm_head tied to wte) are rounded. int4 keeps the tied lm_head at
 int8, as llama.cpp's q4_0 keeps it at q6_K.
 
 The packed copy is never silently stale: every packed call checks the Parameter's version counter and data
