@@ -26,7 +26,7 @@ from .kernels.formats import (  # noqa: F401  (PRECISIONS, ACTIVATIONS: public h
     check_activations,
     check_precision,
 )
-from .kernels.packed import probe
+from .kernels.packed import default_activations, probe
 
 
 def packable(module) -> list:
@@ -45,9 +45,9 @@ def quantize(module, precision: str, group: int | None = None, activations: str 
     chosen precision; call requires_grad_() to train.
 
     activations ('fp32' or, for int8 / int4, 'int8': integer dot products on activations quantized per
-    group, kernels/formats.py): None takes DEFAULT_ACTIVATIONS[precision]."""
+    group, kernels/formats.py): None takes kernels.packed.default_activations(precision)."""
     check_precision(precision)
-    activations = check_activations(precision, activations or DEFAULT_ACTIVATIONS[precision])
+    activations = check_activations(precision, activations or default_activations(precision))
     if group is not None and precision not in GROUP:
         raise ConfigError(f"group applies to int8 and int4, not {precision}")
     layers = packable(module)

@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ConfigError
 from . import DECODE_TOKENS
-from .formats import Packed, dequantize, fake_quantize_activations, quantize_groups
+from .formats import DEFAULT_ACTIVATIONS, Packed, dequantize, fake_quantize_activations, quantize_groups
 
 try:
     from .. import _C
@@ -39,6 +39,12 @@ except ImportError as e:  # not built: see setup.py
 
 _FORCED = os.environ.get("GPT2FFN_ROUTE")
 _LOCK = threading.Lock()
+
+
+def default_activations(precision: str) -> str:
+    """DEFAULT_ACTIVATIONS[precision] where the integer kernels run on VNNI; fp32 elsewhere (on the AVX2 build
+    int8 activations decode slower: README, "Integer dot products")."""
+    return DEFAULT_ACTIVATIONS[precision] if ISA in ("avx512", "avxvnni") else "fp32"
 
 
 def routes(precision: str, device) -> list:
