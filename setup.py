@@ -24,7 +24,9 @@ if platform.machine().lower() in ("x86_64", "amd64"):
                 print(f"gpt2ffn: the C++ kernels were not built ({e}); torch's ops will be used", file=sys.stderr)
 
     src = "src/gpt2ffn/csrc/"
-    ext_modules = [CppExtension("gpt2ffn._C", [src + "ops.cpp", src + "linear_avx512.cpp", src + "linear_avx2.cpp"],
+    files = ("ops.cpp", "linear_avx512.cpp", "linear_avx2.cpp", "qlinear_avx512.cpp", "qlinear_avx2.cpp",
+             "qlinear_avxvnni.cpp")
+    ext_modules = [CppExtension("gpt2ffn._C", [src + f for f in files],
                                 extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
     cmdclass = {"build_ext": OptionalBuild.with_options(use_ninja=False)}
 

@@ -36,10 +36,10 @@ class PackedLayer:
         """A (K, N) weight in the Parameter's own layout, contiguous."""
         raise NotImplementedError
 
-    def pack(self, precision: str, group: int | None = None):
+    def pack(self, precision: str, group: int | None = None, activations: str = "fp32"):
         old = self.packed
         source = old.weights() if self.dropped else self.weight_kn()
-        self.packed = Packed(source, self.bias, precision, group)
+        self.packed = Packed(source, self.bias, precision, group, activations)
         if old is not None:
             on_cpu = self.weight.device.type == "cpu"
             self.packed.route = {k: r if on_cpu or r == "torch" else "torch" for k, r in old.route.items()}
@@ -126,7 +126,7 @@ class PackedLayer:
         """The packed weights, re-packed first if the Parameters changed since they were packed."""
         p = self.packed
         if p.stale(self.weight_kn(), self.bias):
-            self.pack(p.precision, p.group)
+            self.pack(p.precision, p.group, p.activations)
             p = self.packed
         return p
 

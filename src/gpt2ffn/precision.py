@@ -3,9 +3,10 @@
 `quantize` packs each linear layer's weights (kernels/formats.py says how each precision rounds) for decode
 and prefill to read, and by default lets the fp32 weights go (weights held once, linear.py): `state_dict()`
 still answers in HF's layout, unpacked from the packed weights (exact for fp32 and bf16, dequantized for
-int8 and int4). `keep_fp32=True` keeps both copies. Activations,
-LayerNorm, attention and embeddings stay fp32 at every precision; only the linear layers' weights (c_attn,
-attn.c_proj, c_fc, mlp.c_proj, and the lm_head tied to wte) are rounded. int4 keeps the tied lm_head at
+int8 and int4). `keep_fp32=True` keeps both copies. LayerNorm, attention and embeddings stay fp32 at every
+precision, and so do activations unless int8 ones are asked for (int8 / int4 weights: integer dot
+products); only the linear layers' weights (c_attn, attn.c_proj, c_fc, mlp.c_proj, and the lm_head tied to
+wte) are rounded. int4 keeps the tied lm_head at
 int8, as llama.cpp's q4_0 keeps it at q6_K.
 
 The packed copy is never silently stale: every packed call checks the Parameter's version counter and data
@@ -20,8 +21,16 @@ class above it.
 import torch
 
 from .errors import ConfigError
-from .kernels.formats import GROUP, PRECISIONS, check_precision, release_freed_memory  # noqa: F401  (PRECISIONS)
-from .kernels.packed import PACKED_ROUTES, probe, routes
+from .kernels.formats import (  # noqa: F401  (PRECISIONS, ACTIVATIONS: public here)
+    ACTIVATIONS,
+    DEFAULT_ACTIVATIONS,
+    GROUP,
+    PRECISIONS,
+    check_activations,
+    check_precision,
+    release_freed_memory,
+)
+from .kernels.packed import PACKED_ROUTES, default_activations, probe, routes
 
 
 def packable(module) -> list:
@@ -30,7 +39,8 @@ def packable(module) -> list:
     return [m for m in module.modules() if callable(getattr(m, "pack", None)) and hasattr(m, "weight_kn")]
 
 
-def quantize(module, precision: str, group: int | None = None, keep_fp32: bool = False):
+def quantize(module, precision: str, group: int | None = None, keep_fp32: bool = False,
+             activations: str | None = None):
     """Give every linear layer of `module` (a FeedForward, a GPT2, a Block, ...) packed weights at
     `precision` ('fp32', 'bf16', 'int8', 'int4'), for inference; returns the module, in eval().
 
@@ -42,8 +52,12 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
     keeps the Parameters beside the packed copy, as before: train() and autograd run on them, and eval()
     reads the packed weights through the route the probe measured fastest on this machine.
     For bf16/int8/int4 the Parameters stop asking for gradients, so no_grad or not, eval() computes at the
-    chosen precision."""
+    chosen precision.
+
+    activations ('fp32' or, for int8 / int4, 'int8': integer dot products on activations quantized per
+    group, kernels/formats.py): None takes kernels.packed.default_activations(precision)."""
     check_precision(precision)
+    activations = check_activations(precision, activations or default_activations(precision))
     if group is not None and precision not in GROUP:
         raise ConfigError(f"group applies to int8 and int4, not {precision}")
     layers = packable(module)
@@ -67,12 +81,13 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
         # int4 keeps the tied lm_head (= wte, the most sensitive matrix) at int8, as llama.cpp's q4_0 keeps it
         # at q6_K: measured on random:gpt2, mean KLD vs fp32 0.301 -> 0.287 (q4_0: 0.294)
         head8 = precision == "int4" and m.keeps_int8
-        m.pack("int8" if head8 else precision, None if head8 else group)
+        m.pack("int8" if head8 else precision, None if head8 else group, activations)
     choice = probe([(m.packed, None if m.dropped else m.weight_kn(), m.bias) for m in layers], precision, device,
                    only=PACKED_ROUTES if once else None)
     for m in layers:
         m.packed.route = choice
     module.precision = precision
+    module.activations = activations
     if once:
         release_freed_memory()
     return module

@@ -8,16 +8,23 @@
 //   I8   int8     [nsuper][K][64]            w = q * scale[k / group]
 //   I4   uint8    [nsuper][K/2][64]          low nibble k even, high nibble k odd; w = (q - 8) * scale[k / group]
 //   scale fp16    [nsuper][K/group][64]      (I8, I4; as ggml's q8_0 / q4_0 keep theirs)
+// and for the integer dot products on int8 activations (qlinear_impl.h), 4 bytes per lane per step, as
+// vpdpbusd / maddubs read them (unsigned weight byte times signed activation byte):
+//   I8A8 uint8    [nsuper][K/4][64][4]       byte i of lane n: q[4j + i] + 128 (q in [-127, 127])
+//   I4A8 uint8    [nsuper][K/8][64][4]       byte i of lane n: q[8j + i] | q[8j + 4 + i] << 4 (q in [0, 15])
+//   scale fp16    [nsuper][K/group][64]      as I8 / I4
 //
-// Each output element is summed in one fixed order (fp32 FMAs over k in order, chunk by chunk), whatever the
+// Float formats: each output element is summed in one fixed order (fp32 FMAs over k in order, chunk by chunk), whatever the
 // number of rows M or the tiling: results are bitwise independent of the batch (batch-invariant) and
-// deterministic.
+// deterministic. Integer formats: x is quantized per row and group to int8 (xq = round(x / d), d = max|x| / 127),
+// each group's products summed exactly in int32, then y += float(sum) * (d * scale) group by group in order:
+// batch-invariant too.
 #pragma once
 #include <cstdint>
 
 namespace gpt2ffn {
 
-enum Format : int { F32 = 0, BF16 = 1, I8 = 2, I4 = 3 };
+enum Format : int { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, I8A8 = 4, I4A8 = 5 };
 
 struct LinearArgs {
   const float* x;       // (M, K) row-major, row stride ldx
@@ -29,6 +36,10 @@ struct LinearArgs {
   float* y;             // (M, nsuper * 64) row-major, row stride ldy
   int64_t ldy;
   int format;
+  // I8A8 / I4A8: x quantized per (row, group): int8 values (M, K) row stride K, the scale d and the sum of q
+  const int8_t* xq;
+  const float* xscale;  // (M, K / group)
+  const int32_t* xsum;  // (M, K / group)
 };
 
 }  // namespace gpt2ffn

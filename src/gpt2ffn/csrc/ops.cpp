@@ -5,7 +5,9 @@
 #include <torch/extension.h>
 
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "linear.h"
@@ -14,53 +16,101 @@ namespace gpt2ffn {
 namespace avx512 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void attend(const AttendArgs& a);
+void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
+void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
 }
 namespace avx2 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void attend(const AttendArgs& a);
+void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
+void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
+}
+namespace avxvnni {
+void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
+void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
 }
 
 using RangeFn = void (*)(const LinearArgs&, int64_t, int64_t);
 using AttendFn = void (*)(const AttendArgs&);
+using QuantFn = void (*)(const LinearArgs&, int8_t*, float*, int32_t*, int64_t, int64_t);
 
-static RangeFn pick() {
+// One build per instruction set: the float kernels (linear_impl.h) and the integer ones (qlinear_impl.h).
+struct Isa {
+  const char* name;
+  RangeFn range;
+  AttendFn attend;
+  RangeFn qrange;
+  QuantFn quantize;
+};
+static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::qlinear_range, avx512::quantize_rows};
+// AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
+static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx2::qlinear_range,
+                               avx2::quantize_rows};
+static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avxvnni::qlinear_range, avxvnni::quantize_rows};
+static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::qlinear_range, avx2::quantize_rows};
+static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr};
+
+static bool supports(const Isa& i) {
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl"))
-    return avx512::linear_range;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
-    return avx2::linear_range;
-  return nullptr;
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+                      && __builtin_cpu_supports("avx512vl");
+  if (&i == &kAvx512) return avx512 && __builtin_cpu_supports("avx512vnni");
+  if (&i == &kAvx512NoVnni) return avx512;
+  if (&i == &kAvxVnni) return avx2 && __builtin_cpu_supports("avxvnni");
+  return &i == &kAvx2 ? avx2 : true;
 }
 
-static const RangeFn kRange = pick();
-static const AttendFn kAttend = kRange == avx512::linear_range ? avx512::attend
-                              : kRange == avx2::linear_range ? avx2::attend : nullptr;
+// The best build this CPU runs, or the one GPT2FFN_ISA names (avx512, avx512novnni, avxvnni, avx2) if it runs it.
+static const Isa* pick() {
+  for (const Isa* i : {&kAvx512, &kAvx512NoVnni, &kAvxVnni, &kAvx2}) {
+    const char* want = std::getenv("GPT2FFN_ISA");
+    if (supports(*i) && (want == nullptr || std::strcmp(want, i->name) == 0)) return i;
+  }
+  return &kNone;
+}
 
-std::string isa() {
-  return kRange == avx512::linear_range ? "avx512" : kRange == avx2::linear_range ? "avx2" : "none";
+static const Isa* kIsa = pick();
+
+std::string isa() { return kIsa->name; }
+
+// Switches the kernels to another build (for tests: the AVX2 path on an AVX-512 CPU); returns the previous.
+std::string set_isa(const std::string& name) {
+  for (const Isa* i : {&kAvx512, &kAvx512NoVnni, &kAvxVnni, &kAvx2})
+    if (name == i->name) {
+      TORCH_CHECK(supports(*i), "this CPU cannot run the ", name, " kernels");
+      const std::string old = kIsa->name;
+      kIsa = i;
+      return old;
+    }
+  TORCH_CHECK(false, "unknown instruction set ", name, "; known: avx512, avx512novnni, avxvnni, avx2");
 }
 
 // x (M, K) float32 -> y (M, N) float32; `w` and `scale` as Packed in gpt2ffn/precision.py writes them.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
                      const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N, int64_t group) {
-  TORCH_CHECK(kRange != nullptr, "gpt2ffn._C.linear needs AVX2+FMA or AVX-512");
+  const Isa* isa = kIsa;
+  TORCH_CHECK(isa->range != nullptr, "gpt2ffn._C.linear needs AVX2+FMA or AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
               "x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
   TORCH_CHECK(x.stride(1) == 1, "x must have unit stride along K");
   TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "w must be a contiguous CPU tensor");
-  TORCH_CHECK(format >= F32 && format <= I4, "unknown format ", format);
+  TORCH_CHECK(format >= F32 && format <= I4A8, "unknown format ", format);
+  const bool int8x = format == I8A8 || format == I4A8;
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(format != I4 || K % 2 == 0, "int4 needs an even K, got ", K);
-  const int64_t rows = format == I4 ? K / 2 : K;
+  const bool int4 = format == I4 || format == I4A8;
+  TORCH_CHECK(!int4 || K % 2 == 0, "int4 needs an even K, got ", K);
+  const int64_t rows = int4 ? K / 2 : K;
   const int64_t esize = format == F32 ? 4 : format == BF16 ? 2 : 1;
   TORCH_CHECK(K > 0 && w.nbytes() % (rows * 64 * esize) == 0, "w holds ", w.nbytes(), " bytes, not whole super-blocks of K=", K);
   const int64_t nsuper = w.nbytes() / (rows * 64 * esize);
   TORCH_CHECK(N <= nsuper * 64 && N > nsuper * 64 - 64, "w has ", nsuper, " super-blocks of 64, which does not fit N=", N);
   LinearArgs a{};
-  if (format == I8 || format == I4) {
+  if (format >= I8) {
     TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->scalar_type() == at::kHalf, "scale must be float16");
-    TORCH_CHECK(group > 0 && K % group == 0 && (format == I8 || group % 2 == 0), "group ", group, " must divide K=", K,
-                format == I4 ? " and be even" : "");
+    const int64_t step = format == I4A8 ? 8 : format == I8A8 ? 4 : int4 ? 2 : 1;  // k per weight word
+    TORCH_CHECK(group > 0 && K % group == 0 && group % step == 0, "group ", group, " must divide K=", K,
+                step > 1 ? " and be a multiple of " + std::to_string(step) : std::string());
     TORCH_CHECK(scale->numel() == nsuper * (K / group) * 64, "scale has ", scale->numel(), " elements, expected ",
                 nsuper * (K / group) * 64);
     a.scale = reinterpret_cast<const uint16_t*>(scale->data_ptr<at::Half>());
@@ -80,7 +130,21 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   a.y = y.data_ptr<float>();
   a.ldy = nsuper * 64;
   a.format = static_cast<int>(format);
-  const RangeFn fn = kRange;
+  RangeFn fn = isa->range;
+  torch::Tensor xq, xs, xsum;
+  if (int8x) {  // x to int8 per (row, group) first, then the integer kernels
+    const int64_t ng = K / group;
+    xq = torch::empty({M, K}, x.options().dtype(at::kChar));
+    xs = torch::empty({M, ng}, x.options());
+    xsum = torch::empty({M, ng}, x.options().dtype(at::kInt));
+    a.xq = xq.data_ptr<int8_t>();
+    a.xscale = xs.data_ptr<float>();
+    a.xsum = xsum.data_ptr<int32_t>();
+    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
+      isa->quantize(a, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), m0, m1);
+    });
+    fn = isa->qrange;
+  }
   at::parallel_for(0, nsuper, 1, [&](int64_t s0, int64_t s1) { fn(a, s0, s1); });
   return N == nsuper * 64 ? y : y.narrow(1, 0, N);
 }
@@ -97,7 +161,8 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
                            const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
                            const std::vector<int64_t>& ns, const std::vector<int64_t>& groups,
                            const std::string& act) {
-  TORCH_CHECK(kAttend != nullptr, "gpt2ffn._C.decode_block needs AVX2+FMA or AVX-512");
+  const AttendFn attend = kIsa->attend;
+  TORCH_CHECK(attend != nullptr, "gpt2ffn._C.decode_block needs AVX2+FMA or AVX-512");
   TORCH_CHECK(norms.size() == 4 && ws.size() == 4 && scales.size() == 4 && biases.size() == 4 && formats.size() == 4
               && ns.size() == 4 && groups.size() == 4, "decode_block takes 2 LayerNorms and 4 linear layers");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (B, d) float32");
@@ -136,7 +201,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
     std::vector<float> scores(S);
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, base = (slot[b] * H + h) * S * hd;
-      kAttend(AttendArgs{qkvp + b * ldq + h * hd, kc + base, vc + base, len[b] + 1, hd, scale, scores.data(),
+      attend(AttendArgs{qkvp + b * ldq + h * hd, kc + base, vc + base, len[b] + 1, hd, scale, scores.data(),
                          attp + b * d + h * hd});
     }
   });
@@ -170,5 +235,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("bias"), py::arg("format"), py::arg("N"), py::arg("group"));
   m.def("ffn", &gpt2ffn::ffn, "c_proj(act(c_fc(x))) on packed weights in one call");
   m.def("decode_block", &gpt2ffn::decode_block, "one GPT-2 block for one new token per row, KV cache by slot");
-  m.def("isa", &gpt2ffn::isa, "the instruction set the kernels run on: avx512, avx2 or none");
+  m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
+  m.def("set_isa", &gpt2ffn::set_isa, "switch to another build this CPU runs (tests); returns the previous");
 }

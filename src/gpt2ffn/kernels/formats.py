@@ -8,6 +8,11 @@
   as fp16, so the largest weight of the group is exact up to the scale's rounding (group 32: 4.5 bits a
   weight, q4_0's bytes).
 
+Activations: "fp32" (each weight is turned back into a float and meets the fp32 activation in an fp32 FMA) or,
+for int8 and int4, "int8": each row of x quantized per group of the weights' `group` inputs to int8 with its
+own fp32 scale (d = max|x| / 127, q = round(x / d)), as llama.cpp's q8_0 / q4_0 and ONNX Runtime's int8 do, and
+each group's products summed exactly in int32 (vpdpbusd / maddubs), then scaled by d * s into fp32.
+
 The layout (super-blocks of 64 outputs, row by row over K) is gpt2ffn/csrc/linear.h's. A Packed remembers
 what it was made from (`stale`), so a layer can re-pack after its Parameters change.
 """
@@ -21,6 +26,12 @@ from ..errors import ConfigError
 
 PRECISIONS = ("fp32", "bf16", "int8", "int4")
 FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
+ACTIVATIONS = ("fp32", "int8")
+INT8_FORMATS = {"int8": 4, "int4": 5}  # the int8-activation layouts (linear.h's I8A8, I4A8)
+# The activations each precision runs with unless asked otherwise (README, "Integer dot products").
+DEFAULT_ACTIVATIONS = {"fp32": "fp32", "bf16": "fp32", "int8": "fp32", "int4": "int8"}
+# k per 4-byte word of the int8-activation layouts: a group must hold whole words
+WORD = {"int8": 4, "int4": 8}
 # Group sizes (inputs per scale), measured on random:gpt2 over 1024 positions (README, "Accuracy"): group 32
 # has the lowest mean KLD vs fp32 of 32, 64, 128 (and per channel) for both, at q8_0's / q4_0's bytes.
 GROUP = {"int8": 32, "int4": 32}
@@ -33,21 +44,32 @@ def check_precision(precision: str) -> str:
     return precision
 
 
-def group_for(K: int, precision: str, group: int | None = None) -> int:
+def check_activations(precision: str, activations: str) -> str:
+    if activations not in ACTIVATIONS:
+        raise ConfigError(f"activations {activations!r} is not supported; known: {', '.join(ACTIVATIONS)}")
+    if activations == "int8" and precision not in INT8_FORMATS:
+        raise ConfigError(f"int8 activations need int8 or int4 weights, not {precision}")
+    return activations
+
+
+def group_for(K: int, precision: str, group: int | None = None, activations: str = "fp32") -> int:
     """Inputs per scale for a layer of K inputs: `group` if given (it must divide K), else GROUP[precision], or
-    for a width it does not divide, the largest divisor of K below it (even for int4, whose bytes hold pairs)."""
+    for a width it does not divide, the largest divisor of K below it (even for int4, whose bytes hold pairs;
+    with int8 activations a multiple of WORD[precision], the k one 4-byte word holds)."""
     if precision not in GROUP:
         return 0
-    step = 2 if precision == "int4" else 1
+    step = WORD[precision] if activations == "int8" else 2 if precision == "int4" else 1
+    rule = f"be a multiple of {step} and " if step > 1 else ""
+    with_act = " with int8 activations" if activations == "int8" else ""
     if group is not None:
         if group < 1 or K % group or group % step:
-            raise ConfigError(f"{precision} group size {group} must {'be even and ' if step == 2 else ''}divide the "
-                              f"layer's {K} inputs")
+            raise ConfigError(f"{precision}{with_act} group size {group} must {rule}divide the layer's {K} inputs")
         return group
     for g in range(GROUP[precision], 0, -1):
         if K % g == 0 and g % step == 0:
             return g
-    raise ConfigError(f"{precision} needs an even number of inputs per layer; this layer has {K}")
+    raise ConfigError(f"{precision}{with_act} needs a number of inputs per layer divisible by {step}; "
+                      f"this layer has {K}")
 
 
 def _blocks(w, fill=0):
@@ -76,6 +98,26 @@ def quantize_groups(w, precision: str, group: int):
     return q.view(K, N).to(torch.int8), scale
 
 
+def quantize_activations(x, group: int):
+    """(M, K) float -> (q int8 (M, K), d float32 (M, K // group)): per row and group, d = max|x| / 127 and
+    q = round-half-even(x * (1 / d)), in the same fp32 operations as the native kernels (qlinear_impl.h)."""
+    M, K = x.shape
+    if K % group:
+        raise ConfigError(f"activations have {K} inputs, not a multiple of the group size {group}")
+    xg = x.detach().float().reshape(M, K // group, group)
+    d = xg.abs().amax(dim=-1) / 127
+    inv = torch.where(d == 0, 0.0, 1.0 / torch.where(d == 0, 1.0, d))
+    q = torch.round(xg * inv[..., None]).clamp_(-127, 127)
+    return q.view(M, K).to(torch.int8), d
+
+
+def fake_quantize_activations(x, group: int):
+    """x as the int8-activation kernels see it, back in float32 (M, K): q * d."""
+    q, d = quantize_activations(x, group)
+    M, K = x.shape
+    return (q.float().view(M, K // group, group) * d[..., None]).view(M, K)
+
+
 def dequantize(q, scale, precision: str):
     """The weights a quantized layer computes with, as float32 (K, N): the reference for the kernels."""
     K, N = q.shape
@@ -87,11 +129,13 @@ def dequantize(q, scale, precision: str):
 class Packed:
     """A linear layer's weights in the kernel's layout (gpt2ffn/csrc/linear.h), with its bias padded."""
 
-    def __init__(self, weight, bias, precision: str, group: int | None = None):
-        self.precision, self.format = precision, FORMATS[precision]
+    def __init__(self, weight, bias, precision: str, group: int | None = None, activations: str = "fp32"):
+        self.activations = check_activations(precision, activations)
+        self.precision = precision
+        self.format = INT8_FORMATS[precision] if activations == "int8" else FORMATS[precision]
         K, self.N = weight.shape
         self.K = K
-        self.group = group_for(K, precision, group)
+        self.group = group_for(K, precision, group, activations)
         self.source = _stamp(weight, bias)
         w = weight.detach().float()
         self.scale = None
@@ -102,7 +146,9 @@ class Packed:
         else:
             q, s = quantize_groups(w, precision, self.group)
             self.scale = _blocks(s.half(), fill=0.0)
-            if precision == "int8":
+            if activations == "int8":
+                self.w = _words(q, precision)
+            elif precision == "int8":
                 self.w = _blocks(q)
             else:
                 qb = _blocks(q, fill=8).view(-1, K // 2, 2, SUPER).to(torch.uint8)
@@ -133,6 +179,13 @@ class Packed:
             return self.weights(torch.arange(self.N, device=self.w.device)).t()
         s, j = cols // SUPER, cols % SUPER
         w = self.w[s, :, j]                                     # (T, K) or, for int4, (T, K/2) byte pairs
+        if self.activations == "int8":                          # _words' layout: (T, K/4 or K/8, 4) bytes
+            if self.precision == "int8":
+                w = w.reshape(len(cols), self.K).float() - 128
+            else:                                               # byte i of word j: k 8j + i low, 8j + 4 + i high
+                w = torch.stack((w & 15, w >> 4), dim=-2).reshape(len(cols), self.K).float() - 8
+            scale = self.scale[s, :, j].float()
+            return (w.view(len(cols), -1, self.group) * scale[..., None]).view(len(cols), self.K)
         if self.precision == "fp32":
             return w
         if self.precision == "bf16":
@@ -150,6 +203,19 @@ def release_freed_memory():
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+def _words(q, precision: str):
+    """int8 (K, N) quantized weights -> the int8-activation layout (linear.h's I8A8 / I4A8): per super-block,
+    4-byte words of consecutive k per lane, as vpdpbusd reads them. int8: q + 128 (unsigned bytes); int4: q's
+    nibbles, k 8j + i low and 8j + 4 + i high in byte i of word j."""
+    K = q.shape[0]
+    if precision == "int8":
+        u = _blocks((q.to(torch.int16) + 128).to(torch.uint8), fill=128)       # (nsuper, K, 64)
+        return u.view(-1, K // 4, 4, SUPER).transpose(2, 3).contiguous()        # (nsuper, K/4, 64, 4)
+    u = _blocks(q.to(torch.uint8), fill=8).view(-1, K // 8, 2, 4, SUPER)        # k = 8j + 4h + i
+    b = u[:, :, 0] | (u[:, :, 1] << 4)                                          # (nsuper, K/8, 4, 64)
+    return b.transpose(2, 3).contiguous()                                       # (nsuper, K/8, 64, 4)
 
 
 def _stamp(weight, bias):

@@ -4,7 +4,9 @@ Routes, each computing the same numbers for a precision (validated against numpy
 - "native": gpt2ffn._C.linear, our AVX-512 / AVX2 GEMV and small-GEMM kernels on the packed layout
   (gpt2ffn/csrc). Every output is one fp32 FMA chain over K in order: batch-invariant and deterministic.
 - "torch":  torch.addmm (MKL / oneDNN through aten) on the layer's fp32 weights (fp32: the Parameter;
-  bf16/int8/int4: a dense fp32 copy of the rounded weights, made when this route is first needed).
+  bf16/int8/int4: a dense fp32 copy of the rounded weights, made when this route is first needed); with int8
+  activations, on x quantized and dequantized as the native kernels quantize it (the same values; the sums
+  are fp32 instead of exact int32).
 - "onednn": fp32 only: oneDNN's prepacked weights (mkldnn._reorder_linear_weight) with bias, and for c_fc
   GELU, fused into the GEMM's epilogue (mkldnn._linear_pointwise).
 
@@ -26,7 +28,7 @@ import torch
 
 from ..errors import ConfigError
 from . import DECODE_TOKENS
-from .formats import Packed, dequantize, quantize_groups
+from .formats import DEFAULT_ACTIVATIONS, Packed, dequantize, fake_quantize_activations, quantize_groups
 
 try:
     from .. import _C
@@ -40,6 +42,12 @@ _FORCED = os.environ.get("GPT2FFN_ROUTE")
 # (linear.PackedLayer, quantize's default) is given, since any other would need a second, fp32 copy.
 PACKED_ROUTES = ("native",)
 _LOCK = threading.Lock()
+
+
+def default_activations(precision: str) -> str:
+    """DEFAULT_ACTIVATIONS[precision] where the integer kernels run on VNNI; fp32 elsewhere (on the AVX2 build
+    int8 activations decode slower: README, "Integer dot products")."""
+    return DEFAULT_ACTIVATIONS[precision] if ISA in ("avx512", "avxvnni") else "fp32"
 
 
 def routes(precision: str, device) -> list:
@@ -116,6 +124,8 @@ def linear(x2, p: Packed, weight, bias, route: str, gelu: str | None = None):
         return torch.ops.mkldnn._linear_pointwise(x2, wp, b, post, [], gelu or "")
     else:
         w = dense(p, weight)
+        if p.activations == "int8":
+            x2 = fake_quantize_activations(x2, p.group)
         y = torch.addmm(bias, x2, w) if bias is not None else x2 @ w
     if gelu:
         torch.ops.aten.gelu_(y, approximate=gelu)
@@ -123,7 +133,10 @@ def linear(x2, p: Packed, weight, bias, route: str, gelu: str | None = None):
 
 
 def reference(x2, p: Packed, weight, bias) -> np.ndarray:
-    """numpy float64 x @ W + b with the precision's weights: what every route is validated against."""
+    """numpy float64 x @ W + b with the precision's weights (and int8 activations, quantized as the kernels
+    do): what every route is validated against."""
+    if p.activations == "int8":
+        x2 = fake_quantize_activations(x2.cpu(), p.group)
     w = (p.weights() if weight is None else dense(p, weight)).detach().cpu().double().numpy()  # not cached
     y = x2.detach().cpu().double().numpy() @ w
     return y + bias.detach().cpu().double().numpy() if bias is not None else y
@@ -156,7 +169,9 @@ def probe(layers: list, precision: str, device="cpu", log=None, only=None) -> di
     if len(cands) == 1:
         return {"decode": cands[0], "prefill": cands[0]}
     shapes = sorted({(p.K, p.N) for p, _, _ in layers})
-    key = f"{machine_key()}|{precision}|{shapes}|{len(layers)} layers" + (f"|{','.join(cands)}" if only else "")
+    acts = {p.activations for p, _, _ in layers}
+    key = (f"{machine_key()}|{precision}|{shapes}|{len(layers)} layers" + (f"|{','.join(cands)}" if only else "")
+           + ("|int8 activations" if "int8" in acts else ""))
     file = _cache_file()
     with _LOCK, torch.no_grad():
         try:

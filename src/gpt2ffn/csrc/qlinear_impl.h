@@ -1,0 +1,111 @@
+// Integer dot products on int8 activations (formats I8A8 and I4A8 of linear.h): the rows of x quantized per
+// group to int8, each group's products summed exactly in int32, scaled into an fp32 sum group by group.
+// An ISA file defines, in namespace gpt2ffn::ISA before including this header, the float helpers of
+// linear_impl.h (V, vzero, vset1, vload, vload_f16, vfma, vmul, vadd, vstore) and the integer ones:
+//   VI vizero();  W wload_i8(p); VI dot_i8(acc, w, x4);  wload_i4(p, lo, hi); VI dot_i4(acc, lo, hi, x4lo, x4hi)
+//   V vcvt(VI acc, int32_t minus): float(acc - minus);  I8_OFFSET: what dot_i8 adds to q (128 when it sums
+//   (q + 128) * x as vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile.
+// Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
+// activation bytes meets 16 lanes' weights in one instruction.
+#pragma once
+#include <cmath>
+#include <cstring>
+
+#include "linear.h"
+
+namespace gpt2ffn {
+namespace ISA {
+
+constexpr int64_t SUPER = 64;  // lanes per super-block: 4 blocks of 16
+
+// Rows m0..m1 of x -> xq (int8, row stride K), xscale and xsum per (row, group): d = max|x| / 127,
+// q = round-half-even(x * (1 / d)), the same fp32 operations as gpt2ffn.kernels.formats.quantize_activations.
+void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1) {
+  const int64_t K = a.K, G = a.group, ng = K / G;
+  for (int64_t m = m0; m < m1; m++)
+    for (int64_t g = 0; g < ng; g++) {
+      const float* x = a.x + m * a.ldx + g * G;
+      int8_t* q = xq + m * K + g * G;
+      float amax = 0.0f;
+      for (int64_t i = 0; i < G; i++) amax = std::fmax(amax, std::fabs(x[i]));
+      const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
+      int32_t s = 0;
+      for (int64_t i = 0; i < G; i++) {
+        const float r = std::nearbyint(x[i] * id);
+        q[i] = static_cast<int8_t>(r > 127.0f ? 127.0f : r < -127.0f ? -127.0f : r);
+        s += q[i];
+      }
+      xs[m * ng + g] = d;
+      xsum[m * ng + g] = s;
+    }
+}
+
+template <int FMT, int MR, int NB>
+static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
+  constexpr int STEP = FMT == I4A8 ? 8 : 4;  // k per 4-byte word
+  constexpr int32_t OFF = FMT == I4A8 ? 8 : I8_OFFSET;
+  const int64_t K = a.K, G = a.group, ng = K / G;
+  const uint8_t* wsb = static_cast<const uint8_t*>(a.w) + sb * (K / STEP) * SUPER * 4;
+  V acc[MR][NB];
+  for (int m = 0; m < MR; m++)
+    for (int j = 0; j < NB; j++) acc[m][j] = vzero();
+  for (int64_t g = 0; g < ng; g++) {
+    VI part[MR][NB];
+    for (int m = 0; m < MR; m++)
+      for (int j = 0; j < NB; j++) part[m][j] = vizero();
+    for (int64_t k = g * G; k < (g + 1) * G; k += STEP) {
+      const uint8_t* wk = wsb + (k / STEP) * SUPER * 4 + j0 * 64;
+      if constexpr (FMT == I4A8) {
+        W lo[NB], hi[NB];
+        for (int j = 0; j < NB; j++) wload_i4(wk + j * 64, lo[j], hi[j]);
+        for (int m = 0; m < MR; m++) {
+          int32_t x4[2];
+          std::memcpy(x4, a.xq + (m0 + m) * K + k, 8);
+          for (int j = 0; j < NB; j++) part[m][j] = dot_i4(part[m][j], lo[j], hi[j], x4[0], x4[1]);
+        }
+      } else {
+        W w[NB];
+        for (int j = 0; j < NB; j++) w[j] = wload_i8(wk + j * 64);
+        for (int m = 0; m < MR; m++) {
+          int32_t x4;
+          std::memcpy(&x4, a.xq + (m0 + m) * K + k, 4);
+          for (int j = 0; j < NB; j++) part[m][j] = dot_i8(part[m][j], w[j], x4);
+        }
+      }
+    }
+    // acc += float(sum_k q_k x_k) * (d * scale): the weights' offset comes off as OFF * sum_k x_k
+    for (int j = 0; j < NB; j++) {
+      const V s = vload_f16(a.scale + (sb * ng + g) * SUPER + (j0 + j) * 16);
+      for (int m = 0; m < MR; m++) {
+        const int64_t at = (m0 + m) * ng + g;
+        acc[m][j] = vfma(vcvt(part[m][j], OFF * a.xsum[at]), vmul(s, vset1(a.xscale[at])), acc[m][j]);
+      }
+    }
+  }
+  for (int j = 0; j < NB; j++) {
+    const int64_t col = sb * SUPER + (j0 + j) * 16;
+    const V b = a.bias ? vload(a.bias + col) : vzero();
+    for (int m = 0; m < MR; m++) vstore(a.y + (m0 + m) * a.ldy + col, vadd(acc[m][j], b));
+  }
+}
+
+// Rows in tiles of QMR (each weight word loaded once per tile and met by QMR rows' activations), outputs
+// in blocks of QNB x 16 lanes; the rows left over one at a time over the whole super-block.
+template <int FMT>
+static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
+  for (int64_t sb = sb0; sb < sb1; sb++) {
+    int64_t m = 0;
+    for (; m + QMR <= a.M; m += QMR)
+      for (int j0 = 0; j0 < 4; j0 += QNB) qtile<FMT, QMR, QNB>(a, m, sb, j0);
+    for (; m < a.M; m++)
+      for (int j0 = 0; j0 < 4; j0 += QNB1) qtile<FMT, 1, QNB1>(a, m, sb, j0);
+  }
+}
+
+void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1) {
+  if (a.format == I4A8) qrun<I4A8>(a, sb0, sb1);
+  else qrun<I8A8>(a, sb0, sb1);
+}
+
+}  // namespace ISA
+}  // namespace gpt2ffn

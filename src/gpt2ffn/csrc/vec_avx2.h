@@ -1,0 +1,48 @@
+// 16-lane float vectors for AVX2 (two 256-bit registers), shared by the AVX2 builds (linear_avx2.cpp and
+// the integer kernels' qlinear_avx2.cpp / qlinear_avxvnni.cpp). Include after the file's target pragma.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace gpt2ffn {
+namespace avx2 {
+struct V { __m256 lo, hi; };
+static inline V vzero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+static inline V vset1(float x) { return {_mm256_set1_ps(x), _mm256_set1_ps(x)}; }
+static inline V vload(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+static inline V vload_f16(const uint16_t* p) {
+  return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+static inline __m256 bf16x8(const uint16_t* p) {
+  const __m256i h = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(h, 16));
+}
+static inline V vload_bf16(const uint16_t* p) { return {bf16x8(p), bf16x8(p + 8)}; }
+static inline __m256 i8x8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+static inline V vload_i8(const int8_t* p) { return {i8x8(p), i8x8(p + 8)}; }
+// 16 bytes of nibble pairs -> (q - 8) as floats, low and high nibbles.
+static inline void vload_s4(const uint8_t* p, V& lo, V& hi) {
+  const __m256i mask = _mm256_set1_epi32(15), eight = _mm256_set1_epi32(8);
+  const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p)));
+  const __m256i b = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 8)));
+  lo = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(a, mask), eight)),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_and_si256(b, mask), eight))};
+  hi = {_mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(a, 4), eight)),
+        _mm256_cvtepi32_ps(_mm256_sub_epi32(_mm256_srli_epi32(b, 4), eight))};
+}
+static inline V vfma(V a, V b, V c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+static inline V vmul(V a, V b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+static inline V vadd(V a, V b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+static inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+static inline float vsum(V a) {
+  const __m256 s = _mm256_add_ps(a.lo, a.hi);
+  __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  t = _mm_add_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+}  // namespace avx2
+}  // namespace gpt2ffn

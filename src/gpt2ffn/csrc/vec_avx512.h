@@ -1,0 +1,35 @@
+// 16-lane float vectors for AVX-512 (one 512-bit register), shared by linear_avx512.cpp and
+// qlinear_avx512.cpp. Include after the file's target pragma.
+#pragma once
+#include <immintrin.h>
+
+#include <cstdint>
+
+namespace gpt2ffn {
+namespace avx512 {
+struct V { __m512 v; };
+static inline V vzero() { return {_mm512_setzero_ps()}; }
+static inline V vset1(float x) { return {_mm512_set1_ps(x)}; }
+static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
+static inline V vload_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+static inline V vload_bf16(const uint16_t* p) {
+  const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(h, 16))};
+}
+static inline V vload_i8(const int8_t* p) {
+  return {_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))))};
+}
+// 16 bytes of nibble pairs -> (q - 8) as floats, low and high nibbles, through a 16-entry table (vpermps).
+static inline void vload_s4(const uint8_t* p, V& lo, V& hi) {
+  const __m512 table = _mm512_setr_ps(-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7);
+  const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  lo = {_mm512_permutexvar_ps(b, table)};  // vpermps reads the index's low 4 bits
+  hi = {_mm512_permutexvar_ps(_mm512_srli_epi32(b, 4), table)};
+}
+static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
+static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
+static inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+static inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
+}  // namespace avx512
+}  // namespace gpt2ffn

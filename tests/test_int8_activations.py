@@ -1,0 +1,200 @@
+"""Integer dot products on int8 activations (I8A8 / I4A8): every instruction-set build this CPU runs against a
+torch reference of the same quantization, bit-exact int32 sums where the scales make the float epilogue exact,
+odd sizes, clear errors, and the whole GPT-2 on both routes."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import SMALL, hf_model
+from gpt2ffn import ConfigError, quantize
+from gpt2ffn.kernels import packed as kp
+from gpt2ffn.kernels.formats import Packed, fake_quantize_activations, quantize_activations
+from gpt2ffn.model import GPT2
+
+_C = kp._C
+pytestmark = pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason=str(kp.WHY_NOT_NATIVE))
+
+
+def runnable_isas():
+    out = []
+    for name in ("avx512", "avxvnni", "avx2"):
+        try:
+            old = _C.set_isa(name)
+        except RuntimeError:
+            continue
+        _C.set_isa(old)
+        out.append(name)
+    return out
+
+
+ISAS = runnable_isas() if _C is not None else []
+
+
+@pytest.fixture(params=ISAS)
+def isa(request):
+    old = _C.set_isa(request.param)
+    yield request.param
+    _C.set_isa(old)
+
+
+def native(x, p):
+    return _C.linear(x, p.w, p.scale, p.bias, p.format, p.N, p.group)
+
+
+def reference64(x, p, w, b):
+    """float64: the fake-quantized activations times the quantized weights, plus bias."""
+    return torch.from_numpy(kp.reference(x, p, w, b))
+
+
+def test_the_builds_this_cpu_has_are_all_tested():
+    assert "avx2" in ISAS  # every x86-64 CPU that runs the native kernels runs the AVX2 build
+    if _C.isa() == "avx512":
+        assert "avx512" in ISAS
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("K,N,M", [(768, 2304, 1), (96, 200, 7), (64, 64, 13), (256, 130, 37)])
+def test_native_matches_reference_of_the_same_quantization(isa, precision, K, N, M):
+    g = torch.Generator().manual_seed(K + N + M)
+    w, b, x = torch.randn(K, N, generator=g), torch.randn(N, generator=g), 3 * torch.randn(M, K, generator=g)
+    p = Packed(w, b, precision, activations="int8")
+    y = native(x, p).double()
+    want = reference64(x, p, w, b)
+    assert y.shape == (M, N)
+    err = float((y - want).abs().max() / want.abs().max())
+    assert err < 2e-6, (isa, err)
+    # negative control: the same weights on fp32 activations differ by the activations' rounding, ~1e-2
+    p32 = Packed(w, b, precision)
+    assert float((native(x, p32).double() - want).abs().max() / want.abs().max()) > 1e-3
+
+
+def exact_case(precision, K, N, M, seed=0):
+    """Inputs whose scales are powers of two (x: 2^-3, w: 2^-4), so that every float in the kernel's epilogue
+    is exact and its output must equal the int32 sums times 2^-7 bit for bit. Row 0 is all +-127 times the
+    weights' sign pattern: the largest sums maddubs can meet (saturation would show)."""
+    g = torch.Generator().manual_seed(seed)
+    xq = torch.randint(-127, 128, (M, K), generator=g)
+    xq.view(M, K // 32, 32)[:, :, 0] = 127  # each group's max|x| is 127: d = 2^-3 exactly
+    if precision == "int8":
+        q = torch.randint(-127, 128, (K, N), generator=g)
+        q.view(K // 32, 32, N)[:, 0] = -127
+        w = q.float() / 16
+    else:
+        q = torch.randint(0, 16, (K, N), generator=g) - 8
+        q.view(K // 32, 32, N)[:, 0] = -8  # the signed max the int4 scale is taken from: s = 2^-4
+        w = q.float() / 16
+    xq[0] = 127 * torch.where(q[:, 0] < 0, -1, 1)
+    x = xq.float() / 8
+    want = (xq.double() @ q.double()) / 128
+    return x, w, want
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_int32_sums_bit_exact(isa, precision):
+    x, w, want = exact_case(precision, 768, 200, 6)
+    p = Packed(w, None, precision, activations="int8")
+    q, d = quantize_activations(x, p.group)
+    assert torch.equal(d, torch.full_like(d, 0.125)) and torch.equal(q.float(), x * 8)
+    y = native(x, p)
+    assert torch.equal(y.double(), want), (isa, float((y.double() - want).abs().max()))
+    # negative control: one weight byte changed changes an output
+    p.w.view(-1)[0] ^= 1
+    assert not torch.equal(native(x, p).double(), want)
+
+
+def test_builds_agree_bit_for_bit():
+    """Every build computes the same int32 sums and the same epilogue: equal outputs, not merely close."""
+    g = torch.Generator().manual_seed(3)
+    w, b, x = torch.randn(384, 192, generator=g), torch.randn(192, generator=g), torch.randn(21, 384, generator=g)
+    for precision in ("int8", "int4"):
+        p = Packed(w, b, precision, activations="int8")
+        outs = {}
+        for name in ISAS:
+            old = _C.set_isa(name)
+            try:
+                outs[name] = native(x, p)
+            finally:
+                _C.set_isa(old)
+        first = next(iter(outs.values()))
+        assert all(torch.equal(first, y) for y in outs.values()), precision
+
+
+def test_batch_invariant():
+    g = torch.Generator().manual_seed(4)
+    w, x = torch.randn(256, 320, generator=g), torch.randn(40, 256, generator=g)
+    p = Packed(w, None, "int8", activations="int8")
+    full = native(x, p)
+    for rows in (1, 3, 5, 17):
+        assert torch.equal(native(x[:rows], p), full[:rows]), rows
+
+
+def test_activation_quantization_matches_its_definition():
+    x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5] + [0.0] * 29])
+    q, d = quantize_activations(x, 32)
+    assert d.tolist() == [[0.0, pytest.approx(2 / 127)]]
+    assert q[0, :32].abs().sum() == 0 and q[0, 32:35].tolist() == [64, -127, 32]  # 63.5 rounds to even
+    np.testing.assert_allclose(fake_quantize_activations(x, 32)[0, 33], -2.0, rtol=1e-6)
+
+
+def test_k_not_a_multiple_of_32_takes_a_smaller_group_or_says_why():
+    w = torch.randn(40, 64)
+    assert Packed(w, None, "int8", activations="int8").group == 20   # largest divisor <= 32, a multiple of 4
+    assert Packed(w, None, "int4", activations="int8").group == 8    # ... a multiple of 8
+    x = torch.randn(3, 40)
+    for precision in ("int8", "int4"):
+        p = Packed(w, None, precision, activations="int8")
+        assert float((native(x, p).double() - reference64(x, p, w, None)).abs().max()) < 1e-5
+    with pytest.raises(ConfigError, match="int4 with int8 activations needs a number of inputs per layer divisible "
+                                          "by 8; this layer has 36"):
+        Packed(torch.randn(36, 64), None, "int4", activations="int8")
+    with pytest.raises(ConfigError, match="int8 with int8 activations group size 30 must be a multiple of 4 and "
+                                          "divide the layer's 120 inputs"):
+        Packed(torch.randn(120, 64), None, "int8", group=30, activations="int8")
+    with pytest.raises(ConfigError, match="int8 activations need int8 or int4 weights, not bf16"):
+        Packed(w, None, "bf16", activations="int8")
+    with pytest.raises(ConfigError, match="activations 'int4' is not supported; known: fp32, int8"):
+        Packed(w, None, "int8", activations="int4")
+
+
+def test_native_checks_the_group():
+    p = Packed(torch.randn(64, 64), None, "int4", activations="int8")
+    with pytest.raises(RuntimeError, match="group 4 must divide K=64 and be a multiple of 8"):
+        _C.linear(torch.randn(1, 64), p.w, p.scale, p.bias, p.format, p.N, 4)
+    with pytest.raises(RuntimeError, match="unknown instruction set avx9"):
+        _C.set_isa("avx9")
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_gpt2_native_matches_torch_route(precision):
+    hf = hf_model(SMALL, seed=3)
+    model = GPT2(SMALL).eval()
+    model.load_state_dict(hf.state_dict())
+    quantize(model, precision, activations="int8")
+    assert model.activations == "int8" and model.lm_head.packed.format == 4  # lm_head int8 weights, int8 acts
+    ids = torch.randint(0, SMALL.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
+    layers = [m for m in model.modules() if getattr(m, "packed", None) is not None]
+    got = {}
+    for route in ("native", "torch"):
+        for m in layers:
+            m.packed.route = {"decode": route, "prefill": route}
+        with torch.no_grad():
+            got[route] = model(ids)
+    assert float((got["native"] - got["torch"]).abs().max() / got["torch"].abs().max()) < 1e-5
+    with torch.no_grad():
+        want = hf(ids).logits
+    err = float((got["native"] - want).abs().max() / want.abs().max())
+    assert 1e-4 < err < 0.1, err  # quantized, so not fp32's numbers, but close to them
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_weights_unpack_from_the_word_layout(precision):
+    """A layer held once answers state_dict() and the tied embeddings from Packed.weights(): the int8-activation
+    word layout unpacks to exactly the values of the float-activation layout (same groups, same rounding)."""
+    w = torch.randn(96, 80, generator=torch.Generator().manual_seed(3))
+    words, plain = Packed(w, None, precision, activations="int8"), Packed(w, None, precision, activations="fp32")
+    assert words.w.shape != plain.w.shape                       # really another layout
+    assert torch.equal(words.weights(), plain.weights())
+    cols = torch.tensor([0, 17, 63, 64, 79])
+    assert torch.equal(words.weights(cols), plain.weights(cols))
+    assert not torch.equal(words.weights(), w)                  # and they are the rounded values, not w
