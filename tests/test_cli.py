@@ -53,3 +53,18 @@ def test_generate_precision(capsys):
     assert main(["generate", "--model", "random:tiny", "Hi", "--precision", "int8", "--max-new-tokens", "3"]) == 0
     assert main(["generate", "--model", "random:tiny", "Hi", "--dtype", "bfloat16", "--precision", "int4"]) == 2
     assert "error: precision='int4' quantizes a float32 model's weights" in capsys.readouterr().err
+
+
+def test_activations_flag(capsys):
+    from gpt2ffn.loading import load
+    model, _, _ = load("random:tiny", precision="int4", activations="int8")
+    assert model.activations == "int8"
+    assert load("random:tiny", precision="int4", activations="fp32")[0].activations == "fp32"
+    assert main(["generate", "Hi", "--model", "random:tiny", "--precision", "int8", "--activations", "int8",
+                 "--max-new-tokens", "2"]) == 0
+    capsys.readouterr()
+    assert main(["generate", "Hi", "--model", "random:tiny", "--activations", "int8"]) == 2   # fp32 weights
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "int8 activations need int8 or int4 weights, not fp32" in err[0], err
+    assert main(["generate", "Hi", "--model", "random:tiny", "--dtype", "bfloat16", "--activations", "int8"]) == 2
+    assert "applies to packed int8/int4 weights on the CPU" in capsys.readouterr().err

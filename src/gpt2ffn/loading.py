@@ -9,7 +9,7 @@ import torch
 from .errors import Gpt2ffnError
 from .model import load_model, parse_random
 from .parallel import make_mesh, parallelize
-from .precision import check_precision
+from .precision import check_activations, check_precision
 from .tokenizer import ByteTokenizer, load_tokenizer
 
 
@@ -52,14 +52,17 @@ def default_dtype(device: str) -> torch.dtype:
     return torch.bfloat16 if device.startswith("cuda") else torch.float32
 
 
-def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "cpu", tp: int = 1):
+def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "cpu", tp: int = 1,
+         activations: str | None = None):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
 
     device: 'cpu' (default), 'cuda[:N]' or 'auto'; dtype: every tensor's (default: default_dtype(device)).
     precision: the linear layers' weights on the CPU, 'fp32' (default), 'bf16', 'int8' or 'int4'
     (gpt2ffn.quantize, the native kernels); it applies to float32 models (with dtype=bfloat16 everything
     runs in bf16 instead). On CUDA the model is plain torch in dtype: precision must be fp32 (or None).
-    tp > 1: sharded over the default process group's tp ranks (gpt2ffn.parallel; fp32 weights on torch's ops)."""
+    tp > 1: sharded over the default process group's tp ranks (gpt2ffn.parallel; fp32 weights on torch's ops).
+    activations: 'fp32' or 'int8' (integer dot products, int8/int4 weights on the CPU); None: the machine's
+    default for the precision (kernels.packed.default_activations)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if device.startswith("cuda"):
@@ -86,7 +89,12 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
                                "`huggingface-cli download openai-community/gpt2`, then pass --model DIR "
                                "(or try --model random:gpt2)")
         spec = str(found)
-    model = load_model(spec, dtype, precision)
+    if activations is not None:
+        if precision is None:
+            raise Gpt2ffnError(f"activations={activations!r} applies to packed int8/int4 weights on the CPU, not to "
+                               f"this model (device {device}, dtype {dtype}, tp {tp})")
+        check_activations(precision, activations)
+    model = load_model(spec, dtype, precision, activations)
     if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
         model = model.to(device)
     if tp > 1:

@@ -301,12 +301,14 @@ class GPT2(nn.Module):
         return torch.tensor(out, dtype=torch.long, device=input_ids.device)
 
     @classmethod
-    def from_pretrained(cls, path, dtype=torch.float32, precision: str | None = "fp32") -> "GPT2":
+    def from_pretrained(cls, path, dtype=torch.float32, precision: str | None = "fp32",
+                        activations: str | None = None) -> "GPT2":
         """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin).
 
         precision ('fp32', 'bf16', 'int8', 'int4'): the linear layers' weights for inference, packed by
         gpt2ffn.quantize (activations stay fp32); fp32 is exact and takes this machine's fastest kernels;
-        None leaves plain torch modules (and with dtype other than float32, precision must be None)."""
+        None leaves plain torch modules (and with dtype other than float32, precision must be None).
+        activations: as quantize's ('fp32', 'int8' for int8/int4 weights; None: the machine's default)."""
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         model = cls(Config.from_pretrained(directory))
@@ -316,7 +318,7 @@ class GPT2(nn.Module):
                      size=f" ({model.config.n_layer} layers)")
         model = model.to(dtype).eval()
         if precision is not None and dtype == torch.float32:
-            quantize(model, precision)
+            quantize(model, precision, activations=activations)
         return model
 
 
@@ -355,17 +357,19 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32") -> GPT2:
+def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32", activations: str | None = None) -> GPT2:
     """GPT2 in eval mode from a checkpoint directory or `random:<preset>[:seed]`; weights only, no tokenizer.
     precision: as GPT2.from_pretrained's."""
     from pathlib import Path
     if spec.startswith("random:"):
         cfg, seed, _ = parse_random(spec)
         model = random_weights_(GPT2(cfg), seed).to(dtype).eval()
-        return quantize(model, precision) if precision is not None and dtype == torch.float32 else model
+        if precision is not None and dtype == torch.float32:
+            return quantize(model, precision, activations=activations)
+        return model
     if not Path(spec).is_dir():
         raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
-    return GPT2.from_pretrained(spec, dtype=dtype, precision=precision)
+    return GPT2.from_pretrained(spec, dtype=dtype, precision=precision, activations=activations)
 
 
 def parse_random(spec: str) -> tuple:
