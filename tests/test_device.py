@@ -94,3 +94,12 @@ def test_cuda_model_and_engine_match_hf_on_the_card(hf_dir):
     assert bf16.transformer.wte.weight.dtype == torch.bfloat16
     out = generate(bf16, [ids[0].tolist()] * 3, Sampling(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=1))
     assert len(out) == 3 and all(len(o) == 8 for o in out)
+
+
+def test_bench_model_times_any_random_size_and_refuses_a_checkpoint():
+    from gpt2ffn.bench import bench_model
+    r = bench_model(("fp32",), prompt_tokens=8, new_tokens=4, repeats=2, weights="random:tiny", log=lambda *a: None)
+    assert r["model"] == "random:tiny:0" and r["engines"]["gpt2ffn fp32"]["greedy_same_as_hf"] == 1.0
+    assert r["engines"]["gpt2ffn fp32"]["decode_tokens_per_s"] > 0
+    with pytest.raises(Gpt2ffnError, match=r"random weights \(random:<preset>\[:seed\]\), not 'some/dir'"):
+        bench_model(("fp32",), weights="some/dir")

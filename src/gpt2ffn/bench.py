@@ -350,6 +350,19 @@ def summarize(result) -> str:
 
 
 
+def random_hf(weights: str):
+    """(Config, name, HF GPT2LMHeadModel with sdpa) of `random:<preset>[:seed]`: what bench --model times."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from .model import parse_random, random_weights_
+    if not weights.startswith("random:"):
+        raise Gpt2ffnError(f"bench --model times random weights (random:<preset>[:seed]), not {weights!r}")
+    cfg, seed, name = parse_random(weights)
+    hf_cfg = GPT2Config(**cfg.to_hf_dict())
+    hf_cfg._attn_implementation = "sdpa"
+    return cfg, name, random_weights_(GPT2LMHeadModel(hf_cfg), seed).eval()
+
+
 def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print,
                 weights="random:gpt2", device="cpu") -> dict:
     """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
@@ -361,18 +374,11 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16), HF also with its static cache."""
     if device != "cpu":
         return bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights)
-    from transformers import GPT2Config, GPT2LMHeadModel
-
     from .generate import Sampling, generate
-    from .model import GPT2, parse_random, random_weights_
+    from .model import GPT2
     from .precision import packable, quantize
     from .serving.kv_cache import KVCache
-    if not weights.startswith("random:"):
-        raise Gpt2ffnError(f"bench --model times random weights (random:<preset>[:seed]), not {weights!r}")
-    cfg, seed, name = parse_random(weights)
-    hf_cfg = GPT2Config(**cfg.to_hf_dict())
-    hf_cfg._attn_implementation = "sdpa"
-    hf = random_weights_(GPT2LMHeadModel(hf_cfg), seed).eval()
+    cfg, name, hf = random_hf(weights)
     hf.generation_config.eos_token_id = None
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=new_tokens)
@@ -423,20 +429,16 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
 def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights="random:gpt2") -> dict:
     """bench_model on a GPU: per dtype ('fp32', 'bf16'), gpt2ffn's engine and HF generate (dynamic and static
     cache), greedy, batch 1, synchronized timings, interleaved rounds."""
-    from transformers import GPT2Config, GPT2LMHeadModel
+    from transformers import GPT2LMHeadModel
 
     from .generate import Sampling, generate
-    from .model import GPT2, parse_random, random_weights_
+    from .model import GPT2
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     bad = [p for p in precisions if p not in dtypes]
     if bad:
         raise Gpt2ffnError(f"on CUDA --precision is the dtype: fp32 or bf16, got {', '.join(bad)}")
-    if not weights.startswith("random:"):
-        raise Gpt2ffnError(f"bench --model times random weights (random:<preset>[:seed]), not {weights!r}")
-    cfg, seed, name = parse_random(weights)
-    hf_cfg = GPT2Config(**cfg.to_hf_dict())
-    hf_cfg._attn_implementation = "sdpa"
-    base = random_weights_(GPT2LMHeadModel(hf_cfg), seed).eval()
+    cfg, name, base = random_hf(weights)
+    hf_cfg = base.config
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
     s = Sampling(max_new_tokens=new_tokens)
     out = {"device": torch.cuda.get_device_name(device), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
