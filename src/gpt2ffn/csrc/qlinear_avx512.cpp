@@ -20,6 +20,21 @@ static inline VI dot_i4(VI acc, const W& lo, const W& hi, int32_t xlo, int32_t x
   return {_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc.v, lo.v, _mm512_set1_epi32(xlo)), hi.v, _mm512_set1_epi32(xhi))};
 }
 static inline V vcvt(VI a, int32_t minus) { return {_mm512_cvtepi32_ps(_mm512_sub_epi32(a.v, _mm512_set1_epi32(minus)))}; }
+static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float& d, int32_t& sum) {
+  __m512 m = _mm512_setzero_ps();
+  for (int64_t i = 0; i < G; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
+  d = _mm512_reduce_max_ps(m) / 127.0f;
+  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  __m512i s = _mm512_setzero_si512();
+  for (int64_t i = 0; i < G; i += 16) {
+    const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), id),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    const __m512i v = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_max_ps(r, lo), hi));
+    s = _mm512_add_epi32(s, v);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i), _mm512_cvtepi32_epi8(v));
+  }
+  sum = _mm512_reduce_add_epi32(s);
+}
 }  // namespace avx512
 }  // namespace gpt2ffn
 

@@ -3,7 +3,8 @@
 // An ISA file defines, in namespace gpt2ffn::ISA before including this header, the float helpers of
 // linear_impl.h (V, vzero, vset1, vload, vload_f16, vfma, vmul, vadd, vstore) and the integer ones:
 //   VI vizero();  W wload_i8(p); VI dot_i8(acc, w, x4);  wload_i4(p, lo, hi); VI dot_i4(acc, lo, hi, x4lo, x4hi)
-//   V vcvt(VI acc, int32_t minus): float(acc - minus);  I8_OFFSET: what dot_i8 adds to q (128 when it sums
+//   V vcvt(VI acc, int32_t minus): float(acc - minus);  quantize_group16(x, q, G, d, sum): one group of G (a
+//   multiple of 16) activations quantized as quantize_rows' scalar loop does;  I8_OFFSET: what dot_i8 adds to q (128 when it sums
 //   (q + 128) * x as vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile.
 // Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
 // activation bytes meets 16 lanes' weights in one instruction.
@@ -26,6 +27,10 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
     for (int64_t g = 0; g < ng; g++) {
       const float* x = a.x + m * a.ldx + g * G;
       int8_t* q = xq + m * K + g * G;
+      if (G % 16 == 0) {  // the same operations, 16 at a time
+        quantize_group16(x, q, G, xs[m * ng + g], xsum[m * ng + g]);
+        continue;
+      }
       float amax = 0.0f;
       for (int64_t i = 0; i < G; i++) amax = std::fmax(amax, std::fabs(x[i]));
       const float d = amax / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;

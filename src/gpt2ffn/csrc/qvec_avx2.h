@@ -58,6 +58,31 @@ static inline V vcvt(VI a, int32_t minus) {
   const __m256i s = _mm256_set1_epi32(minus);
   return {_mm256_cvtepi32_ps(_mm256_sub_epi32(a.lo, s)), _mm256_cvtepi32_ps(_mm256_sub_epi32(a.hi, s))};
 }
+static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float& d, int32_t& sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  __m256 m = _mm256_setzero_ps();
+  for (int64_t i = 0; i < G; i += 8) m = _mm256_max_ps(m, _mm256_andnot_ps(sign, _mm256_loadu_ps(x + i)));
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  d = _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1))) / 127.0f;
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  __m256i s = _mm256_setzero_si256();
+  for (int64_t i = 0; i < G; i += 16) {
+    __m256i v[2];
+    for (int h = 0; h < 2; h++) {
+      const __m256 r = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i + 8 * h), id),
+                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      v[h] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(r, lo), hi));
+      s = _mm256_add_epi32(s, v[h]);
+    }
+    const __m256i p = _mm256_permute4x64_epi64(_mm256_packs_epi32(v[0], v[1]), 0xD8);  // 16 x int16 in order
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + i),
+                     _mm_packs_epi16(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1)));
+  }
+  __m128i u = _mm_add_epi32(_mm256_castsi256_si128(s), _mm256_extracti128_si256(s, 1));
+  u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
+  sum = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1)));
+}
 }  // namespace ISA
 }  // namespace gpt2ffn
 
