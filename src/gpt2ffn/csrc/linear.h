@@ -25,6 +25,7 @@
 namespace gpt2ffn {
 
 enum Format : int { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, I8A8 = 4, I4A8 = 5 };
+enum Act : int { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 
 struct LinearArgs {
   const float* x;       // (M, K) row-major, row stride ldx
@@ -36,6 +37,7 @@ struct LinearArgs {
   float* y;             // (M, nsuper * 64) row-major, row stride ldy
   int64_t ldy;
   int format;
+  int act;              // applied to x @ W + b as it is stored: ACT_NONE, ACT_GELU_TANH or ACT_RELU
   // I8A8 / I4A8: x quantized per (row, group): int8 values (M, K) row stride K, the scale d and the sum of q
   const int8_t* xq;
   const float* xscale;  // (M, K / group)

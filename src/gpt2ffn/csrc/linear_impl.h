@@ -5,6 +5,7 @@
 #pragma once
 #include <cmath>
 
+#include "act_impl.h"
 #include "linear.h"
 
 namespace gpt2ffn {
@@ -68,7 +69,7 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
   for (int j = 0; j < NB; j++) {
     const int64_t col = sb * SUPER + (j0 + j) * 16;
     const V b = a.bias ? vload(a.bias + col) : vzero();
-    for (int m = 0; m < MR; m++) vstore(y + m * a.ldy + col, vadd(acc[m][j], b));
+    for (int m = 0; m < MR; m++) vstore(y + m * a.ldy + col, activate(vadd(acc[m][j], b), a.act));
   }
 }
 

@@ -86,9 +86,20 @@ std::string set_isa(const std::string& name) {
   TORCH_CHECK(false, "unknown instruction set ", name, "; known: avx512, avx512novnni, avxvnni, avx2");
 }
 
-// x (M, K) float32 -> y (M, N) float32; `w` and `scale` as Packed in gpt2ffn/precision.py writes them.
+// act: "" (none), "tanh" (GELU's tanh form) or "relu", applied inside the kernels as y is stored; "none" (GELU's
+// exact erf form), after them through aten.
+static int act_code(const std::string& act) {
+  if (act.empty()) return ACT_NONE;
+  if (act == "tanh") return ACT_GELU_TANH;
+  if (act == "relu") return ACT_RELU;
+  TORCH_CHECK(act == "none", "unknown activation '", act, "'; known: '', 'tanh', 'relu', 'none' (exact GELU)");
+  return ACT_NONE;
+}
+
+// x (M, K) float32 -> act(y) (M, N) float32; `w` and `scale` as Packed in gpt2ffn/precision.py writes them.
 torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                     const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N, int64_t group) {
+                     const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N, int64_t group,
+                     const std::string& act) {
   const Isa* isa = kIsa;
   TORCH_CHECK(isa->range != nullptr, "gpt2ffn._C.linear needs AVX2+FMA or AVX-512");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
@@ -130,6 +141,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   a.y = y.data_ptr<float>();
   a.ldy = nsuper * 64;
   a.format = static_cast<int>(format);
+  a.act = act_code(act);
   RangeFn fn = isa->range;
   torch::Tensor xq, xs, xsum;
   if (int8x) {  // x to int8 per (row, group) first, then the integer kernels
@@ -146,6 +158,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
     fn = isa->qrange;
   }
   at::parallel_for(0, nsuper, 1, [&](int64_t s0, int64_t s1) { fn(a, s0, s1); });
+  if (act == "none") at::gelu_(y, "none");
   return N == nsuper * 64 ? y : y.narrow(1, 0, N);
 }
 
@@ -179,9 +192,9 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
   for (int64_t b = 0; b < B; b++)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < k_cache.size(0) && len[b] >= 0 && len[b] < S,
                 "row ", b, ": slot ", slot[b], " position ", len[b], " outside the cache (", k_cache.size(0), ", ", S, ")");
-  auto lin = [&](const torch::Tensor& in, int i) {
+  auto lin = [&](const torch::Tensor& in, int i, const std::string& act = "") {
     return linear(in, ws[i], scales[i].numel() ? c10::optional<torch::Tensor>(scales[i]) : c10::nullopt,
-                  biases[i], formats[i], ns[i], groups[i]);
+                  biases[i], formats[i], ns[i], groups[i], act);
   };
   const auto qkv = lin(at::layer_norm(x, {d}, norms[0], norms[1], eps), 0);  // (B, 3d)
   const float* qkvp = qkv.data_ptr<float>();
@@ -206,9 +219,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
     }
   });
   auto x1 = lin(att, 1).add_(x);                                     // (B, d) residual
-  auto hidden = lin(at::layer_norm(x1, {d}, norms[2], norms[3], eps), 2);
-  if (act == "relu") hidden.relu_();
-  else at::gelu_(hidden, act);                                        // "tanh" or "none"
+  const auto hidden = lin(at::layer_norm(x1, {d}, norms[2], norms[3], eps), 2, act);  // act(c_fc(...))
   return lin(hidden, 3).add_(x1);
 }
 
@@ -218,21 +229,18 @@ torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, 
                   const std::vector<int64_t>& ns, const std::vector<int64_t>& groups, const std::string& act) {
   TORCH_CHECK(ws.size() == 2 && scales.size() == 2 && biases.size() == 2 && formats.size() == 2 && ns.size() == 2
               && groups.size() == 2, "ffn takes 2 linear layers");
-  auto lin = [&](const torch::Tensor& in, int i) {
+  auto lin = [&](const torch::Tensor& in, int i, const std::string& act = "") {
     return linear(in, ws[i], scales[i].numel() ? c10::optional<torch::Tensor>(scales[i]) : c10::nullopt,
-                  biases[i], formats[i], ns[i], groups[i]);
+                  biases[i], formats[i], ns[i], groups[i], act);
   };
-  auto hidden = lin(x, 0);
-  if (act == "relu") hidden.relu_();
-  else at::gelu_(hidden, act);
-  return lin(hidden, 1);
+  return lin(lin(x, 0, act), 1);
 }
 
 }  // namespace gpt2ffn
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &gpt2ffn::linear, "y = x @ W + b on packed weights", py::arg("x"), py::arg("w"),
-        py::arg("scale"), py::arg("bias"), py::arg("format"), py::arg("N"), py::arg("group"));
+        py::arg("scale"), py::arg("bias"), py::arg("format"), py::arg("N"), py::arg("group"), py::arg("act") = "");
   m.def("ffn", &gpt2ffn::ffn, "c_proj(act(c_fc(x))) on packed weights in one call");
   m.def("decode_block", &gpt2ffn::decode_block, "one GPT-2 block for one new token per row, KV cache by slot");
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");

@@ -8,7 +8,6 @@ struct VI { __m512i v; };
 struct W { __m512i v; };
 constexpr int32_t I8_OFFSET = 128;  // the stored bytes are q + 128, which vpdpbusd reads unsigned
 constexpr int QMR = 4, QNB = 2, QNB1 = 4;
-static inline VI vizero() { return {_mm512_setzero_si512()}; }
 static inline W wload_i8(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline VI dot_i8(VI acc, const W& w, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))}; }
 static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
@@ -19,7 +18,8 @@ static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
 static inline VI dot_i4(VI acc, const W& lo, const W& hi, int32_t xlo, int32_t xhi) {
   return {_mm512_dpbusd_epi32(_mm512_dpbusd_epi32(acc.v, lo.v, _mm512_set1_epi32(xlo)), hi.v, _mm512_set1_epi32(xhi))};
 }
-static inline V vcvt(VI a, int32_t minus) { return {_mm512_cvtepi32_ps(_mm512_sub_epi32(a.v, _mm512_set1_epi32(minus)))}; }
+static inline VI viset1(int32_t x) { return {_mm512_set1_epi32(x)}; }
+static inline V vcvt(VI a) { return {_mm512_cvtepi32_ps(a.v)}; }
 static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float& d, int32_t& sum) {
   __m512 m = _mm512_setzero_ps();
   for (int64_t i = 0; i < G; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));

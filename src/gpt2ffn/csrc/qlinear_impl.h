@@ -2,8 +2,8 @@
 // group to int8, each group's products summed exactly in int32, scaled into an fp32 sum group by group.
 // An ISA file defines, in namespace gpt2ffn::ISA before including this header, the float helpers of
 // linear_impl.h (V, vzero, vset1, vload, vload_f16, vfma, vmul, vadd, vstore) and the integer ones:
-//   VI vizero();  W wload_i8(p); VI dot_i8(acc, w, x4);  wload_i4(p, lo, hi); VI dot_i4(acc, lo, hi, x4lo, x4hi)
-//   V vcvt(VI acc, int32_t minus): float(acc - minus);  quantize_group16(x, q, G, d, sum): one group of G (a
+//   W wload_i8(p); VI dot_i8(acc, w, x4);  wload_i4(p, lo, hi); VI dot_i4(acc, lo, hi, x4lo, x4hi)
+//   VI viset1(int32_t);  V vcvt(VI acc): float(acc);  quantize_group16(x, q, G, d, sum): one group of G (a
 //   multiple of 16) activations quantized as quantize_rows' scalar loop does;  I8_OFFSET: what dot_i8 adds to q (128 when it sums
 //   (q + 128) * x as vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile.
 // Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
@@ -12,6 +12,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "act_impl.h"
 #include "linear.h"
 
 namespace gpt2ffn {
@@ -55,9 +56,12 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
   for (int m = 0; m < MR; m++)
     for (int j = 0; j < NB; j++) acc[m][j] = vzero();
   for (int64_t g = 0; g < ng; g++) {
+    // each group's int32 sum starts at -OFF * sum_k x_k, so the weights' unsigned offset is gone at its end
     VI part[MR][NB];
-    for (int m = 0; m < MR; m++)
-      for (int j = 0; j < NB; j++) part[m][j] = vizero();
+    for (int m = 0; m < MR; m++) {
+      const VI start = viset1(-OFF * a.xsum[(m0 + m) * ng + g]);
+      for (int j = 0; j < NB; j++) part[m][j] = start;
+    }
     for (int64_t k = g * G; k < (g + 1) * G; k += STEP) {
       const uint8_t* wk = wsb + (k / STEP) * SUPER * 4 + j0 * 64;
       if constexpr (FMT == I4A8) {
@@ -78,19 +82,17 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
         }
       }
     }
-    // acc += float(sum_k q_k x_k) * (d * scale): the weights' offset comes off as OFF * sum_k x_k
+    // acc += float(sum_k q_k x_k) * (d * scale)
     for (int j = 0; j < NB; j++) {
       const V s = vload_f16(a.scale + (sb * ng + g) * SUPER + (j0 + j) * 16);
-      for (int m = 0; m < MR; m++) {
-        const int64_t at = (m0 + m) * ng + g;
-        acc[m][j] = vfma(vcvt(part[m][j], OFF * a.xsum[at]), vmul(s, vset1(a.xscale[at])), acc[m][j]);
-      }
+      for (int m = 0; m < MR; m++)
+        acc[m][j] = vfma(vcvt(part[m][j]), vmul(s, vset1(a.xscale[(m0 + m) * ng + g])), acc[m][j]);
     }
   }
   for (int j = 0; j < NB; j++) {
     const int64_t col = sb * SUPER + (j0 + j) * 16;
     const V b = a.bias ? vload(a.bias + col) : vzero();
-    for (int m = 0; m < MR; m++) vstore(a.y + (m0 + m) * a.ldy + col, vadd(acc[m][j], b));
+    for (int m = 0; m < MR; m++) vstore(a.y + (m0 + m) * a.ldy + col, activate(vadd(acc[m][j], b), a.act));
   }
 }
 

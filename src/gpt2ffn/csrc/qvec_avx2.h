@@ -11,7 +11,6 @@ using namespace gpt2ffn::avx2;
 struct VI { __m256i lo, hi; };
 struct W { __m256i lo, hi; };
 constexpr int QMR = 2, QNB = 2, QNB1 = 2;
-static inline VI vizero() { return {_mm256_setzero_si256(), _mm256_setzero_si256()}; }
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
   const __m256i m = _mm256_set1_epi8(15), a = load32(p), b = load32(p + 32);
@@ -54,10 +53,8 @@ static inline VI dot_i4(VI acc, const W& lo, const W& hi, int32_t xlo, int32_t x
   const __m256i xl = _mm256_set1_epi32(xlo), xh = _mm256_set1_epi32(xhi);
   return {dot_u4(acc.lo, lo.lo, hi.lo, xl, xh), dot_u4(acc.hi, lo.hi, hi.hi, xl, xh)};
 }
-static inline V vcvt(VI a, int32_t minus) {
-  const __m256i s = _mm256_set1_epi32(minus);
-  return {_mm256_cvtepi32_ps(_mm256_sub_epi32(a.lo, s)), _mm256_cvtepi32_ps(_mm256_sub_epi32(a.hi, s))};
-}
+static inline VI viset1(int32_t x) { return {_mm256_set1_epi32(x), _mm256_set1_epi32(x)}; }
+static inline V vcvt(VI a) { return {_mm256_cvtepi32_ps(a.lo), _mm256_cvtepi32_ps(a.hi)}; }
 static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float& d, int32_t& sum) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   __m256 m = _mm256_setzero_ps();

@@ -29,6 +29,15 @@ static inline void vload_s4(const uint8_t* p, V& lo, V& hi) {
 static inline V vfma(V a, V b, V c) { return {_mm512_fmadd_ps(a.v, b.v, c.v)}; }
 static inline V vmul(V a, V b) { return {_mm512_mul_ps(a.v, b.v)}; }
 static inline V vadd(V a, V b) { return {_mm512_add_ps(a.v, b.v)}; }
+static inline V vsub(V a, V b) { return {_mm512_sub_ps(a.v, b.v)}; }
+static inline V vdiv(V a, V b) { return {_mm512_div_ps(a.v, b.v)}; }
+static inline V vmax(V a, V b) { return {_mm512_max_ps(a.v, b.v)}; }
+static inline V vmin(V a, V b) { return {_mm512_min_ps(a.v, b.v)}; }
+static inline V vround(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
+// 2^n for whole n in [-126, 127], built as the float's exponent field
+static inline V vexp2i(V n) {
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+}
 static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
 static inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
 }  // namespace avx512

@@ -116,9 +116,9 @@ def ffn(x2, p1: Packed, p2: Packed, act: str):
 
 def linear(x2, p: Packed, weight, bias, route: str, gelu: str | None = None):
     """(M, K) fp32 -> (M, N): x2 @ W + b through `route`; with gelu ('tanh' or 'none'), GELU applied too."""
-    if route == "native":
-        y = _C.linear(x2, p.w, p.scale, p.bias, p.format, p.N, p.group)
-    elif route == "onednn":
+    if route == "native":  # GELU inside the kernels (tanh form) or right after them (exact)
+        return _C.linear(x2, p.w, p.scale, p.bias, p.format, p.N, p.group, gelu or "")
+    if route == "onednn":
         post = "gelu" if gelu else "none"
         wp, b = _onednn(p, weight, bias, 1 if x2.shape[0] <= DECODE_TOKENS else 128, post)
         return torch.ops.mkldnn._linear_pointwise(x2, wp, b, post, [], gelu or "")
