@@ -142,7 +142,10 @@ def test_bad_requests_name_the_thing():
     with pytest.raises(ConfigError, match=r"precision 'int3' is not supported; known: fp32, bf16, int8, int4"):
         quantize(ffn, "int3")
     with pytest.raises(ConfigError, match=r"int8 group size 100 must divide the layer's 768 inputs"):
-        quantize(copy.deepcopy(ffn), "int8", group=100)
+        quantize(copy.deepcopy(ffn), "int8", group=100, activations="fp32")
+    with pytest.raises(ConfigError, match=r"int8 with int8 activations group size 100 must be a multiple of 4 and "
+                                          r"divide the layer's 768 inputs"):
+        quantize(copy.deepcopy(ffn), "int8", group=100, activations="int8")
     with pytest.raises(ConfigError, match=r"group applies to int8 and int4, not bf16"):
         quantize(copy.deepcopy(ffn), "bf16", group=32)
     with pytest.raises(ConfigError, match=r"packs fp32 Parameters; Conv1D weight is torch.bfloat16"):
@@ -155,7 +158,7 @@ def test_torch_fallback_when_native_is_missing(monkeypatch):
     monkeypatch.setattr(kp, "_C", None)
     assert kp.routes("int8", "cpu")[0] == "torch"
     ffn = ffn_for(SHAPES[0])
-    q = quantize(copy.deepcopy(ffn), "int8")
+    q = quantize(copy.deepcopy(ffn), "int8", activations="fp32")  # the reference below takes fp32 activations
     assert q.c_fc.packed.route == {"decode": "torch", "prefill": "torch"}
     x = torch.randn(2, 768, generator=torch.Generator().manual_seed(6))
     with torch.no_grad():

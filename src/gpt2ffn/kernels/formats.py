@@ -29,7 +29,7 @@ FORMATS = {"fp32": 0, "bf16": 1, "int8": 2, "int4": 3}
 ACTIVATIONS = ("fp32", "int8")
 INT8_FORMATS = {"int8": 4, "int4": 5}  # the int8-activation layouts (linear.h's I8A8, I4A8)
 # The activations each precision runs with unless asked otherwise (README, "Integer dot products").
-DEFAULT_ACTIVATIONS = {"fp32": "fp32", "bf16": "fp32", "int8": "fp32", "int4": "int8"}
+DEFAULT_ACTIVATIONS = {"fp32": "fp32", "bf16": "fp32", "int8": "int8", "int4": "int8"}
 # k per 4-byte word of the int8-activation layouts: a group must hold whole words
 WORD = {"int8": 4, "int4": 8}
 # Group sizes (inputs per scale), measured on random:gpt2 over 1024 positions (README, "Accuracy"): group 32
