@@ -171,7 +171,9 @@ def test_gpt2_native_matches_torch_route(precision):
     model = GPT2(SMALL).eval()
     model.load_state_dict(hf.state_dict())
     quantize(model, precision, activations="int8")
-    assert model.activations == "int8" and model.lm_head.packed.format == 4  # lm_head int8 weights, int8 acts
+    # lm_head: int8 weights; with int4 int8 activations (I8A8), with int8 fp32 ones (I8: precision.quantize)
+    assert model.activations == "int8" and model.lm_head.packed.format == {"int4": 4, "int8": 2}[precision]
+    assert model.transformer.h[0].mlp.c_fc.packed.activations == "int8"
     ids = torch.randint(0, SMALL.vocab_size, (2, 9), generator=torch.Generator().manual_seed(7))
     layers = [m for m in model.modules() if getattr(m, "packed", None) is not None]
     got = {}
