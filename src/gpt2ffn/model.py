@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .config import Config
 from .errors import Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
-from .kernels.packed import DecodePlan, decode_block
+from .kernels.packed import DecodePlan, causal_attention, decode_block, runs_causal_attention
 from .linear import Conv1D, PackedLayer
 from .precision import quantize
 from .weights import Checkpoint, load_tensors
@@ -54,7 +54,7 @@ class CausalSelfAttention(nn.Module):
     @staticmethod
     def probs(q, k, mask=None):
         """softmax(q k^T / sqrt(d/H)) under the causal (or given) mask: (B, H, T, S). For checks and teaching;
-        forward() uses fused scaled_dot_product_attention."""
+        forward() uses gpt2ffn._C.causal_attention (fp32 inference on the CPU) or scaled_dot_product_attention."""
         T, S = q.shape[2], k.shape[2]
         att = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])
         if mask is None:
@@ -69,6 +69,8 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, H, past + T, C/H)
         dropout = self.attn_dropout.p if self.training else 0.0
+        if mask is None and runs_causal_attention(q, k, v, dropout):  # query i sees keys 0..past + i
+            return self.project(causal_attention(q, k, v))
         if mask is None and k.shape[2] == T:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         elif mask is None and T == 1:  # one new token sees every cached key: no mask to build

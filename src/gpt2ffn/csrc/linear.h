@@ -60,4 +60,19 @@ struct AttendArgs {
   float* out;        // (hd)
 };
 
+// Causal attention of T new queries of one sequence and head against its L = past + T keys: query i (at
+// position past + i) sees keys 0..past + i. out row i = softmax(q_i . K^T * scale) V, fp32, sums in key order.
+struct CausalArgs {
+  const float* q;          // (T, hd), row stride ldq
+  int64_t ldq;
+  const float* k;          // (L, hd), row stride ldk
+  const float* v;          // (L, hd), row stride ldv
+  int64_t ldk, ldv, T, past, hd;
+  float scale;
+  float* kt;               // scratch (hd, Lp): K transposed, Lp = L rounded up to 64, zero past L
+  float* p;                // scratch (ATT_MQ, Lp): a block of queries' scores, then weights
+  float* out;              // (T, hd), row stride ldo
+  int64_t ldo;
+};
+
 }  // namespace gpt2ffn

@@ -111,6 +111,91 @@ void attend(const AttendArgs& a) {
   }
 }
 
+// Rows r < MQ of out[:, 0 : 16 NV] = sum_j p[r][j] v[j, 0 : 16 NV] * inv[r] over keys j < n in order: each
+// value vector loaded once for the MQ queries of the block (p is 0 where a query does not see key j).
+template <int MQ, int NV>
+static inline void weigh_values(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n,
+                                const float* inv, float* out, int64_t ldo) {
+  V acc[MQ][NV];
+  for (int r = 0; r < MQ; r++)
+    for (int c = 0; c < NV; c++) acc[r][c] = vzero();
+  for (int64_t j = 0; j < n; j++) {
+    V vj[NV];
+    for (int c = 0; c < NV; c++) vj[c] = vload(v + j * ldv + 16 * c);
+    for (int r = 0; r < MQ; r++) {
+      const V pj = vset1(p[r * ldp + j]);
+      for (int c = 0; c < NV; c++) acc[r][c] = vfma(pj, vj[c], acc[r][c]);
+    }
+  }
+  for (int r = 0; r < MQ; r++)
+    for (int c = 0; c < NV; c++) vstore(out + r * ldo + 16 * c, vmul(acc[r][c], vset1(inv[r])));
+}
+
+// Queries i0 .. i0 + MQ - 1: scores against the keys the last of them sees, 32 keys x MQ queries a step over
+// hd (each K^T vector loaded once for the block), softmax per query over its own keys, then the values.
+template <int MQ>
+static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
+  const int64_t hd = a.hd, nmax = a.past + i0 + MQ, ldp = Lp;
+  for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
+    V s[MQ][2];
+    for (int r = 0; r < MQ; r++) s[r][0] = s[r][1] = vzero();
+    for (int64_t d = 0; d < hd; d++) {
+      const float* row = a.kt + d * Lp + j0;
+      const V k0 = vload(row), k1 = vload(row + 16);
+      for (int r = 0; r < MQ; r++) {
+        const V qd = vset1(a.q[(i0 + r) * a.ldq + d]);
+        s[r][0] = vfma(qd, k0, s[r][0]);
+        s[r][1] = vfma(qd, k1, s[r][1]);
+      }
+    }
+    for (int r = 0; r < MQ; r++)
+      for (int c = 0; c < 2; c++) vstore(a.p + r * ldp + j0 + 16 * c, vmul(s[r][c], vset1(a.scale)));
+  }
+  float inv[MQ];
+  for (int r = 0; r < MQ; r++) {
+    float* p = a.p + r * ldp;
+    const int64_t n = a.past + i0 + r + 1, n16 = n / 16 * 16;  // the keys query i0 + r sees
+    V m = vset1(p[0]);
+    for (int64_t j = 0; j < n16; j += 16) m = vmax(m, vload(p + j));
+    float mx = vhmax(m);
+    for (int64_t j = n16; j < n; j++) mx = p[j] > mx ? p[j] : mx;
+    V total = vzero();
+    for (int64_t j = 0; j < n16; j += 16) {
+      const V e = vexp(vsub(vload(p + j), vset1(mx)));
+      vstore(p + j, e);
+      total = vadd(total, e);
+    }
+    float tail = 0.0f;
+    if (n16 < n) {  // the last, partial vector: exp of all 16, then the keys past n zeroed
+      vstore(p + n16, vexp(vsub(vload(p + n16), vset1(mx))));
+      for (int64_t j = n16; j < n; j++) tail += p[j];
+    }
+    for (int64_t j = n; j < nmax; j++) p[j] = 0.0f;
+    inv[r] = 1.0f / (vsum(total) + tail);
+  }
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    const float* v = a.v + d0;
+    float* out = a.out + i0 * a.ldo + d0;
+    switch ((hd - d0 >= 64 ? 64 : hd - d0) / 16) {
+      case 4: weigh_values<MQ, 4>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
+      case 3: weigh_values<MQ, 3>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
+      case 2: weigh_values<MQ, 2>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
+      default: weigh_values<MQ, 1>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
+    }
+  }
+}
+
+void attend_causal(const CausalArgs& a) {
+  const int64_t L = a.past + a.T, hd = a.hd, Lp = (L + 63) / 64 * 64;
+  for (int64_t d = 0; d < hd; d++)  // K^T, so 16 keys' scores are one vector: q_d times row d, summed over d
+    for (int64_t j = L; j < Lp; j++) a.kt[d * Lp + j] = 0.0f;
+  for (int64_t j = 0; j < L; j++)
+    for (int64_t d = 0; d < hd; d++) a.kt[d * Lp + j] = a.k[j * a.ldk + d];
+  int64_t i = 0;
+  for (; i + ATT_MQ <= a.T; i += ATT_MQ) attend_block<ATT_MQ>(a, i, Lp);
+  for (; i < a.T; i++) attend_block<1>(a, i, Lp);
+}
+
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   switch (a.format) {
     case F32: run<F32>(a, sb0, sb1); break;

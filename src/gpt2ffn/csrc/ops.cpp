@@ -16,12 +16,14 @@ namespace gpt2ffn {
 namespace avx512 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void attend(const AttendArgs& a);
+void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
 }
 namespace avx2 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void attend(const AttendArgs& a);
+void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
 }
@@ -32,6 +34,7 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
 
 using RangeFn = void (*)(const LinearArgs&, int64_t, int64_t);
 using AttendFn = void (*)(const AttendArgs&);
+using CausalFn = void (*)(const CausalArgs&);
 using QuantFn = void (*)(const LinearArgs&, int8_t*, float*, int32_t*, int64_t, int64_t);
 
 // One build per instruction set: the float kernels (linear_impl.h) and the integer ones (qlinear_impl.h).
@@ -39,16 +42,20 @@ struct Isa {
   const char* name;
   RangeFn range;
   AttendFn attend;
+  CausalFn causal;
   RangeFn qrange;
   QuantFn quantize;
 };
-static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::qlinear_range, avx512::quantize_rows};
+static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::attend_causal, avx512::qlinear_range,
+                        avx512::quantize_rows};
 // AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
-static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx2::qlinear_range,
+static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx512::attend_causal, avx2::qlinear_range,
                                avx2::quantize_rows};
-static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avxvnni::qlinear_range, avxvnni::quantize_rows};
-static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::qlinear_range, avx2::quantize_rows};
-static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr};
+static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avx2::attend_causal, avxvnni::qlinear_range,
+                         avxvnni::quantize_rows};
+static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::attend_causal, avx2::qlinear_range,
+                       avx2::quantize_rows};
+static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr};
 
 static bool supports(const Isa& i) {
   __builtin_cpu_init();
@@ -223,6 +230,37 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
   return lin(hidden, 3).add_(x1);
 }
 
+// Causal self-attention of T new tokens per sequence: q (B, H, T, hd), k and v (B, H, past + T, hd), each with
+// unit stride along hd (views of c_attn's output and of the KV cache) -> (B, T, H * hd), the layout c_proj
+// reads. Query i sees keys 0..past + i of its own sequence; every (sequence, head) pair is one task.
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+  const CausalFn causal = kIsa->causal;
+  TORCH_CHECK(causal != nullptr, "gpt2ffn._C.causal_attention needs AVX2+FMA or AVX-512");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat
+              && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q.device().is_cpu()
+              && k.device().is_cpu() && v.device().is_cpu(), "q, k, v must be 4-D float32 CPU tensors");
+  const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3), L = k.size(2);
+  TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == hd && v.sizes() == k.sizes() && L >= T,
+              "k and v must be (", B, ", ", H, ", past + ", T, ", ", hd, "), got ", k.sizes(), " and ", v.sizes());
+  TORCH_CHECK(hd % 16 == 0 && q.stride(3) == 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "head width ", hd, " must be a multiple of 16 with unit stride");
+  auto out = torch::empty({B, T, H * hd}, q.options());
+  const int64_t Lp = (L + 63) / 64 * 64;
+  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> kt(hd * Lp), p(4 * Lp);  // p: ATT_MQ (<= 4) rows
+    for (int64_t i = i0; i < i1; i++) {
+      const int64_t b = i / H, h = i % H;
+      causal(CausalArgs{q.data_ptr<float>() + b * q.stride(0) + h * q.stride(1), q.stride(2),
+                        k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1),
+                        v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), T,
+                        L - T, hd, scale, kt.data(), p.data(), out.data_ptr<float>() + b * T * H * hd + h * hd,
+                        H * hd});
+    }
+  });
+  return out;
+}
+
 // The FFN in one call: c_proj(act(c_fc(x))), each a packed layer as in decode_block (2 entries each).
 torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
                   const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
@@ -242,6 +280,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("linear", &gpt2ffn::linear, "y = x @ W + b on packed weights", py::arg("x"), py::arg("w"),
         py::arg("scale"), py::arg("bias"), py::arg("format"), py::arg("N"), py::arg("group"), py::arg("act") = "");
   m.def("ffn", &gpt2ffn::ffn, "c_proj(act(c_fc(x))) on packed weights in one call");
+  m.def("causal_attention", &gpt2ffn::causal_attention,
+        "causal self-attention of T new tokens against past + T cached keys -> (B, T, H * hd)");
   m.def("decode_block", &gpt2ffn::decode_block, "one GPT-2 block for one new token per row, KV cache by slot");
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_isa", &gpt2ffn::set_isa, "switch to another build this CPU runs (tests); returns the previous");

@@ -57,5 +57,12 @@ static inline float vsum(V a) {
   t = _mm_add_ps(t, _mm_movehl_ps(t, t));
   return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
+static inline float vhmax(V a) {
+  const __m256 s = _mm256_max_ps(a.lo, a.hi);
+  __m128 t = _mm_max_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+  t = _mm_max_ps(t, _mm_movehl_ps(t, t));
+  return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+constexpr int ATT_MQ = 2;  // queries a causal-attention block (linear_impl.h): 2 x 4 x 2 registers
 }  // namespace avx2
 }  // namespace gpt2ffn

@@ -109,6 +109,20 @@ def decode_block(x, slots, positions, k, v, args):
     return _C.decode_block(x, slots, positions, k, v, *args)
 
 
+def runs_causal_attention(q, k, v, dropout: float) -> bool:
+    """Whether gpt2ffn._C.causal_attention serves this call: native kernels, fp32 on the CPU, a head width
+    that is a multiple of 16, no dropout and no gradient asked (SDPA does the rest)."""
+    return (WHY_NOT_NATIVE is None and not dropout and q.device.type == "cpu" and q.shape[-1] % 16 == 0
+            and q.dtype == k.dtype == v.dtype == torch.float32
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
+
+
+def causal_attention(q, k, v):
+    """q (B, H, T, hd) against k, v (B, H, past + T, hd) -> (B, T, H * hd): query i sees keys 0..past + i of
+    its own row; fp32, per (row, head) one task (csrc/linear_impl.h: attend_causal)."""
+    return _C.causal_attention(q, k, v)
+
+
 def ffn(x2, p1: Packed, p2: Packed, act: str):
     """c_proj(act(c_fc(x2))) in one native call: no Python between the two layers."""
     return _C.ffn(x2, *native_args((p1, p2)), act)
