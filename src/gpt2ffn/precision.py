@@ -28,6 +28,7 @@ from .kernels.formats import (  # noqa: F401  (PRECISIONS, ACTIVATIONS: public h
     PRECISIONS,
     check_activations,
     check_precision,
+    packing_arena,
     release_freed_memory,
 )
 from .kernels.packed import PACKED_ROUTES, default_activations, probe, routes
@@ -37,6 +38,24 @@ def packable(module) -> list:
     """The linear layers of `module` that a precision applies to: every module that can pack its weights
     (Conv1D: c_attn, attn.c_proj, c_fc, mlp.c_proj; a GPT-2 lm_head)."""
     return [m for m in module.modules() if callable(getattr(m, "pack", None)) and hasattr(m, "weight_kn")]
+
+
+def pack_layer(m, precision: str, group, activations: str, once: bool):
+    """Pack one layer for quantize()."""
+    if m.dropped and not once:
+        m.restore_weight()
+    m.hold_once = once  # then pack() lets the fp32 weight go at once: the peak is one layer over the model
+    if precision != "fp32":
+        for p in m.parameters():
+            p.requires_grad_(False)
+    # int4 keeps the tied lm_head (= wte, the most sensitive matrix) at int8, as llama.cpp's q4_0 keeps it
+    # at q6_K: measured on random:gpt2, mean KLD vs fp32 0.301 -> 0.287 (q4_0: 0.294)
+    head8 = precision == "int4" and m.keeps_int8
+    # int8 gives that lm_head (the logits' own layer) fp32 activations: measured on random:gpt2 over 1024
+    # positions, mean KLD vs fp32 2.22e-3 -> 2.12e-3 (q8_0: 2.20e-3) for ~0.1 ms a decode token, and
+    # prefill runs it on one row; int4's error is its weights' (0.2863 -> 0.2862), so it stays int8 there
+    head_act = "fp32" if precision == "int8" and m.keeps_int8 else activations
+    m.pack("int8" if head8 else precision, None if head8 else group, head_act)
 
 
 def quantize(module, precision: str, group: int | None = None, keep_fp32: bool = False,
@@ -71,21 +90,9 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
     once = not keep_fp32 and any(r in PACKED_ROUTES for r in routes(precision, device))
     if once:
         module.eval()
-    for m in layers:
-        if m.dropped and not once:
-            m.restore_weight()
-        m.hold_once = once  # then pack() lets the fp32 weight go at once: the peak is one layer over the model
-        if precision != "fp32":
-            for p in m.parameters():
-                p.requires_grad_(False)
-        # int4 keeps the tied lm_head (= wte, the most sensitive matrix) at int8, as llama.cpp's q4_0 keeps it
-        # at q6_K: measured on random:gpt2, mean KLD vs fp32 0.301 -> 0.287 (q4_0: 0.294)
-        head8 = precision == "int4" and m.keeps_int8
-        # int8 gives that lm_head (the logits' own layer) fp32 activations: measured on random:gpt2 over 1024
-        # positions, mean KLD vs fp32 2.22e-3 -> 2.12e-3 (q8_0: 2.20e-3) for ~0.1 ms a decode token, and
-        # prefill runs it on one row; int4's error is its weights' (0.2863 -> 0.2862), so it stays int8 there
-        head_act = "fp32" if precision == "int8" and m.keeps_int8 else activations
-        m.pack("int8" if head8 else precision, None if head8 else group, head_act)
+    with packing_arena():  # the packed weights side by side on huge pages (kernels/formats.py: on_huge_pages)
+        for m in layers:
+            pack_layer(m, precision, group, activations, once)
     choice = probe([(m.packed, None if m.dropped else m.weight_kn(), m.bias) for m in layers], precision, device,
                    only=PACKED_ROUTES if once else None)
     for m in layers:

@@ -17,8 +17,11 @@ The layout (super-blocks of 64 outputs, row by row over K) is gpt2ffn/csrc/linea
 what it was made from (`stale`), so a layer can re-pack after its Parameters change.
 """
 
+import contextlib
 import ctypes
 import ctypes.util
+import mmap
+import threading
 
 import torch
 
@@ -153,6 +156,9 @@ class Packed:
             else:
                 qb = _blocks(q, fill=8).view(-1, K // 2, 2, SUPER).to(torch.uint8)
                 self.w = (qb[:, :, 0] | (qb[:, :, 1] << 4)).contiguous()
+        self.w = on_huge_pages(self.w)
+        if self.scale is not None:
+            self.scale = on_huge_pages(self.scale)
         self.route = {"decode": "torch", "prefill": "torch"}  # set by quantize()'s probe
         self.bias = None
         if bias is not None:
@@ -194,6 +200,67 @@ class Packed:
             w = torch.stack((w & 15, w >> 4), dim=-1).view(len(cols), self.K).float() - 8
         scale = self.scale[s, :, j].float()                      # (T, K / group)
         return (w.float().view(len(cols), -1, self.group) * scale[..., None]).view(len(cols), self.K)
+
+
+HUGE_PAGE = 2 << 20
+CHUNK = 32 << 20  # bytes of one arena region (packing_arena): layers are packed into it one after another
+_ARENA = threading.local()
+
+
+def _advised(nbytes: int):
+    """(uint8 tensor of nbytes at a 2 MiB boundary, advised for transparent huge pages) or None where this
+    system has no such mapping or advice."""
+    if not hasattr(mmap, "MADV_HUGEPAGE"):
+        return None
+    try:
+        mm = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        buf = torch.frombuffer(mm, dtype=torch.uint8)  # holds mm: the pages live as long as a view of them
+        off = -buf.data_ptr() % HUGE_PAGE
+        mm.madvise(mmap.MADV_HUGEPAGE, off, nbytes // HUGE_PAGE * HUGE_PAGE)
+    except (OSError, ValueError, AttributeError):
+        return None
+    return buf[off:off + nbytes]
+
+
+@contextlib.contextmanager
+def packing_arena():
+    """Inside, packed tensors on the CPU go one after another into shared regions of CHUNK bytes (see
+    on_huge_pages), so small layers (GPT-2 124M's attn.c_proj at int8: 0.6 MiB) sit on huge pages too. A region
+    lives as long as a tensor in it; what was never written is never resident."""
+    _ARENA.chunk, _ARENA.used, _ARENA.depth = None, 0, getattr(_ARENA, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _ARENA.depth -= 1
+        if not _ARENA.depth:
+            _ARENA.chunk = None  # the regions now belong to the tensors in them
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """t (a CPU tensor) copied into memory Linux may back with 2 MiB pages (transparent huge pages, asked for
+    with madvise: the common "madvise" setting gives them to no one who does not ask), else t as it is.
+    A decode step streams every weight from DRAM; with 4 KiB pages each 4 KiB costs a TLB miss and a page
+    walk. Measured on AMD EPYC Zen 4 (2 threads, GPT-2 124M, decode tokens/s, same process, interleaved): fp32
+    1.37x, bf16 1.27x; llama.cpp gets the same from the page cache of its mmapped GGUF. Inside
+    packing_arena() tensors share regions; outside, a tensor under 2 MiB stays where it is, and of a larger
+    one only the whole 2 MiB blocks are advised, so no page past its end becomes resident."""
+    n = t.nbytes
+    if t.device.type != "cpu" or n == 0:
+        return t
+    if getattr(_ARENA, "depth", 0):
+        start = (_ARENA.used + 63) // 64 * 64
+        if _ARENA.chunk is None or start + n > _ARENA.chunk.numel():
+            _ARENA.chunk, start = _advised(max(CHUNK, n)), 0
+            if _ARENA.chunk is None:
+                _ARENA.depth = 0  # no huge pages here: ordinary tensors from now on
+                return t
+        _ARENA.used = start + n
+        out = _ARENA.chunk[start:start + n]
+    elif n < HUGE_PAGE or (out := _advised(n)) is None:
+        return t
+    out = out.view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
 
 
 def release_freed_memory():

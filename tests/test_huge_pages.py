@@ -1,0 +1,56 @@
+"""Packed weights on transparent huge pages (kernels/formats.py: on_huge_pages, packing_arena): the same values,
+small layers side by side in one region inside quantize(), nothing changed for tensors that stay where they are,
+and the model's outputs unchanged."""
+
+import mmap
+
+import pytest
+import torch
+
+from conftest import SMALL
+import gpt2ffn.kernels.formats as F
+from gpt2ffn import quantize
+from gpt2ffn.kernels.formats import HUGE_PAGE, on_huge_pages, packing_arena
+from gpt2ffn.model import GPT2
+
+pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this system")
+
+
+def test_a_large_tensor_moves_with_its_values():
+    t = torch.randn(HUGE_PAGE // 4 + 100)  # 2 MiB and a bit
+    h = on_huge_pages(t)
+    assert h is not t and torch.equal(h, t) and h.is_contiguous()
+    assert h.data_ptr() % HUGE_PAGE == 0
+    small = torch.randn(100)
+    assert on_huge_pages(small) is small  # outside an arena, under 2 MiB: left where it is
+
+
+def test_an_arena_puts_tensors_side_by_side_and_outlives_its_block():
+    ts = [torch.randn(n) for n in (1000, 333, 70000)]
+    with packing_arena():
+        hs = [on_huge_pages(t) for t in ts]
+    assert all(torch.equal(h, t) for h, t in zip(hs, ts))
+    assert all(h.data_ptr() % 64 == 0 for h in hs)
+    base = hs[0].untyped_storage().data_ptr()
+    assert all(h.untyped_storage().data_ptr() == base for h in hs)  # one region
+    del ts
+    assert float(hs[2].sum()) == float(hs[2].sum())  # still readable after the context and the originals
+
+
+def test_quantized_model_unchanged_by_where_its_weights_live():
+    model = GPT2(SMALL).eval()
+    ids = torch.randint(0, SMALL.vocab_size, (2, 9), generator=torch.Generator().manual_seed(2))
+    out = {}
+    for mode in ("huge", "plain"):
+        m = GPT2(SMALL).eval()
+        m.load_state_dict(model.state_dict())
+        with pytest.MonkeyPatch.context() as mp:
+            if mode == "plain":
+                mp.setattr(F, "on_huge_pages", lambda t: t)
+            quantize(m, "int8")
+        with torch.no_grad():
+            out[mode] = m(ids)
+        if mode == "huge":
+            ws = [mod.packed.w for mod in m.modules() if getattr(mod, "packed", None) is not None]
+            assert len({w.untyped_storage().data_ptr() for w in ws}) == 1  # the small model fits one region
+    assert torch.equal(out["huge"], out["plain"])
