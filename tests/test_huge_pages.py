@@ -7,8 +7,8 @@ import mmap
 import pytest
 import torch
 
-from conftest import SMALL
 import gpt2ffn.kernels.formats as F
+from conftest import SMALL
 from gpt2ffn import quantize
 from gpt2ffn.kernels.formats import HUGE_PAGE, on_huge_pages, packing_arena
 from gpt2ffn.model import GPT2
