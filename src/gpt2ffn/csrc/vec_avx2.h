@@ -63,6 +63,7 @@ static inline float vhmax(V a) {
   t = _mm_max_ps(t, _mm_movehl_ps(t, t));
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
+constexpr int VREGS = 8;  // 16-lane vectors the 16 ymm registers hold
 constexpr int ATT_MQ = 2;  // queries a causal-attention block (linear_impl.h): 2 x 4 x 2 registers
 }  // namespace avx2
 }  // namespace gpt2ffn

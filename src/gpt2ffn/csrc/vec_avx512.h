@@ -41,6 +41,7 @@ static inline V vexp2i(V n) {
 static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
 static inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
 static inline float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }
+constexpr int VREGS = 32;  // vector registers of 16 lanes
 constexpr int ATT_MQ = 4;  // queries a causal-attention block (linear_impl.h): 4 x 4 accumulators
 }  // namespace avx512
 }  // namespace gpt2ffn
