@@ -39,6 +39,19 @@ def randomize_(module: torch.nn.Module, seed: int, bias_std: float = 0.1) -> tor
     return module
 
 
+def native_isas() -> list:
+    """The instruction-set builds of gpt2ffn._C this CPU runs (avx512, avxvnni, avx2), for tests that run each."""
+    from gpt2ffn.kernels.packed import _C
+    out = []
+    for name in ("avx512", "avxvnni", "avx2") if _C is not None else ():
+        try:
+            _C.set_isa(_C.set_isa(name))
+        except RuntimeError:
+            continue
+        out.append(name)
+    return out
+
+
 def hf_mlp(cfg: Config, seed: int = 0) -> GPT2MLP:
     """HF's own GPT2MLP for cfg, seeded random weights, eval mode."""
     return randomize_(GPT2MLP(cfg.hidden, hf_config(cfg)), seed).eval()

@@ -7,23 +7,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import SMALL
+from conftest import SMALL, native_isas
 from gpt2ffn.kernels import packed as kp
 from gpt2ffn.model import GPT2, causal_mask
 
 _C = kp._C
 pytestmark = pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason=str(kp.WHY_NOT_NATIVE))
-
-
-def isas():
-    out = []
-    for name in ("avx512", "avxvnni", "avx2"):
-        try:
-            _C.set_isa(_C.set_isa(name))
-        except RuntimeError:
-            continue
-        out.append(name)
-    return out
 
 
 def reference(q, k, v, past):
@@ -41,7 +30,7 @@ def views(B, H, T, past, hd, seed):
     return q, k, v
 
 
-@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("isa", native_isas())
 @pytest.mark.parametrize("B,H,T,past,hd", [(1, 12, 128, 0, 64), (2, 3, 5, 7, 16), (1, 2, 70, 0, 80),
                                            (3, 4, 1, 30, 48), (1, 1, 1, 0, 64), (2, 2, 67, 64, 32)])
 def test_matches_float64_attention(isa, B, H, T, past, hd):

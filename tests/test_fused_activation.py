@@ -6,6 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import native_isas
 from gpt2ffn.kernels import packed as kp
 from gpt2ffn.kernels.formats import Packed
 
@@ -14,17 +15,6 @@ pytestmark = pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason=str(kp.WHY
 FORMATS = [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("int4", "fp32"), ("int8", "int8"),
            ("int4", "int8")]
 TOL = 2e-6  # |fused - GELU_float64(y)| <= TOL * max(1, |y|): the kernel's exp and division, a few ulp
-
-
-def isas():
-    out = []
-    for name in ("avx512", "avxvnni", "avx2"):
-        try:
-            _C.set_isa(_C.set_isa(name))
-        except RuntimeError:
-            continue
-        out.append(name)
-    return out
 
 
 def run(x, p, act, isa=None):
@@ -47,7 +37,7 @@ def err(got, y):
     return ((got.double() - gelu64(y)).abs() / y.double().abs().clamp(min=1)).max().item()
 
 
-@pytest.mark.parametrize("isa", isas())
+@pytest.mark.parametrize("isa", native_isas())
 @pytest.mark.parametrize("precision,activations", FORMATS)
 def test_fused_gelu_is_gelu_of_the_same_sums(isa, precision, activations):
     g = torch.Generator().manual_seed(3)
@@ -66,7 +56,7 @@ def test_every_build_gives_the_same_bits():
     g = torch.Generator().manual_seed(4)
     p = Packed(torch.randn(192, 320, generator=g) * 0.1, torch.randn(320, generator=g), "fp32", None, "fp32")
     x = 3 * torch.randn(17, 192, generator=g)
-    outs = [run(x, p, "tanh", isa) for isa in isas()]
+    outs = [run(x, p, "tanh", isa) for isa in native_isas()]
     assert all(torch.equal(outs[0], o) for o in outs[1:])
 
 
@@ -76,7 +66,7 @@ def test_the_ends_of_the_float_range():
     x = torch.linspace(-30, 30, 64 * 100)
     ends = torch.tensor([-3.4e38, -1e30, -1e4, -100.0, -10.0, 0.0, -0.0, 1e-30, -1e-30, 10.0, 1e4, 3.4e38])
     x = torch.cat([x, ends, torch.zeros(K - len(ends))]).view(-1, K)
-    for isa in isas():
+    for isa in native_isas():
         y = run(x, p, "tanh", isa).reshape(-1)
         want = gelu64(x.reshape(-1))
         assert torch.isfinite(y).all()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import SMALL, hf_model
+from conftest import SMALL, hf_model, native_isas
 from gpt2ffn import ConfigError, quantize
 from gpt2ffn.kernels import packed as kp
 from gpt2ffn.kernels.formats import Packed, fake_quantize_activations, quantize_activations
@@ -16,19 +16,7 @@ _C = kp._C
 pytestmark = pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason=str(kp.WHY_NOT_NATIVE))
 
 
-def runnable_isas():
-    out = []
-    for name in ("avx512", "avxvnni", "avx2"):
-        try:
-            old = _C.set_isa(name)
-        except RuntimeError:
-            continue
-        _C.set_isa(old)
-        out.append(name)
-    return out
-
-
-ISAS = runnable_isas() if _C is not None else []
+ISAS = native_isas()
 
 
 @pytest.fixture(params=ISAS)
