@@ -56,7 +56,7 @@ struct AttendArgs {
   const float* v;    // (L, hd)
   int64_t L, hd;
   float scale;
-  float* scores;     // (L) scratch
+  float* scores;     // (L rounded up to 16) scratch
   float* out;        // (hd)
 };
 

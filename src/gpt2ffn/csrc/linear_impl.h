@@ -97,26 +97,6 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   }
 }
 
-void attend(const AttendArgs& a) {
-  const int64_t hd = a.hd, L = a.L;
-  float mx = -3.4e38f;
-  for (int64_t j = 0; j < L; j++) {
-    V s = vzero();
-    for (int64_t i = 0; i < hd; i += 16) s = vfma(vload(a.q + i), vload(a.k + j * hd + i), s);
-    const float sj = vsum(s) * a.scale;
-    a.scores[j] = sj;
-    mx = sj > mx ? sj : mx;
-  }
-  float total = 0.0f;
-  for (int64_t j = 0; j < L; j++) total += (a.scores[j] = std::exp(a.scores[j] - mx));
-  const float inv = 1.0f / total;
-  for (int64_t i = 0; i < hd; i += 16) {
-    V o = vzero();
-    for (int64_t j = 0; j < L; j++) o = vfma(vset1(a.scores[j]), vload(a.v + j * hd + i), o);
-    vstore(a.out + i, vmul(o, vset1(inv)));
-  }
-}
-
 // Rows r < MQ of out[:, 0 : 16 NV] = sum_j p[r][j] v[j, 0 : 16 NV] * inv[r] over keys j < n in order: each
 // value vector loaded once for the MQ queries of the block (p is 0 where a query does not see key j).
 template <int MQ, int NV>
@@ -187,6 +167,39 @@ static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
       case 3: weigh_values<MQ, 3>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
       case 2: weigh_values<MQ, 2>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
       default: weigh_values<MQ, 1>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
+    }
+  }
+}
+
+// One decode query against its L cached keys: scores one dot product a key, softmax with the vector exp
+// (scores padded to 16 with -3e38, whose weight is zeroed), then the values, one accumulator per 16 lanes.
+void attend(const AttendArgs& a) {
+  const int64_t hd = a.hd, L = a.L, L16 = (L + 15) / 16 * 16;
+  float mx = -3.4e38f;
+  for (int64_t j = 0; j < L; j++) {
+    V s = vzero();
+    for (int64_t i = 0; i < hd; i += 16) s = vfma(vload(a.q + i), vload(a.k + j * hd + i), s);
+    const float sj = vsum(s) * a.scale;
+    a.scores[j] = sj;
+    mx = sj > mx ? sj : mx;
+  }
+  for (int64_t j = L; j < L16; j++) a.scores[j] = -3.0e38f;
+  V total = vzero();
+  for (int64_t j = 0; j < L16; j += 16) {
+    const V e = vexp(vsub(vload(a.scores + j), vset1(mx)));
+    vstore(a.scores + j, e);
+    if (j + 16 <= L) total = vadd(total, e);
+  }
+  float tail = 0.0f;
+  for (int64_t j = L / 16 * 16; j < L; j++) tail += a.scores[j];
+  const float inv = 1.0f / (vsum(total) + tail);
+  const float invs[1] = {inv};
+  for (int64_t d0 = 0; d0 < hd; d0 += 64) {
+    switch ((hd - d0 >= 64 ? 64 : hd - d0) / 16) {
+      case 4: weigh_values<1, 4>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
+      case 3: weigh_values<1, 3>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
+      case 2: weigh_values<1, 2>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
+      default: weigh_values<1, 1>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
     }
   }
 }

@@ -218,7 +218,7 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
   float* attp = att.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(S);
+    std::vector<float> scores(S + 16);  // attend pads to 16
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, base = (slot[b] * H + h) * S * hd;
       attend(AttendArgs{qkvp + b * ldq + h * hd, kc + base, vc + base, len[b] + 1, hd, scale, scores.data(),
