@@ -27,14 +27,26 @@ def test_a_large_tensor_moves_with_its_values():
 
 def test_an_arena_puts_tensors_side_by_side_and_outlives_its_block():
     ts = [torch.randn(n) for n in (1000, 333, 70000)]
+    want = [t.clone() for t in ts]
     with packing_arena():
-        hs = [on_huge_pages(t) for t in ts]
-    assert all(torch.equal(h, t) for h, t in zip(hs, ts))
+        with packing_arena():  # nested: the same region
+            hs = [on_huge_pages(ts[0])]
+        hs += [on_huge_pages(t) for t in ts[1:]]
     assert all(h.data_ptr() % 64 == 0 for h in hs)
     base = hs[0].untyped_storage().data_ptr()
     assert all(h.untyped_storage().data_ptr() == base for h in hs)  # one region
     del ts
-    assert float(hs[2].sum()) == float(hs[2].sum())  # still readable after the context and the originals
+    assert all(torch.equal(h, w) for h, w in zip(hs, want))  # after the context, without the originals
+    small = torch.randn(100)
+    assert on_huge_pages(small) is small  # the arena is closed: back to tensors staying where they are
+
+
+def test_an_arena_without_huge_pages_leaves_tensors_where_they_are(monkeypatch):
+    monkeypatch.setattr(F, "_advised", lambda nbytes: None)
+    ts = [torch.randn(n) for n in (1000, 70000)]
+    with packing_arena():
+        assert all(on_huge_pages(t) is t for t in ts)
+    assert on_huge_pages(ts[0]) is ts[0]
 
 
 def test_quantized_model_unchanged_by_where_its_weights_live():

@@ -227,12 +227,15 @@ def packing_arena():
     """Inside, packed tensors on the CPU go one after another into shared regions of CHUNK bytes (see
     on_huge_pages), so small layers (GPT-2 124M's attn.c_proj at int8: 0.6 MiB) sit on huge pages too. A region
     lives as long as a tensor in it; what was never written is never resident."""
-    _ARENA.chunk, _ARENA.used, _ARENA.depth = None, 0, getattr(_ARENA, "depth", 0) + 1
+    depth = getattr(_ARENA, "depth", 0)
+    if not depth:
+        _ARENA.chunk, _ARENA.used, _ARENA.off = None, 0, False
+    _ARENA.depth = depth + 1
     try:
         yield
     finally:
-        _ARENA.depth -= 1
-        if not _ARENA.depth:
+        _ARENA.depth = depth
+        if not depth:
             _ARENA.chunk = None  # the regions now belong to the tensors in them
 
 
@@ -248,11 +251,13 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     if t.device.type != "cpu" or n == 0:
         return t
     if getattr(_ARENA, "depth", 0):
+        if _ARENA.off:  # no huge pages here: ordinary tensors for the rest of the arena
+            return t
         start = (_ARENA.used + 63) // 64 * 64
         if _ARENA.chunk is None or start + n > _ARENA.chunk.numel():
             _ARENA.chunk, start = _advised(max(CHUNK, n)), 0
             if _ARENA.chunk is None:
-                _ARENA.depth = 0  # no huge pages here: ordinary tensors from now on
+                _ARENA.off = True
                 return t
         _ARENA.used = start + n
         out = _ARENA.chunk[start:start + n]
