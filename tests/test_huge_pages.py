@@ -1,6 +1,6 @@
-"""Packed weights on transparent huge pages (kernels/formats.py: on_huge_pages, packing_arena): the same values,
-small layers side by side in one region inside quantize(), nothing changed for tensors that stay where they are,
-and the model's outputs unchanged."""
+"""Packed weights and KV caches on transparent huge pages (kernels/formats.py: on_huge_pages, packing_arena,
+huge_zeros): the same values, small layers side by side in one region inside quantize(), nothing changed for
+tensors that stay where they are, and the model's outputs unchanged."""
 
 import mmap
 
@@ -9,9 +9,10 @@ import torch
 
 import gpt2ffn.kernels.formats as F
 from conftest import SMALL
-from gpt2ffn import quantize
+from gpt2ffn import Config, quantize
 from gpt2ffn.kernels.formats import HUGE_PAGE, on_huge_pages, packing_arena
 from gpt2ffn.model import GPT2
+from gpt2ffn.serving.kv_cache import KVCache, PagedKVCache
 
 pytestmark = pytest.mark.skipif(not hasattr(mmap, "MADV_HUGEPAGE"), reason="no MADV_HUGEPAGE on this system")
 
@@ -66,3 +67,21 @@ def test_quantized_model_unchanged_by_where_its_weights_live():
             ws = [mod.packed.w for mod in m.modules() if getattr(mod, "packed", None) is not None]
             assert len({w.untyped_storage().data_ptr() for w in ws}) == 1  # the small model fits one region
     assert torch.equal(out["huge"], out["plain"])
+
+
+def test_huge_zeros_are_zeros_on_huge_pages_and_plain_without():
+    z = F.huge_zeros((3, 4, 1000, 64))  # 3 MiB
+    assert z.shape == (3, 4, 1000, 64) and z.dtype == torch.float32 and z.is_contiguous()
+    assert z.data_ptr() % HUGE_PAGE == 0 and not z.any()
+    z[2, 3, 999] = 1.5
+    assert float(z.sum()) == 64 * 1.5
+    assert not F.huge_zeros((10,)).any()  # under 2 MiB: torch.zeros
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(F, "_advised", lambda nbytes: None)
+        assert not F.huge_zeros((3, 4, 1000, 64)).any()  # no huge pages: torch.zeros
+
+
+def test_the_kv_caches_live_on_huge_pages():
+    cfg = Config(n_layer=2)  # 124M's widths: 3 MiB per layer's keys at 1024 positions
+    for cache in (KVCache(cfg, 1), PagedKVCache(cfg, 64, 16)):
+        assert all(t.data_ptr() % HUGE_PAGE == 0 and not t.any() for t in cache.k + cache.v)

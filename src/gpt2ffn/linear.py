@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .errors import PackedOnlyError
-from .kernels.formats import Packed, release_freed_memory
+from .kernels.formats import Packed, changed, release_freed_memory
 from .kernels.packed import linear, regime
 
 
@@ -21,12 +21,21 @@ class PackedLayer:
     `runs_packed`. A layer with keeps_int8 (the tied lm_head) is packed at int8 where the model asks for int4.
     With hold_once (set by quantize), eval() keeps only the packed weights (see the module doc)."""
 
-    packed = None      # a Packed once quantize() has run
     keeps_int8 = False
     hold_once = False  # the packed weights are the only copy in eval()
     dropped = False    # the fp32 weight was let go: the Parameter is one zero element, expanded to its shape
     _stash = None      # (precision, group, route) while an fp32 layer held once trains on its Parameter
     _grad = False      # whether the weight asked for gradients before it was let go
+
+    @property
+    def packed(self) -> Packed | None:
+        """A Packed once quantize() has run; assigning one counts as a change (kernels.formats.generation())."""
+        return self.__dict__.get("_packed")
+
+    @packed.setter
+    def packed(self, p: Packed | None):
+        self.__dict__["_packed"] = p
+        changed()
 
     def weight_kn(self):
         """The weight as (K in, N out)."""

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from .config import Config
 from .errors import Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
-from .kernels.packed import DecodePlan, causal_attention, decode_block, runs_causal_attention
+from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
 from .linear import Conv1D, PackedLayer
 from .precision import quantize
 from .weights import Checkpoint, load_tensors
@@ -232,8 +232,8 @@ class GPT2(nn.Module):
         return self.lm_head(self.transformer.ln_f(x))
 
     def fused_decode(self) -> bool:
-        """Whether a one-token step can run each block as one native call (gpt2ffn._C.decode_block): eval(),
-        every linear layer packed with the native decode route, no gradient asked, fp32 on CPU."""
+        """Whether a one-token step can run as one native call (gpt2ffn._C.StepPlan): eval(), every linear layer
+        and the lm_head packed with the native decode route, no gradient asked, fp32 on CPU."""
         if self.training:
             return False
         plan = self.__dict__.get("_plan")
@@ -241,10 +241,10 @@ class GPT2(nn.Module):
             plan = self.__dict__["_plan"] = DecodePlan.build(self)
         if plan is None:
             return False
-        return not torch.is_grad_enabled() or not any(t.requires_grad for t in plan.tensors)
+        return not torch.is_grad_enabled() or not plan.native.requires_grad()
 
     def decode_step(self, ids, cache):
-        """One new token per row (B, 1) -> logits (B, 1, vocab), each block one native call."""
+        """One new token per row (B, 1) -> logits (B, 1, vocab), one native call."""
         B = ids.shape[0]
         logits = self.decode_slots(ids[:, 0], torch.full((B,), cache.length, dtype=torch.long), cache.k, cache.v,
                                    torch.arange(B))
@@ -253,15 +253,12 @@ class GPT2(nn.Module):
 
     def decode_slots(self, ids, positions, k, v, slots):
         """ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's k[i], v[i]
-        (slots, H, S, d/H) -> logits (B, vocab). Each block one native call; a row attends its own positions
+        (slots, H, S, d/H) -> logits (B, vocab), the whole step one native call. A row attends its own positions
         0..p only, so rows of different lengths share the step (the serving engine's decode)."""
         if not self.fused_decode():
             raise Gpt2ffnError("decode_slots needs every linear layer packed with the native decode route "
                                "(gpt2ffn.quantize on a CPU where gpt2ffn._C is built), eval() and no gradient")
-        x = self.transformer.wte(ids) + self.transformer.wpe.weight[positions]           # (B, d)
-        for i, args in enumerate(self.__dict__["_plan"].args):
-            x = decode_block(x, slots, positions, k[i], v[i], args)
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.__dict__["_plan"].run(ids, positions, slots, k, v)
 
     def check_ids(self, ids, cache=None):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):

@@ -169,22 +169,43 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   return N == nsuper * 64 ? y : y.narrow(1, 0, N);
 }
 
+// A packed linear layer's arguments (w, scale, bias, format, N, group of a Packed; an empty scale: none).
+struct Lin {
+  torch::Tensor w, scale;
+  c10::optional<torch::Tensor> bias;
+  int64_t format = F32, N = 0, group = 0;
+  torch::Tensor operator()(const torch::Tensor& x, const std::string& act = "") const {
+    return linear(x, w, scale.numel() ? c10::optional<torch::Tensor>(scale) : c10::nullopt, bias, format, N, group, act);
+  }
+};
+
+// One block's arguments: ln_1 (weight, bias), ln_2 (weight, bias), eps, c_attn, attn.c_proj, c_fc, mlp.c_proj.
+struct Block {
+  std::vector<torch::Tensor> norms;
+  double eps;
+  Lin lin[4];
+  std::string act;
+};
+
+static Block make_block(const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& ws,
+                        const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& biases,
+                        const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
+                        const std::vector<int64_t>& groups, const std::string& act) {
+  TORCH_CHECK(norms.size() == 4 && ws.size() == 4 && scales.size() == 4 && biases.size() == 4 && formats.size() == 4
+              && ns.size() == 4 && groups.size() == 4, "decode_block takes 2 LayerNorms and 4 linear layers");
+  Block b{norms, eps, {}, act};
+  for (int i = 0; i < 4; i++) b.lin[i] = Lin{ws[i], scales[i], biases[i], formats[i], ns[i], groups[i]};
+  return b;
+}
+
 // One GPT-2 block for one new token per row, the whole of it in one call (decode: no Python between ops):
 //   x1 = x + attn.c_proj(attend(c_attn(ln_1(x)))),  out = x1 + mlp.c_proj(act(c_fc(ln_2(x1))))
 // Row b's new key and value go to position lens[b] of cache slot slots[b], and its query attends to that
-// slot's positions 0..lens[b] only. Each linear layer is (w, scale, bias, format, N, group) of a Packed;
-// an empty scale tensor stands for none.
-torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, const torch::Tensor& lens,
-                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const std::vector<torch::Tensor>& norms, double eps,
-                           const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
-                           const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
-                           const std::vector<int64_t>& ns, const std::vector<int64_t>& groups,
-                           const std::string& act) {
+// slot's positions 0..lens[b] only.
+static torch::Tensor run_block(const Block& blk, const torch::Tensor& x, const torch::Tensor& slots,
+                               const torch::Tensor& lens, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
   const AttendFn attend = kIsa->attend;
   TORCH_CHECK(attend != nullptr, "gpt2ffn._C.decode_block needs AVX2+FMA or AVX-512");
-  TORCH_CHECK(norms.size() == 4 && ws.size() == 4 && scales.size() == 4 && biases.size() == 4 && formats.size() == 4
-              && ns.size() == 4 && groups.size() == 4, "decode_block takes 2 LayerNorms and 4 linear layers");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (B, d) float32");
   const int64_t B = x.size(0), d = x.size(1);
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
@@ -199,11 +220,8 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
   for (int64_t b = 0; b < B; b++)
     TORCH_CHECK(slot[b] >= 0 && slot[b] < k_cache.size(0) && len[b] >= 0 && len[b] < S,
                 "row ", b, ": slot ", slot[b], " position ", len[b], " outside the cache (", k_cache.size(0), ", ", S, ")");
-  auto lin = [&](const torch::Tensor& in, int i, const std::string& act = "") {
-    return linear(in, ws[i], scales[i].numel() ? c10::optional<torch::Tensor>(scales[i]) : c10::nullopt,
-                  biases[i], formats[i], ns[i], groups[i], act);
-  };
-  const auto qkv = lin(at::layer_norm(x, {d}, norms[0], norms[1], eps), 0);  // (B, 3d)
+  const auto& n = blk.norms;
+  const auto qkv = blk.lin[0](at::layer_norm(x, {d}, n[0], n[1], blk.eps));  // (B, 3d)
   const float* qkvp = qkv.data_ptr<float>();
   const int64_t ldq = qkv.stride(0);
   float* kc = k_cache.data_ptr<float>();
@@ -225,10 +243,136 @@ torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, c
                          attp + b * d + h * hd});
     }
   });
-  auto x1 = lin(att, 1).add_(x);                                     // (B, d) residual
-  const auto hidden = lin(at::layer_norm(x1, {d}, norms[2], norms[3], eps), 2, act);  // act(c_fc(...))
-  return lin(hidden, 3).add_(x1);
+  auto x1 = blk.lin[1](att).add_(x);                                                // (B, d) residual
+  const auto hidden = blk.lin[2](at::layer_norm(x1, {d}, n[2], n[3], blk.eps), blk.act);  // act(c_fc(...))
+  return blk.lin[3](hidden).add_(x1);
 }
+
+torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, const torch::Tensor& lens,
+                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+                           const std::vector<torch::Tensor>& norms, double eps,
+                           const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
+                           const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
+                           const std::vector<int64_t>& ns, const std::vector<int64_t>& groups,
+                           const std::string& act) {
+  return run_block(make_block(norms, eps, ws, scales, biases, formats, ns, groups, act), x, slots, lens, k_cache,
+                   v_cache);
+}
+
+static float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+// Rows of W^T of a packed layer, dequantized as Packed.weights(cols) does: out[t, k] = W[k, ids[t]] (for the tied
+// lm_head, wte's embeddings of those tokens). Formats and layouts as linear.h.
+torch::Tensor packed_rows(const torch::Tensor& ids, const torch::Tensor& w, const torch::Tensor& scale,
+                          int64_t format, int64_t K, int64_t N, int64_t group) {
+  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor");
+  TORCH_CHECK(format >= F32 && format <= I4A8 && w.is_contiguous() && K > 0, "unknown format ", format);
+  const int64_t T = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; t++) TORCH_CHECK(id[t] >= 0 && id[t] < N, "id ", id[t], " outside [0, ", N, ")");
+  const bool quantized = format >= I8;
+  TORCH_CHECK(!quantized || (group > 0 && K % group == 0 && scale.numel() == (N + 63) / 64 * (K / group) * 64),
+              "scale does not fit K=", K, " N=", N, " group=", group);
+  auto out = torch::empty({T, K}, torch::dtype(at::kFloat));
+  float* o = out.data_ptr<float>();
+  const uint8_t* wb = static_cast<const uint8_t*>(w.data_ptr());
+  const uint16_t* sc = quantized ? reinterpret_cast<const uint16_t*>(scale.data_ptr<at::Half>()) : nullptr;
+  const int64_t ng = quantized ? K / group : 0;
+  for (int64_t t = 0; t < T; t++) {
+    const int64_t s = id[t] / 64, j = id[t] % 64;
+    float* row = o + t * K;
+    for (int64_t k = 0; k < K; k++) {
+      float v;
+      switch (format) {
+        case F32: v = reinterpret_cast<const float*>(wb)[(s * K + k) * 64 + j]; break;
+        case BF16: {
+          const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(wb)[(s * K + k) * 64 + j]) << 16;
+          std::memcpy(&v, &bits, 4);
+          break;
+        }
+        case I8: v = static_cast<float>(reinterpret_cast<const int8_t*>(wb)[(s * K + k) * 64 + j]); break;
+        case I4: {
+          const uint8_t byte = wb[(s * (K / 2) + k / 2) * 64 + j];
+          v = static_cast<float>(((k % 2) ? byte >> 4 : byte & 15) - 8);
+          break;
+        }
+        case I8A8: v = static_cast<float>(wb[((s * (K / 4) + k / 4) * 64 + j) * 4 + k % 4] - 128); break;
+        default: {  // I4A8: byte i of word k / 8 holds k = 8w + i (low nibble) and 8w + 4 + i (high)
+          const uint8_t byte = wb[((s * (K / 8) + k / 8) * 64 + j) * 4 + k % 4];
+          v = static_cast<float>(((k % 8) >= 4 ? byte >> 4 : byte & 15) - 8);
+        }
+      }
+      row[k] = quantized ? v * half_to_float(sc[(s * ng + k / group) * 64 + j]) : v;
+    }
+  }
+  return out;
+}
+
+// A whole decode step of a GPT-2 in one call: embeddings, every block (run_block), ln_f and the lm_head, with
+// the arguments made once (gpt2ffn.kernels.packed.DecodePlan builds it). `watch` records tensors whose
+// storage and version counter must not change (the Parameters the packed weights were made from);
+// `valid` checks them in C++ (a Python loop over ~200 tensors took ~0.2 ms a step).
+class StepPlan {
+ public:
+  void add_block(const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& ws,
+                 const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& biases,
+                 const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
+                 const std::vector<int64_t>& groups, const std::string& act) {
+    blocks_.push_back(make_block(norms, eps, ws, scales, biases, formats, ns, groups, act));
+  }
+  // ln_f, the lm_head (w, scale, bias, format, N, group) and the embeddings: wpe (n_positions, d), and wte
+  // either as a (vocab, d) float32 tensor or, if empty, read from the lm_head's packed weights (tied).
+  void set_head(const torch::Tensor& lnf_w, const torch::Tensor& lnf_b, double eps, const torch::Tensor& w,
+                const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N,
+                int64_t group, const torch::Tensor& wpe, const torch::Tensor& wte) {
+    TORCH_CHECK(wpe.dim() == 2 && wpe.scalar_type() == at::kFloat, "wpe must be (n_positions, d) float32");
+    TORCH_CHECK(wte.numel() == 0 || (wte.dim() == 2 && wte.size(0) == N && wte.size(1) == wpe.size(1)
+                                     && wte.scalar_type() == at::kFloat), "wte must be (", N, ", d) float32");
+    lnf_w_ = lnf_w, lnf_b_ = lnf_b, lnf_eps_ = eps, head_ = Lin{w, scale, bias, format, N, group}, wpe_ = wpe, wte_ = wte;
+  }
+  void watch(const std::vector<torch::Tensor>& ts) {
+    watched_ = ts;
+    stamps_.clear();
+    for (const auto& t : ts) stamps_.emplace_back(t.data_ptr(), t._version());
+  }
+  bool valid() const {
+    for (size_t i = 0; i < watched_.size(); i++)
+      if (watched_[i].data_ptr() != stamps_[i].first || watched_[i]._version() != stamps_[i].second) return false;
+    return true;
+  }
+  bool requires_grad() const {
+    for (const auto& t : watched_)
+      if (t.requires_grad()) return true;
+    return false;
+  }
+  int64_t layers() const { return static_cast<int64_t>(blocks_.size()); }
+
+  // ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's ks[i], vs[i] -> (B, vocab)
+  torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                    const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs) const {
+    TORCH_CHECK(head_.w.defined(), "StepPlan.run before set_head");
+    TORCH_CHECK(ks.size() == blocks_.size() && vs.size() == blocks_.size(), "one k and one v cache per layer: ",
+                blocks_.size());
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == ids.numel(), "one position per id");
+    const int64_t d = wpe_.size(1), P = wpe_.size(0);
+    const int64_t* pos = positions.data_ptr<int64_t>();
+    for (int64_t b = 0; b < positions.numel(); b++)
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "position ", pos[b], " outside [0, ", P, ")");
+    auto x = wte_.numel() ? wte_.index_select(0, ids)
+                          : packed_rows(ids, head_.w, head_.scale, head_.format, d, head_.N, head_.group);
+    x.add_(wpe_.index_select(0, positions));
+    for (size_t i = 0; i < blocks_.size(); i++) x = run_block(blocks_[i], x, slots, positions, ks[i], vs[i]);
+    return head_(at::layer_norm(x, {d}, lnf_w_, lnf_b_, lnf_eps_));
+  }
+
+ private:
+  std::vector<Block> blocks_;
+  torch::Tensor lnf_w_, lnf_b_, wpe_, wte_;
+  double lnf_eps_ = 1e-5;
+  Lin head_;
+  std::vector<torch::Tensor> watched_;
+  std::vector<std::pair<void*, uint32_t>> stamps_;
+};
 
 // Causal self-attention of T new tokens per sequence: q (B, H, T, hd), k and v (B, H, past + T, hd), each with
 // unit stride along hd (views of c_attn's output and of the KV cache) -> (B, T, H * hd), the layout c_proj
@@ -267,11 +411,9 @@ torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, 
                   const std::vector<int64_t>& ns, const std::vector<int64_t>& groups, const std::string& act) {
   TORCH_CHECK(ws.size() == 2 && scales.size() == 2 && biases.size() == 2 && formats.size() == 2 && ns.size() == 2
               && groups.size() == 2, "ffn takes 2 linear layers");
-  auto lin = [&](const torch::Tensor& in, int i, const std::string& act = "") {
-    return linear(in, ws[i], scales[i].numel() ? c10::optional<torch::Tensor>(scales[i]) : c10::nullopt,
-                  biases[i], formats[i], ns[i], groups[i], act);
-  };
-  return lin(lin(x, 0, act), 1);
+  const Lin fc{ws[0], scales[0], biases[0], formats[0], ns[0], groups[0]};
+  const Lin proj{ws[1], scales[1], biases[1], formats[1], ns[1], groups[1]};
+  return proj(fc(x, act));
 }
 
 }  // namespace gpt2ffn
@@ -283,6 +425,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention", &gpt2ffn::causal_attention,
         "causal self-attention of T new tokens against past + T cached keys -> (B, T, H * hd)");
   m.def("decode_block", &gpt2ffn::decode_block, "one GPT-2 block for one new token per row, KV cache by slot");
+  m.def("packed_rows", &gpt2ffn::packed_rows, "rows of W^T of a packed layer, dequantized: (T,) ids -> (T, K)");
+  py::class_<gpt2ffn::StepPlan>(m, "StepPlan")
+      .def(py::init<>())
+      .def("add_block", &gpt2ffn::StepPlan::add_block)
+      .def("set_head", &gpt2ffn::StepPlan::set_head)
+      .def("watch", &gpt2ffn::StepPlan::watch)
+      .def("valid", &gpt2ffn::StepPlan::valid)
+      .def("requires_grad", &gpt2ffn::StepPlan::requires_grad)
+      .def("layers", &gpt2ffn::StepPlan::layers)
+      .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_isa", &gpt2ffn::set_isa, "switch to another build this CPU runs (tests); returns the previous");
 }

@@ -20,6 +20,7 @@ what it was made from (`stale`), so a layer can re-pack after its Parameters cha
 import contextlib
 import ctypes
 import ctypes.util
+import math
 import mmap
 import threading
 
@@ -39,6 +40,17 @@ WORD = {"int8": 4, "int4": 8}
 # has the lowest mean KLD vs fp32 of 32, 64, 128 (and per channel) for both, at q8_0's / q4_0's bytes.
 GROUP = {"int8": 32, "int4": 32}
 SUPER = 64  # outputs per super-block, the kernel's unit of work
+_GENERATION = [0]  # bumped whenever a layer's packed weights or their route change (see generation())
+
+
+def generation() -> int:
+    """A number that changes whenever any layer gets new packed weights (PackedLayer.packed) or a Packed a new
+    route: what a plan built from them checks (kernels/packed.DecodePlan) instead of walking every layer."""
+    return _GENERATION[0]
+
+
+def changed():
+    _GENERATION[0] += 1
 
 
 def check_precision(precision: str) -> str:
@@ -159,11 +171,22 @@ class Packed:
         self.w = on_huge_pages(self.w)
         if self.scale is not None:
             self.scale = on_huge_pages(self.scale)
-        self.route = {"decode": "torch", "prefill": "torch"}  # set by quantize()'s probe
+        self._route = {"decode": "torch", "prefill": "torch"}  # set by quantize()'s probe
         self.bias = None
         if bias is not None:
             b = bias.detach().float()
             self.bias = torch.cat([b, b.new_zeros(-self.N % SUPER)]).contiguous()
+
+    @property
+    def route(self) -> dict:
+        """The kernel route per regime ({"decode": ..., "prefill": ...}); assigning a new dict counts as a change
+        (generation())."""
+        return self._route
+
+    @route.setter
+    def route(self, route: dict):
+        self._route = route
+        changed()
 
     @property
     def nbytes(self) -> int:
@@ -266,6 +289,19 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
     out = out.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def huge_zeros(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
+    """torch.zeros(shape) that Linux may back with transparent huge pages (CPU, from 2 MiB up): a fresh anonymous
+    mapping, zero until written and resident only where written. For the KV cache, which decode attention
+    streams as the weights are streamed: at 4 KiB pages the hardware prefetcher stops at every page."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = _advised(n) if n >= HUGE_PAGE else None
+    if buf is None:
+        return torch.zeros(shape, dtype=dtype)
+    return buf.view(dtype).view(shape)
 
 
 def release_freed_memory():

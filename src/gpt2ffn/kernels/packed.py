@@ -28,7 +28,7 @@ import torch
 
 from ..errors import ConfigError
 from . import DECODE_TOKENS
-from .formats import DEFAULT_ACTIVATIONS, Packed, dequantize, fake_quantize_activations, quantize_groups
+from .formats import DEFAULT_ACTIVATIONS, Packed, dequantize, fake_quantize_activations, generation, quantize_groups
 
 try:
     from .. import _C
@@ -235,35 +235,48 @@ def probe(layers: list, precision: str, device="cpu", log=None, only=None) -> di
 
 
 class DecodePlan:
-    """The arguments of gpt2ffn._C.decode_block for every block of a GPT-2, made once, with what they were made
-    from: a step checks the packed weights are the same objects and the Parameters unchanged (version counter
-    and storage) in a few microseconds, instead of rebuilding ~20 arguments per block."""
+    """A decode step of a GPT-2 as one native call (gpt2ffn._C.StepPlan: embeddings, every block, ln_f, lm_head),
+    its arguments made once, with what they were made from: a step checks that no layer was re-packed or re-routed
+    since (kernels.formats.generation()) and the Parameters are unchanged (storage and version counter, in C++),
+    in a few microseconds instead of rebuilding ~20 arguments per block."""
 
-    def __init__(self, layers, tensors, args):
-        self.layers, self.tensors, self.args = layers, tensors, args
-        self.stamps = [(t.data_ptr(), t._version) for t in tensors]
+    def __init__(self, native, made_at: int):
+        self.native, self.made_at = native, made_at
 
     @classmethod
     def build(cls, model) -> "DecodePlan | None":
-        """The plan for a GPT-2 (HF's module names: transformer.h[i].ln_1, attn.c_attn, ...), re-packing stale
-        layers first; None if a block cannot run fused (no native kernels, a head width the kernel does not
-        take, weights not fp32 on the CPU, a layer not packed for the native decode route)."""
-        cfg, wte = model.config, model.transformer.wte.weight
-        if (WHY_NOT_NATIVE is not None or cfg.n_embd // cfg.n_head % 16 or wte.dtype != torch.float32
-                or wte.device.type != "cpu"):
+        """The plan for a GPT-2 (HF's module names: transformer.h[i].ln_1, attn.c_attn, ..., lm_head), re-packing
+        stale layers first; None if a step cannot run fused (no native kernels, a head width the kernel does not
+        take, weights not fp32 on the CPU, a layer or the lm_head not packed for the native decode route)."""
+        cfg, tr, head = model.config, model.transformer, model.lm_head
+        if (WHY_NOT_NATIVE is not None or cfg.n_embd // cfg.n_head % 16 or tr.wte.weight.dtype != torch.float32
+                or tr.wte.weight.device.type != "cpu" or tr.wpe.weight.dtype != torch.float32):
             return None
-        layers, tensors, args = [], [], []
-        for block in model.transformer.h:
+        native, watched = _C.StepPlan(), []
+        for block in tr.h:
             mods = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
             if any(m.packed is None or m.packed.route["decode"] != "native" for m in mods):
                 return None
             ps = [m.current() for m in mods]
-            layers += [(m, p) for m, p in zip(mods, ps)]
-            tensors += [t for m in mods for t in (m.weight, m.bias)]
-            args.append(([block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias], block.ln_1.eps,
-                         *native_args(ps), block.mlp.config.gelu_approximate))
-        return cls(layers, tensors, args)
+            norms = [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias]
+            watched += [t for m in mods for t in (m.weight, m.bias)] + norms
+            native.add_block(norms, block.ln_1.eps, *native_args(ps), block.mlp.config.gelu_approximate)
+        if head.packed is None or head.packed.route["decode"] != "native":
+            return None
+        hp = head.current()
+        # wte as TiedEmbedding.forward reads it: from the lm_head's packed weights when that is the only copy
+        from_head = head.dropped or (head.hold_once and not head.training)
+        wte = torch.empty(0) if from_head else tr.wte.weight.detach()
+        native.set_head(tr.ln_f.weight, tr.ln_f.bias, tr.ln_f.eps, hp.w, hp.scale if hp.scale is not None else _EMPTY,
+                        hp.bias, hp.format, hp.N, hp.group, tr.wpe.weight.detach(), wte)
+        native.watch(watched + [t for t in (head.weight, head.bias, tr.ln_f.weight, tr.ln_f.bias, tr.wpe.weight,
+                                            tr.wte.weight) if t is not None])
+        return cls(native, generation())  # after current(), which may have re-packed
 
     def valid(self) -> bool:
-        return (all(m.packed is p and p.route["decode"] == "native" for m, p in self.layers)
-                and all(t._version == v and t.data_ptr() == ptr for t, (ptr, v) in zip(self.tensors, self.stamps)))
+        return self.made_at == generation() and self.native.valid()
+
+    def run(self, ids, positions, slots, k, v):
+        """ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's k[i], v[i]
+        (slots, H, S, d/H) -> logits (B, vocab)."""
+        return self.native.run(ids, positions, slots, k, v)

@@ -9,6 +9,7 @@ import torch
 
 from ..config import Config
 from ..errors import Gpt2ffnError
+from ..kernels.formats import huge_zeros
 
 
 class KVCache:
@@ -19,8 +20,8 @@ class KVCache:
         if self.max_len > cfg.n_positions:
             raise Gpt2ffnError(f"KV cache of {self.max_len} positions exceeds n_positions={cfg.n_positions}")
         shape = (batch, cfg.n_head, self.max_len, cfg.n_embd // cfg.n_head)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.k = [huge_zeros(shape, dtype, device) for _ in range(cfg.n_layer)]
+        self.v = [huge_zeros(shape, dtype, device) for _ in range(cfg.n_layer)]
         self.length = 0  # positions filled so far
 
     def check_room(self, new: int):
@@ -49,8 +50,8 @@ class PagedKVCache:
         self.block_size, self.num_blocks = block_size, num_blocks
         shape = (num_blocks, cfg.n_head, block_size, cfg.n_embd // cfg.n_head)
         # zeros, not empty: a masked key is multiplied by probability 0, and 0 * NaN from stale memory is NaN
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.n_layer)]
+        self.k = [huge_zeros(shape, dtype, device) for _ in range(cfg.n_layer)]
+        self.v = [huge_zeros(shape, dtype, device) for _ in range(cfg.n_layer)]
         self.free = list(range(num_blocks - 1, -1, -1))
         self.tables = self.positions = None
 

@@ -1,0 +1,116 @@
+"""A decode step as one native call (kernels/packed.DecodePlan over gpt2ffn._C.StepPlan): embeddings read from
+the packed lm_head as Packed.weights reads them, logits equal to the step run op by op, and a plan that follows
+every change to the weights or routes it was built from."""
+
+import pytest
+import torch
+
+from conftest import SMALL, randomize_
+from gpt2ffn import quantize
+from gpt2ffn.kernels import packed as kp
+from gpt2ffn.kernels.formats import Packed
+from gpt2ffn.model import GPT2
+from gpt2ffn.serving.kv_cache import KVCache
+from gpt2ffn.tolerances import tolerance
+
+pytestmark = pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason=f"no native kernels: {kp.WHY_NOT_NATIVE}")
+
+FORMATS = [("fp32", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("int4", "fp32"), ("int8", "int8"), ("int4", "int8")]
+
+
+@pytest.mark.parametrize("precision,activations", FORMATS)
+def test_packed_rows_are_the_packed_weights(precision, activations):
+    w = torch.randn(64, 200, generator=torch.Generator().manual_seed(0))  # 200 outputs: a padded last super-block
+    p = Packed(w, None, precision, activations=activations)
+    ids = torch.tensor([0, 1, 63, 64, 130, 199, 5, 5])
+    rows = kp._C.packed_rows(ids, p.w, p.scale if p.scale is not None else torch.empty(0), p.format, p.K, p.N,
+                             p.group)
+    assert torch.equal(rows, p.weights(ids))
+    other = torch.tensor([1, 0, 63, 64, 130, 199, 5, 5])
+    assert not torch.equal(kp._C.packed_rows(other, p.w, p.scale if p.scale is not None else torch.empty(0),
+                                             p.format, p.K, p.N, p.group), p.weights(ids))  # negative control
+
+
+def test_packed_rows_refuses_an_id_outside_the_layer():
+    p = Packed(torch.randn(64, 100), None, "int8")
+    with pytest.raises(RuntimeError, match=r"id 100 outside \[0, 100\)"):
+        kp._C.packed_rows(torch.tensor([100]), p.w, p.scale, p.format, p.K, p.N, p.group)
+
+
+def model_at(precision, keep_fp32=False, seed=0):
+    m = randomize_(GPT2(SMALL), seed).eval().requires_grad_(False)  # no gradient asked: the fused step may run
+    return quantize(m, precision, keep_fp32=keep_fp32)
+
+
+def steps(m, ids, fused: bool):
+    """Logits of each new token of ids (1, T) after the first, one cached step at a time."""
+    out = []
+    cache = KVCache(m.config, 1)
+    with torch.no_grad():
+        m(ids[:, :4], cache)
+        for t in range(4, ids.shape[1]):
+            mask = None if fused else torch.ones(1, t + 1, dtype=torch.long)  # a mask: the op-by-op route
+            out.append(m(ids[:, t:t + 1], cache, mask)[:, -1])
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("keep_fp32", [False, True], ids=["held-once", "keep-fp32"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_one_call_step_equals_the_step_op_by_op(precision, keep_fp32):
+    m = model_at(precision, keep_fp32)
+    assert m.fused_decode()
+    ids = torch.randint(0, SMALL.vocab_size, (1, 12), generator=torch.Generator().manual_seed(1))
+    fused, plain = steps(m, ids, True), steps(m, ids, False)
+    tol = tolerance(torch.float32)
+    torch.testing.assert_close(fused, plain, atol=tol.atol, rtol=tol.rtol)
+    other = model_at(precision, keep_fp32, seed=1)  # negative control: another model's steps differ
+    assert not torch.allclose(steps(other, ids, True), plain, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_the_plan_follows_weights_changed_in_place():
+    m = model_at("fp32", keep_fp32=True)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 8), generator=torch.Generator().manual_seed(2))
+    before = steps(m, ids, True)
+    with torch.no_grad():
+        m.transformer.h[1].mlp.c_fc.weight.mul_(1.5)      # the packed copy is stale now
+        m.transformer.ln_f.weight.add_(0.25)
+        m.transformer.wpe.weight[5:].mul_(-1.0)
+    plan = m.__dict__["_plan"]
+    assert not plan.valid()
+    after, plain = steps(m, ids, True), steps(m, ids, False)
+    assert m.__dict__["_plan"] is not plan and m.__dict__["_plan"].valid()  # rebuilt, and the step ran fused
+    assert not torch.allclose(after, before)
+    tol = tolerance(torch.float32)
+    torch.testing.assert_close(after, plain, atol=tol.atol, rtol=tol.rtol)
+
+
+def test_the_plan_follows_routes_and_training():
+    m = model_at("int8")
+    assert m.fused_decode()
+    plan = m.__dict__["_plan"]
+    m.transformer.h[0].attn.c_proj.packed.route = {"decode": "torch", "prefill": "torch"}
+    assert not plan.valid() and not m.fused_decode()  # one layer off the native route: no fused step
+    m.transformer.h[0].attn.c_proj.packed.route = {"decode": "native", "prefill": "native"}
+    assert m.fused_decode() and m.__dict__["_plan"] is not plan
+    m.lm_head.packed.route = {"decode": "torch", "prefill": "torch"}
+    assert not m.fused_decode()  # the lm_head is part of the step
+    fp32 = model_at("fp32")
+    assert fp32.fused_decode()
+    fp32.train()
+    assert not fp32.fused_decode()
+    fp32.eval()  # re-packs: a new plan
+    assert fp32.fused_decode()
+
+
+def test_a_plan_refuses_caches_that_do_not_fit():
+    m = model_at("int8")
+    assert m.fused_decode()
+    plan = m.__dict__["_plan"]
+    cache = KVCache(m.config, 1)
+    ids, pos, slots = torch.tensor([3]), torch.tensor([0]), torch.tensor([0])
+    with pytest.raises(RuntimeError, match="one k and one v cache per layer: 3"):
+        plan.run(ids, pos, slots, cache.k[:2], cache.v[:2])
+    with pytest.raises(RuntimeError, match=r"position 32 outside \[0, 32\)"):
+        plan.run(ids, torch.tensor([32]), slots, cache.k, cache.v)
+    with pytest.raises(RuntimeError, match=r"id 96 outside \[0, 96\)"):
+        plan.run(torch.tensor([96]), pos, slots, cache.k, cache.v)
