@@ -2,10 +2,12 @@
 the packed lm_head as Packed.weights reads them, logits equal to the step run op by op, and a plan that follows
 every change to the weights or routes it was built from."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from conftest import SMALL, randomize_
+from conftest import SMALL, native_isas, randomize_
 from gpt2ffn import quantize
 from gpt2ffn.kernels import packed as kp
 from gpt2ffn.kernels.formats import Packed
@@ -37,8 +39,8 @@ def test_packed_rows_refuses_an_id_outside_the_layer():
         kp._C.packed_rows(torch.tensor([100]), p.w, p.scale, p.format, p.K, p.N, p.group)
 
 
-def model_at(precision, keep_fp32=False, seed=0):
-    m = randomize_(GPT2(SMALL), seed).eval().requires_grad_(False)  # no gradient asked: the fused step may run
+def model_at(precision, keep_fp32=False, seed=0, cfg=SMALL):
+    m = randomize_(GPT2(cfg), seed).eval().requires_grad_(False)  # no gradient asked: the fused step may run
     return quantize(m, precision, keep_fp32=keep_fp32)
 
 
@@ -114,3 +116,43 @@ def test_a_plan_refuses_caches_that_do_not_fit():
         plan.run(ids, torch.tensor([32]), slots, cache.k, cache.v)
     with pytest.raises(RuntimeError, match=r"id 96 outside \[0, 96\)"):
         plan.run(torch.tensor([96]), pos, slots, cache.k, cache.v)
+
+
+@pytest.mark.parametrize("isa", native_isas())
+@pytest.mark.parametrize("activation", ["gelu", "relu"])
+def test_every_build_and_activation_steps_as_op_by_op(isa, activation):
+    cfg = dataclasses.replace(SMALL, activation_function=activation)  # exact GELU: applied after the kernels
+    old = kp._C.set_isa(isa)
+    try:
+        for precision in ("fp32", "int4"):
+            m = model_at(precision, cfg=cfg)
+            ids = torch.randint(0, SMALL.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3))
+            tol = tolerance(torch.float32)
+            torch.testing.assert_close(steps(m, ids, True), steps(m, ids, False), atol=tol.atol, rtol=tol.rtol)
+    finally:
+        kp._C.set_isa(old)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "int8"])
+def test_rows_of_a_step_are_each_row_alone_whatever_the_threads(precision):
+    """Rows at different positions in different slots (the serving engine's decode): each row's logits are
+    bitwise those of the row stepped alone, with 1 thread or 2 (no sum crosses rows or depends on the split)."""
+    m = model_at(precision)
+    assert m.fused_decode()
+    plan = m.__dict__["_plan"]
+    cache = KVCache(m.config, 3)
+    g = torch.Generator().manual_seed(4)
+    for k in cache.k + cache.v:
+        k.copy_(torch.randn(k.shape, generator=g))
+    ids, pos, slots = torch.tensor([5, 17, 90]), torch.tensor([3, 20, 9]), torch.tensor([2, 0, 1])
+    threads = torch.get_num_threads()
+    try:
+        out = {}
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            out[n] = plan.run(ids, pos, slots, cache.k, cache.v)
+            alone = torch.cat([plan.run(ids[i:i + 1], pos[i:i + 1], slots[i:i + 1], cache.k, cache.v) for i in range(3)])
+            assert torch.equal(out[n], alone)
+        assert torch.equal(out[1], out[2])
+    finally:
+        torch.set_num_threads(threads)

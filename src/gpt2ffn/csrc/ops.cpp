@@ -4,6 +4,12 @@
 #include <ATen/Parallel.h>
 #include <torch/extension.h>
 
+#include <omp.h>
+
+#include <algorithm>
+#include <array>
+#include <atomic>
+#include <memory>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -93,6 +99,17 @@ std::string set_isa(const std::string& name) {
   TORCH_CHECK(false, "unknown instruction set ", name, "; known: avx512, avx512novnni, avxvnni, avx2");
 }
 
+// Items 0..n-1 in runs of `chunk`, each run to whichever of at::parallel_for's threads asks next, so a thread
+// slowed down (by the machine, or by work that costs it more) takes fewer: fn(i0, i1) for each run.
+template <class F>
+static void share(int64_t n, int64_t chunk, const F& fn) {
+  std::atomic<int64_t> next{0};
+  const int64_t runs = (n + chunk - 1) / chunk;
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), runs), 1, [&](int64_t, int64_t) {
+    for (int64_t i; (i = next.fetch_add(chunk)) < n;) fn(i, std::min(n, i + chunk));
+  });
+}
+
 // act: "" (none), "tanh" (GELU's tanh form) or "relu", applied inside the kernels as y is stored; "none" (GELU's
 // exact erf form), after them through aten.
 static int act_code(const std::string& act) {
@@ -103,25 +120,19 @@ static int act_code(const std::string& act) {
   return ACT_NONE;
 }
 
-// x (M, K) float32 -> act(y) (M, N) float32; `w` and `scale` as Packed in gpt2ffn/precision.py writes them.
-torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
-                     const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N, int64_t group,
-                     const std::string& act) {
-  const Isa* isa = kIsa;
-  TORCH_CHECK(isa->range != nullptr, "gpt2ffn._C.linear needs AVX2+FMA or AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
-              "x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(x.stride(1) == 1, "x must have unit stride along K");
+// The arguments of a packed layer of K inputs and N outputs (x, y and M left to the caller), checked: w and scale
+// as Packed in gpt2ffn/precision.py writes them, bias padded to the super-blocks. nsuper: its super-blocks.
+static LinearArgs layer_args(int64_t K, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                             const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N, int64_t group,
+                             int64_t& nsuper) {
   TORCH_CHECK(w.is_contiguous() && w.device().is_cpu(), "w must be a contiguous CPU tensor");
   TORCH_CHECK(format >= F32 && format <= I4A8, "unknown format ", format);
-  const bool int8x = format == I8A8 || format == I4A8;
-  const int64_t M = x.size(0), K = x.size(1);
   const bool int4 = format == I4 || format == I4A8;
   TORCH_CHECK(!int4 || K % 2 == 0, "int4 needs an even K, got ", K);
   const int64_t rows = int4 ? K / 2 : K;
   const int64_t esize = format == F32 ? 4 : format == BF16 ? 2 : 1;
   TORCH_CHECK(K > 0 && w.nbytes() % (rows * 64 * esize) == 0, "w holds ", w.nbytes(), " bytes, not whole super-blocks of K=", K);
-  const int64_t nsuper = w.nbytes() / (rows * 64 * esize);
+  nsuper = w.nbytes() / (rows * 64 * esize);
   TORCH_CHECK(N <= nsuper * 64 && N > nsuper * 64 - 64, "w has ", nsuper, " super-blocks of 64, which does not fit N=", N);
   LinearArgs a{};
   if (format >= I8) {
@@ -139,15 +150,31 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
                 "bias must be float32 with ", nsuper * 64, " elements (padded to the super-blocks)");
     a.bias = bias->data_ptr<float>();
   }
+  a.K = K;
+  a.w = w.data_ptr();
+  a.ldy = nsuper * 64;
+  a.format = static_cast<int>(format);
+  return a;
+}
+
+// x (M, K) float32 -> act(y) (M, N) float32; `w` and `scale` as Packed in gpt2ffn/precision.py writes them.
+torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::optional<torch::Tensor>& scale,
+                     const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N, int64_t group,
+                     const std::string& act) {
+  const Isa* isa = kIsa;
+  TORCH_CHECK(isa->range != nullptr, "gpt2ffn._C.linear needs AVX2+FMA or AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu(),
+              "x must be a 2-D float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
+  TORCH_CHECK(x.stride(1) == 1, "x must have unit stride along K");
+  const int64_t M = x.size(0), K = x.size(1);
+  int64_t nsuper = 0;
+  LinearArgs a = layer_args(K, w, scale, bias, format, N, group, nsuper);
+  const bool int8x = format == I8A8 || format == I4A8;
   auto y = torch::empty({M, nsuper * 64}, x.options());
   a.x = x.data_ptr<float>();
   a.ldx = x.stride(0);
   a.M = M;
-  a.K = K;
-  a.w = w.data_ptr();
   a.y = y.data_ptr<float>();
-  a.ldy = nsuper * 64;
-  a.format = static_cast<int>(format);
   a.act = act_code(act);
   RangeFn fn = isa->range;
   torch::Tensor xq, xs, xsum;
@@ -235,7 +262,7 @@ static torch::Tensor run_block(const Block& blk, const torch::Tensor& x, const t
   auto att = torch::empty({B, d}, x.options());
   float* attp = att.data_ptr<float>();
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
+  share(B * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> scores(S + 16);  // attend pads to 16
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H, base = (slot[b] * H + h) * S * hd;
@@ -308,9 +335,40 @@ torch::Tensor packed_rows(const torch::Tensor& ids, const torch::Tensor& w, cons
   return out;
 }
 
-// A whole decode step of a GPT-2 in one call: embeddings, every block (run_block), ln_f and the lm_head, with
-// the arguments made once (gpt2ffn.kernels.packed.DecodePlan builds it). `watch` records tensors whose
-// storage and version counter must not change (the Parameters the packed weights were made from);
+// A layer of StepPlan, checked once: its LinearArgs less x, y and M.
+struct StepLayer {
+  LinearArgs a;
+  int64_t N, nsuper;
+  bool int8x, erf;  // int8 activations; the exact GELU after the kernels
+};
+
+static StepLayer step_layer(const Lin& l, int64_t K, const std::string& act) {
+  StepLayer L{};
+  L.a = layer_args(K, l.w, l.scale.numel() ? c10::optional<torch::Tensor>(l.scale) : c10::nullopt, l.bias, l.format,
+                   l.N, l.group, L.nsuper);
+  L.a.act = act_code(act);
+  L.N = l.N;
+  L.int8x = l.format == I8A8 || l.format == I4A8;
+  L.erf = act == "none";
+  return L;
+}
+
+// LayerNorm of one row of d: moments in double, the rest in float.
+static void layer_norm_row(const float* x, const float* w, const float* b, double eps, int64_t d, float* y) {
+  double sum = 0.0, sq = 0.0;
+  for (int64_t k = 0; k < d; k++) sum += x[k];
+  const double mean = sum / d;
+  for (int64_t k = 0; k < d; k++) sq += (x[k] - mean) * (x[k] - mean);
+  const float rstd = static_cast<float>(1.0 / std::sqrt(sq / d + eps)), m = static_cast<float>(mean);
+  for (int64_t k = 0; k < d; k++) y[k] = (x[k] - m) * rstd * w[k] + b[k];
+}
+
+// A whole decode step of a GPT-2 in one call: embeddings, every block, ln_f and the lm_head, with the arguments
+// made and checked once (gpt2ffn.kernels.packed.DecodePlan builds it). All of it runs in one parallel region:
+// LayerNorms and activation quantization split by rows, each layer's super-blocks and the attention's
+// (row, head) pairs handed out to whichever thread asks next, barriers between the phases. No thread waits on
+// a serial phase or a fork, and a thread the machine slows takes less of the work. `watch` records tensors
+// whose storage and version counter must not change (the Parameters the packed weights were made from);
 // `valid` checks them in C++ (a Python loop over ~200 tensors took ~0.2 ms a step).
 class StepPlan {
  public:
@@ -318,17 +376,34 @@ class StepPlan {
                  const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& biases,
                  const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
                  const std::vector<int64_t>& groups, const std::string& act) {
-    blocks_.push_back(make_block(norms, eps, ws, scales, biases, formats, ns, groups, act));
+    Block b = make_block(norms, eps, ws, scales, biases, formats, ns, groups, act);
+    const int64_t d = norms[0].numel();
+    for (const auto& n : norms)
+      TORCH_CHECK(n.numel() == d && n.is_contiguous() && n.scalar_type() == at::kFloat,
+                  "LayerNorm weights and biases must be float32 of ", d);
+    TORCH_CHECK(d_ == 0 || d == d_, "block of width ", d, " after blocks of ", d_);
+    TORCH_CHECK(ns[0] == 3 * d && ns[1] == d && ns[3] == d, "a block of width ", d, " has c_attn -> ", 3 * d,
+                ", c_proj -> ", d, ", mlp.c_proj -> ", d, " outputs; got ", ns[0], ", ", ns[1], ", ", ns[3]);
+    d_ = d;
+    std::array<StepLayer, 4> ls{step_layer(b.lin[0], d, ""), step_layer(b.lin[1], d, ""),
+                                step_layer(b.lin[2], d, act), step_layer(b.lin[3], ns[2], "")};
+    blocks_.push_back(std::move(b));
+    layers_.push_back(ls);
   }
   // ln_f, the lm_head (w, scale, bias, format, N, group) and the embeddings: wpe (n_positions, d), and wte
   // either as a (vocab, d) float32 tensor or, if empty, read from the lm_head's packed weights (tied).
   void set_head(const torch::Tensor& lnf_w, const torch::Tensor& lnf_b, double eps, const torch::Tensor& w,
                 const torch::Tensor& scale, const c10::optional<torch::Tensor>& bias, int64_t format, int64_t N,
                 int64_t group, const torch::Tensor& wpe, const torch::Tensor& wte) {
-    TORCH_CHECK(wpe.dim() == 2 && wpe.scalar_type() == at::kFloat, "wpe must be (n_positions, d) float32");
-    TORCH_CHECK(wte.numel() == 0 || (wte.dim() == 2 && wte.size(0) == N && wte.size(1) == wpe.size(1)
-                                     && wte.scalar_type() == at::kFloat), "wte must be (", N, ", d) float32");
+    TORCH_CHECK(d_ > 0, "StepPlan.set_head after the blocks");
+    TORCH_CHECK(wpe.dim() == 2 && wpe.size(1) == d_ && wpe.scalar_type() == at::kFloat,
+                "wpe must be (n_positions, ", d_, ") float32");
+    TORCH_CHECK(wte.numel() == 0 || (wte.dim() == 2 && wte.size(0) == N && wte.size(1) == d_
+                                     && wte.scalar_type() == at::kFloat), "wte must be (", N, ", ", d_, ") float32");
+    TORCH_CHECK(lnf_w.numel() == d_ && lnf_b.numel() == d_ && lnf_w.is_contiguous() && lnf_b.is_contiguous(),
+                "ln_f must have ", d_, " weights and biases");
     lnf_w_ = lnf_w, lnf_b_ = lnf_b, lnf_eps_ = eps, head_ = Lin{w, scale, bias, format, N, group}, wpe_ = wpe, wte_ = wte;
+    head_layer_ = step_layer(head_, d_, "");
   }
   void watch(const std::vector<torch::Tensor>& ts) {
     watched_ = ts;
@@ -347,29 +422,163 @@ class StepPlan {
   }
   int64_t layers() const { return static_cast<int64_t>(blocks_.size()); }
 
-  // ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's ks[i], vs[i] -> (B, vocab)
+  // ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's ks[i], vs[i]
+  // (slots, H, S, d/H), written at position positions[b] -> logits (B, vocab)
   torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
                     const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs) const {
+    const Isa* isa = kIsa;
+    TORCH_CHECK(isa->attend != nullptr, "gpt2ffn._C.StepPlan needs AVX2+FMA or AVX-512");
     TORCH_CHECK(head_.w.defined(), "StepPlan.run before set_head");
     TORCH_CHECK(ks.size() == blocks_.size() && vs.size() == blocks_.size(), "one k and one v cache per layer: ",
                 blocks_.size());
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == ids.numel(), "one position per id");
-    const int64_t d = wpe_.size(1), P = wpe_.size(0);
+    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be (B,) int64");
+    const int64_t B = ids.numel(), d = d_, P = wpe_.size(0);
+    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == B && slots.scalar_type() == at::kLong
+                && slots.numel() == B, "positions and slots must be int64 with one entry per id");
     const int64_t* pos = positions.data_ptr<int64_t>();
-    for (int64_t b = 0; b < positions.numel(); b++)
-      TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "position ", pos[b], " outside [0, ", P, ")");
+    const int64_t* slot = slots.data_ptr<int64_t>();
+    for (int64_t b = 0; b < B; b++) TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "position ", pos[b], " outside [0, ", P, ")");
+    const auto& k0 = ks[0];
+    TORCH_CHECK(k0.dim() == 4 && k0.size(1) * k0.size(3) == d && k0.size(3) % 16 == 0,
+                "k and v caches must be (slots, H, S, hd) with H * hd = ", d, " and hd % 16 == 0, got ", k0.sizes());
+    const int64_t H = k0.size(1), S = k0.size(2), hd = k0.size(3);
+    for (size_t i = 0; i < ks.size(); i++)
+      TORCH_CHECK(ks[i].sizes() == k0.sizes() && vs[i].sizes() == k0.sizes() && ks[i].is_contiguous()
+                  && vs[i].is_contiguous() && ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat,
+                  "layer ", i, ": k and v caches must be contiguous float32 ", k0.sizes());
+    for (int64_t b = 0; b < B; b++)
+      TORCH_CHECK(slot[b] >= 0 && slot[b] < k0.size(0) && pos[b] < S, "row ", b, ": slot ", slot[b], " position ",
+                  pos[b], " outside the cache (", k0.size(0), ", ", S, ")");
     auto x = wte_.numel() ? wte_.index_select(0, ids)
                           : packed_rows(ids, head_.w, head_.scale, head_.format, d, head_.N, head_.group);
     x.add_(wpe_.index_select(0, positions));
-    for (size_t i = 0; i < blocks_.size(); i++) x = run_block(blocks_[i], x, slots, positions, ks[i], vs[i]);
-    return head_(at::layer_norm(x, {d}, lnf_w_, lnf_b_, lnf_eps_));
+    x = x.contiguous();
+
+    // buffers: LayerNorm output, c_attn's, the heads', a projection's and c_fc's outputs, int8 activations
+    int64_t ldq = 0, ldy = 0, ldh = 0, maxk = d;
+    for (const auto& ls : layers_) {
+      ldq = std::max(ldq, ls[0].nsuper * 64);
+      ldy = std::max({ldy, ls[1].nsuper * 64, ls[3].nsuper * 64});
+      ldh = std::max(ldh, ls[2].nsuper * 64);
+      maxk = std::max(maxk, ls[3].a.K);
+    }
+    const auto f32 = torch::dtype(at::kFloat);
+    auto hbuf = torch::empty({B, d}, f32), qkv = torch::empty({B, ldq}, f32), att = torch::empty({B, d}, f32);
+    auto ybuf = torch::empty({B, ldy}, f32), hid = torch::empty({B, ldh}, f32);
+    auto logits = torch::empty({B, head_layer_.nsuper * 64}, f32);
+    auto xq = torch::empty({B, maxk}, torch::dtype(at::kChar)), xs = torch::empty({B, maxk}, f32);
+    auto xsum = torch::empty({B, maxk}, torch::dtype(at::kInt));
+    float *xp = x.data_ptr<float>(), *hp = hbuf.data_ptr<float>(), *qp = qkv.data_ptr<float>();
+    float *ap = att.data_ptr<float>(), *yp = ybuf.data_ptr<float>(), *hidp = hid.data_ptr<float>();
+    float *lp = logits.data_ptr<float>(), *xsp = xs.data_ptr<float>();
+    int8_t* xqp = xq.data_ptr<int8_t>();
+    int32_t* xsump = xsum.data_ptr<int32_t>();
+    std::vector<float*> kc(ks.size()), vc(vs.size());
+    for (size_t i = 0; i < ks.size(); i++) kc[i] = ks[i].data_ptr<float>(), vc[i] = vs[i].data_ptr<float>();
+    const int phases = static_cast<int>(blocks_.size()) * 5 + 1;  // 4 layers and the heads a block, the lm_head
+    std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[phases]);
+    for (int i = 0; i < phases; i++) next[i].store(0);
+    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+
+    at::internal::lazy_init_num_threads();
+    const int threads = at::get_num_threads();
+#pragma omp parallel num_threads(threads)
+    {
+      const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
+      std::vector<float> scores(S + 16);  // attend pads to 16
+      int phase = 0;
+      // rows of `in` (row stride d) normalized into hbuf, and quantized for `L` if it takes int8 activations
+      auto norm = [&](const float* in, const float* w, const float* bias, double eps, const StepLayer& L) {
+        for (int64_t m = tid; m < B; m += nt) {
+          layer_norm_row(in + m * d, w, bias, eps, d, hp + m * d);
+          if (L.int8x) {
+            LinearArgs q = L.a;
+            q.x = hp, q.ldx = d;
+            isa->quantize(q, xqp, xsp, xsump, m, m + 1);
+          }
+        }
+      };
+      auto quantize = [&](const StepLayer& L, const float* in, int64_t ldin) {
+        if (!L.int8x) return;
+        LinearArgs q = L.a;
+        q.x = in, q.ldx = ldin;
+        for (int64_t m = tid; m < B; m += nt) isa->quantize(q, xqp, xsp, xsump, m, m + 1);
+      };
+      // y = act(in @ W + b) by runs of super-blocks; then post(c0, c1) on the run's outputs c0..c1 of every row
+      auto gemv = [&](const StepLayer& L, const float* in, int64_t ldin, float* out, int64_t ldout, auto&& post) {
+        LinearArgs a = L.a;
+        a.x = in, a.ldx = ldin, a.M = B, a.y = out, a.ldy = ldout;
+        a.xq = xqp, a.xscale = xsp, a.xsum = xsump;
+        const RangeFn fn = L.int8x ? isa->qrange : isa->range;
+        const int64_t chunk = std::max<int64_t>(1, L.nsuper / (8 * nt));  // ~8 runs a thread
+        std::atomic<int64_t>& counter = next[phase++];
+        for (int64_t s0; (s0 = counter.fetch_add(chunk)) < L.nsuper;) {
+          const int64_t s1 = std::min(L.nsuper, s0 + chunk);
+          fn(a, s0, s1);
+          post(s0 * 64, std::min(L.N, s1 * 64));
+        }
+      };
+      auto residual = [&](int64_t c0, int64_t c1) {  // x += y
+        for (int64_t m = 0; m < B; m++)
+          for (int64_t c = c0; c < c1; c++) xp[m * d + c] += yp[m * ldy + c];
+      };
+      auto nothing = [](int64_t, int64_t) {};
+
+      for (size_t i = 0; i < blocks_.size(); i++) {
+        const Block& blk = blocks_[i];
+        const auto& L = layers_[i];
+        norm(xp, blk.norms[0].data_ptr<float>(), blk.norms[1].data_ptr<float>(), blk.eps, L[0]);
+#pragma omp barrier
+        gemv(L[0], hp, d, qp, ldq, nothing);
+#pragma omp barrier
+        std::atomic<int64_t>& heads = next[phase++];
+        for (int64_t j; (j = heads.fetch_add(1)) < B * H;) {
+          const int64_t b = j / H, h = j % H, base = (slot[b] * H + h) * S * hd, at = base + pos[b] * hd;
+          std::memcpy(kc[i] + at, qp + b * ldq + d + h * hd, hd * sizeof(float));
+          std::memcpy(vc[i] + at, qp + b * ldq + 2 * d + h * hd, hd * sizeof(float));
+          isa->attend(AttendArgs{qp + b * ldq + h * hd, kc[i] + base, vc[i] + base, pos[b] + 1, hd, scale,
+                                 scores.data(), ap + b * d + h * hd});
+        }
+#pragma omp barrier
+        if (L[1].int8x) {
+          quantize(L[1], ap, d);
+#pragma omp barrier
+        }
+        gemv(L[1], ap, d, yp, ldy, residual);
+#pragma omp barrier
+        norm(xp, blk.norms[2].data_ptr<float>(), blk.norms[3].data_ptr<float>(), blk.eps, L[2]);
+#pragma omp barrier
+        gemv(L[2], hp, d, hidp, ldh, [&](int64_t c0, int64_t c1) {
+          if (!L[2].erf) return;  // the exact GELU, which the kernels do not apply
+          for (int64_t m = 0; m < B; m++)
+            for (int64_t c = c0; c < c1; c++) {
+              const float v = hidp[m * ldh + c];
+              hidp[m * ldh + c] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
+            }
+        });
+#pragma omp barrier
+        if (L[3].int8x) {
+          quantize(L[3], hidp, ldh);
+#pragma omp barrier
+        }
+        gemv(L[3], hidp, ldh, yp, ldy, residual);
+#pragma omp barrier
+      }
+      norm(xp, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, head_layer_);
+#pragma omp barrier
+      gemv(head_layer_, hp, d, lp, head_layer_.nsuper * 64, nothing);
+    }
+    return head_.N == head_layer_.nsuper * 64 ? logits : logits.narrow(1, 0, head_.N);
   }
 
  private:
   std::vector<Block> blocks_;
+  std::vector<std::array<StepLayer, 4>> layers_;
+  int64_t d_ = 0;
   torch::Tensor lnf_w_, lnf_b_, wpe_, wte_;
   double lnf_eps_ = 1e-5;
   Lin head_;
+  StepLayer head_layer_{};
   std::vector<torch::Tensor> watched_;
   std::vector<std::pair<void*, uint32_t>> stamps_;
 };
