@@ -523,6 +523,14 @@ class StepPlan {
           for (int64_t c = c0; c < c1; c++) xp[m * d + c] += yp[m * ldy + c];
       };
       auto nothing = [](int64_t, int64_t) {};
+      auto project = [&](const StepLayer& L, const float* in, int64_t ldin) {  // x += in @ W + b
+        if (L.int8x) {
+          quantize(L, in, ldin);
+#pragma omp barrier
+        }
+        gemv(L, in, ldin, yp, ldy, residual);
+#pragma omp barrier
+      };
 
       for (size_t i = 0; i < blocks_.size(); i++) {
         const Block& blk = blocks_[i];
@@ -540,12 +548,7 @@ class StepPlan {
                                  scores.data(), ap + b * d + h * hd});
         }
 #pragma omp barrier
-        if (L[1].int8x) {
-          quantize(L[1], ap, d);
-#pragma omp barrier
-        }
-        gemv(L[1], ap, d, yp, ldy, residual);
-#pragma omp barrier
+        project(L[1], ap, d);
         norm(xp, blk.norms[2].data_ptr<float>(), blk.norms[3].data_ptr<float>(), blk.eps, L[2]);
 #pragma omp barrier
         gemv(L[2], hp, d, hidp, ldh, [&](int64_t c0, int64_t c1) {
@@ -557,12 +560,7 @@ class StepPlan {
             }
         });
 #pragma omp barrier
-        if (L[3].int8x) {
-          quantize(L[3], hidp, ldh);
-#pragma omp barrier
-        }
-        gemv(L[3], hidp, ldh, yp, ldy, residual);
-#pragma omp barrier
+        project(L[3], hidp, ldh);
       }
       norm(xp, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, head_layer_);
 #pragma omp barrier
