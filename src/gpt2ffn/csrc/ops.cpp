@@ -99,17 +99,6 @@ std::string set_isa(const std::string& name) {
   TORCH_CHECK(false, "unknown instruction set ", name, "; known: avx512, avx512novnni, avxvnni, avx2");
 }
 
-// Items 0..n-1 in runs of `chunk`, each run to whichever of at::parallel_for's threads asks next, so a thread
-// slowed down (by the machine, or by work that costs it more) takes fewer: fn(i0, i1) for each run.
-template <class F>
-static void share(int64_t n, int64_t chunk, const F& fn) {
-  std::atomic<int64_t> next{0};
-  const int64_t runs = (n + chunk - 1) / chunk;
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), runs), 1, [&](int64_t, int64_t) {
-    for (int64_t i; (i = next.fetch_add(chunk)) < n;) fn(i, std::min(n, i + chunk));
-  });
-}
-
 // act: "" (none), "tanh" (GELU's tanh form) or "relu", applied inside the kernels as y is stored; "none" (GELU's
 // exact erf form), after them through aten.
 static int act_code(const std::string& act) {
@@ -219,71 +208,10 @@ static Block make_block(const std::vector<torch::Tensor>& norms, double eps, con
                         const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
                         const std::vector<int64_t>& groups, const std::string& act) {
   TORCH_CHECK(norms.size() == 4 && ws.size() == 4 && scales.size() == 4 && biases.size() == 4 && formats.size() == 4
-              && ns.size() == 4 && groups.size() == 4, "decode_block takes 2 LayerNorms and 4 linear layers");
+              && ns.size() == 4 && groups.size() == 4, "a block takes 2 LayerNorms and 4 linear layers");
   Block b{norms, eps, {}, act};
   for (int i = 0; i < 4; i++) b.lin[i] = Lin{ws[i], scales[i], biases[i], formats[i], ns[i], groups[i]};
   return b;
-}
-
-// One GPT-2 block for one new token per row, the whole of it in one call (decode: no Python between ops):
-//   x1 = x + attn.c_proj(attend(c_attn(ln_1(x)))),  out = x1 + mlp.c_proj(act(c_fc(ln_2(x1))))
-// Row b's new key and value go to position lens[b] of cache slot slots[b], and its query attends to that
-// slot's positions 0..lens[b] only.
-static torch::Tensor run_block(const Block& blk, const torch::Tensor& x, const torch::Tensor& slots,
-                               const torch::Tensor& lens, const torch::Tensor& k_cache, const torch::Tensor& v_cache) {
-  const AttendFn attend = kIsa->attend;
-  TORCH_CHECK(attend != nullptr, "gpt2ffn._C.decode_block needs AVX2+FMA or AVX-512");
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat, "x must be (B, d) float32");
-  const int64_t B = x.size(0), d = x.size(1);
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.is_contiguous() && v_cache.is_contiguous()
-              && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == at::kFloat,
-              "k_cache and v_cache must be contiguous float32 (slots, H, S, hd)");
-  const int64_t H = k_cache.size(1), S = k_cache.size(2), hd = k_cache.size(3);
-  TORCH_CHECK(H * hd == d && hd % 16 == 0, "cache heads ", H, " x ", hd, " do not fit d=", d, " (hd % 16 == 0)");
-  TORCH_CHECK(slots.numel() == B && lens.numel() == B && slots.scalar_type() == at::kLong
-              && lens.scalar_type() == at::kLong, "slots and lens must be int64 with one entry per row");
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const int64_t* len = lens.data_ptr<int64_t>();
-  for (int64_t b = 0; b < B; b++)
-    TORCH_CHECK(slot[b] >= 0 && slot[b] < k_cache.size(0) && len[b] >= 0 && len[b] < S,
-                "row ", b, ": slot ", slot[b], " position ", len[b], " outside the cache (", k_cache.size(0), ", ", S, ")");
-  const auto& n = blk.norms;
-  const auto qkv = blk.lin[0](at::layer_norm(x, {d}, n[0], n[1], blk.eps));  // (B, 3d)
-  const float* qkvp = qkv.data_ptr<float>();
-  const int64_t ldq = qkv.stride(0);
-  float* kc = k_cache.data_ptr<float>();
-  float* vc = v_cache.data_ptr<float>();
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t h = 0; h < H; h++) {
-      const int64_t at = ((slot[b] * H + h) * S + len[b]) * hd;
-      std::memcpy(kc + at, qkvp + b * ldq + d + h * hd, hd * sizeof(float));
-      std::memcpy(vc + at, qkvp + b * ldq + 2 * d + h * hd, hd * sizeof(float));
-    }
-  auto att = torch::empty({B, d}, x.options());
-  float* attp = att.data_ptr<float>();
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
-  share(B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> scores(S + 16);  // attend pads to 16
-    for (int64_t i = i0; i < i1; i++) {
-      const int64_t b = i / H, h = i % H, base = (slot[b] * H + h) * S * hd;
-      attend(AttendArgs{qkvp + b * ldq + h * hd, kc + base, vc + base, len[b] + 1, hd, scale, scores.data(),
-                         attp + b * d + h * hd});
-    }
-  });
-  auto x1 = blk.lin[1](att).add_(x);                                                // (B, d) residual
-  const auto hidden = blk.lin[2](at::layer_norm(x1, {d}, n[2], n[3], blk.eps), blk.act);  // act(c_fc(...))
-  return blk.lin[3](hidden).add_(x1);
-}
-
-torch::Tensor decode_block(const torch::Tensor& x, const torch::Tensor& slots, const torch::Tensor& lens,
-                           const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-                           const std::vector<torch::Tensor>& norms, double eps,
-                           const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
-                           const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
-                           const std::vector<int64_t>& ns, const std::vector<int64_t>& groups,
-                           const std::string& act) {
-  return run_block(make_block(norms, eps, ws, scales, biases, formats, ns, groups, act), x, slots, lens, k_cache,
-                   v_cache);
 }
 
 static float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
@@ -612,7 +540,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   return out;
 }
 
-// The FFN in one call: c_proj(act(c_fc(x))), each a packed layer as in decode_block (2 entries each).
+// The FFN in one call: c_proj(act(c_fc(x))), each a packed layer as StepPlan.add_block takes them (2 entries each).
 torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
                   const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
                   const std::vector<int64_t>& ns, const std::vector<int64_t>& groups, const std::string& act) {
@@ -631,7 +559,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("ffn", &gpt2ffn::ffn, "c_proj(act(c_fc(x))) on packed weights in one call");
   m.def("causal_attention", &gpt2ffn::causal_attention,
         "causal self-attention of T new tokens against past + T cached keys -> (B, T, H * hd)");
-  m.def("decode_block", &gpt2ffn::decode_block, "one GPT-2 block for one new token per row, KV cache by slot");
   m.def("packed_rows", &gpt2ffn::packed_rows, "rows of W^T of a packed layer, dequantized: (T,) ids -> (T, K)");
   py::class_<gpt2ffn::StepPlan>(m, "StepPlan")
       .def(py::init<>())

@@ -97,16 +97,10 @@ def regime(rows: int) -> str:
 
 
 def native_args(ps) -> list:
-    """The per-layer argument lists gpt2ffn._C.ffn / decode_block take for packed layers `ps` (an empty tensor
+    """The per-layer argument lists gpt2ffn._C.ffn / StepPlan.add_block take for packed layers `ps` (an empty tensor
     stands for no scale)."""
     return [[p.w for p in ps], [p.scale if p.scale is not None else _EMPTY for p in ps], [p.bias for p in ps],
             [p.format for p in ps], [p.N for p in ps], [p.group for p in ps]]
-
-
-def decode_block(x, slots, positions, k, v, args):
-    """One GPT-2 block for one new token per row, in one native call: x (B, d) at positions (B,), row b's
-    keys and values in slot slots[b] of k, v (slots, H, S, d/H); args: one DecodePlan.args entry."""
-    return _C.decode_block(x, slots, positions, k, v, *args)
 
 
 def runs_causal_attention(q, k, v, dropout: float) -> bool:
