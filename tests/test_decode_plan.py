@@ -33,10 +33,12 @@ def test_packed_rows_are_the_packed_weights(precision, activations):
                                              p.format, p.K, p.N, p.group), p.weights(ids))  # negative control
 
 
-def test_packed_rows_refuses_an_id_outside_the_layer():
+def test_packed_rows_refuses_an_id_or_a_k_outside_the_layer():
     p = Packed(torch.randn(64, 100), None, "int8")
     with pytest.raises(RuntimeError, match=r"id 100 outside \[0, 100\)"):
         kp._C.packed_rows(torch.tensor([100]), p.w, p.scale, p.format, p.K, p.N, p.group)
+    with pytest.raises(RuntimeError, match="not 2 super-blocks of K=128"):  # a K the weights do not hold
+        kp._C.packed_rows(torch.tensor([1]), p.w, p.scale, p.format, 128, p.N, p.group)
 
 
 def model_at(precision, keep_fp32=False, seed=0, cfg=SMALL):

@@ -226,6 +226,10 @@ torch::Tensor packed_rows(const torch::Tensor& ids, const torch::Tensor& w, cons
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; t++) TORCH_CHECK(id[t] >= 0 && id[t] < N, "id ", id[t], " outside [0, ", N, ")");
   const bool quantized = format >= I8;
+  const int64_t nsuper = (N + 63) / 64, esize = format == F32 ? 4 : format == BF16 ? 2 : 1;
+  const bool int4 = format == I4 || format == I4A8;
+  TORCH_CHECK(w.nbytes() * (int4 ? 2 : 1) == static_cast<size_t>(nsuper * K * 64 * esize), "w holds ", w.nbytes(),
+              " bytes, not ", nsuper, " super-blocks of K=", K, " in format ", format);
   TORCH_CHECK(!quantized || (group > 0 && K % group == 0 && scale.numel() == (N + 63) / 64 * (K / group) * 64),
               "scale does not fit K=", K, " N=", N, " group=", group);
   auto out = torch::empty({T, K}, torch::dtype(at::kFloat));
