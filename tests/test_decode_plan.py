@@ -2,6 +2,7 @@
 the packed lm_head as Packed.weights reads them, logits equal to the step run op by op, and a plan that follows
 every change to the weights or routes it was built from."""
 
+import copy
 import dataclasses
 
 import pytest
@@ -158,3 +159,26 @@ def test_rows_of_a_step_are_each_row_alone_whatever_the_threads(precision):
         assert torch.equal(out[1], out[2])
     finally:
         torch.set_num_threads(threads)
+
+
+def test_strided_or_int32_ids_and_shared_slots():
+    """A batch stepped column by column (ids[:, t:t + 1] of a (B, T) tensor is strided), int32 ids, a deep copy
+    after a fused step; two rows in one slot are refused."""
+    m = model_at("int8")
+    ids = torch.randint(0, SMALL.vocab_size, (2, 8), generator=torch.Generator().manual_seed(5))
+    out = {}
+    for name, x in (("strided", ids), ("int32", ids.int()), ("contiguous", None)):
+        cache = KVCache(m.config, 2)
+        with torch.no_grad():
+            m(ids[:, :5], cache)
+            rows = []
+            for t in range(5, 8):
+                step = ids[:, t:t + 1].contiguous() if x is None else x[:, t:t + 1]
+                rows.append(m(step, cache)[:, -1])
+        out[name] = torch.cat(rows)
+    assert torch.equal(out["strided"], out["contiguous"]) and torch.equal(out["int32"], out["contiguous"])
+    twin = copy.deepcopy(m)
+    assert "_plan" not in twin.__dict__ and twin.fused_decode()
+    plan, cache = m.__dict__["_plan"], KVCache(m.config, 2)
+    with pytest.raises(RuntimeError, match="two rows share a cache slot"):
+        plan.run(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([1, 1]), cache.k, cache.v)

@@ -231,6 +231,12 @@ class GPT2(nn.Module):
             x = x[0, logits_for]
         return self.lm_head(self.transformer.ln_f(x))
 
+    def __getstate__(self):
+        """copy.deepcopy and pickle without the native decode plan (rebuilt on the next step)."""
+        state = self.__dict__.copy()
+        state.pop("_plan", None)
+        return state
+
     def fused_decode(self) -> bool:
         """Whether a one-token step can run as one native call (gpt2ffn._C.StepPlan): eval(), every linear layer
         and the lm_head packed with the native decode route, no gradient asked, fp32 on CPU."""

@@ -218,9 +218,10 @@ static float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(
 
 // Rows of W^T of a packed layer, dequantized as Packed.weights(cols) does: out[t, k] = W[k, ids[t]] (for the tied
 // lm_head, wte's embeddings of those tokens). Formats and layouts as linear.h.
-torch::Tensor packed_rows(const torch::Tensor& ids, const torch::Tensor& w, const torch::Tensor& scale,
+torch::Tensor packed_rows(const torch::Tensor& ids_in, const torch::Tensor& w, const torch::Tensor& scale,
                           int64_t format, int64_t K, int64_t N, int64_t group) {
-  TORCH_CHECK(ids.scalar_type() == at::kLong && ids.dim() == 1, "ids must be a 1-D int64 tensor");
+  TORCH_CHECK(ids_in.dim() == 1 && !ids_in.is_floating_point(), "ids must be a 1-D integer tensor");
+  const auto ids = ids_in.to(at::kLong).contiguous();
   TORCH_CHECK(format >= F32 && format <= I4A8 && w.is_contiguous() && K > 0, "unknown format ", format);
   const int64_t T = ids.numel();
   const int64_t* id = ids.data_ptr<int64_t>();
@@ -356,17 +357,20 @@ class StepPlan {
 
   // ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's ks[i], vs[i]
   // (slots, H, S, d/H), written at position positions[b] -> logits (B, vocab)
-  torch::Tensor run(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
+  torch::Tensor run(const torch::Tensor& ids_in, const torch::Tensor& positions_in, const torch::Tensor& slots_in,
                     const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs) const {
+    TORCH_CHECK(!ids_in.is_floating_point() && !positions_in.is_floating_point() && !slots_in.is_floating_point(),
+                "ids, positions and slots must be integer tensors");
+    const auto ids = ids_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
+    const auto slots = slots_in.to(at::kLong).contiguous();
     const Isa* isa = kIsa;
     TORCH_CHECK(isa->attend != nullptr, "gpt2ffn._C.StepPlan needs AVX2+FMA or AVX-512");
     TORCH_CHECK(head_.w.defined(), "StepPlan.run before set_head");
     TORCH_CHECK(ks.size() == blocks_.size() && vs.size() == blocks_.size(), "one k and one v cache per layer: ",
                 blocks_.size());
-    TORCH_CHECK(ids.dim() == 1 && ids.scalar_type() == at::kLong, "ids must be (B,) int64");
+    TORCH_CHECK(ids.dim() == 1, "ids must be (B,)");
     const int64_t B = ids.numel(), d = d_, P = wpe_.size(0);
-    TORCH_CHECK(positions.scalar_type() == at::kLong && positions.numel() == B && slots.scalar_type() == at::kLong
-                && slots.numel() == B, "positions and slots must be int64 with one entry per id");
+    TORCH_CHECK(positions.numel() == B && slots.numel() == B, "positions and slots must have one entry per id");
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
     for (int64_t b = 0; b < B; b++) TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "position ", pos[b], " outside [0, ", P, ")");
@@ -381,6 +385,9 @@ class StepPlan {
     for (int64_t b = 0; b < B; b++)
       TORCH_CHECK(slot[b] >= 0 && slot[b] < k0.size(0) && pos[b] < S, "row ", b, ": slot ", slot[b], " position ",
                   pos[b], " outside the cache (", k0.size(0), ", ", S, ")");
+    std::vector<int64_t> sorted(slot, slot + B);  // a row writes its slot while attending to it: one row a slot
+    std::sort(sorted.begin(), sorted.end());
+    TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "two rows share a cache slot");
     auto x = wte_.numel() ? wte_.index_select(0, ids)
                           : packed_rows(ids, head_.w, head_.scale, head_.format, d, head_.N, head_.group);
     x.add_(wpe_.index_select(0, positions));
