@@ -200,16 +200,15 @@ struct Block {
   std::vector<torch::Tensor> norms;
   double eps;
   Lin lin[4];
-  std::string act;
 };
 
 static Block make_block(const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& ws,
                         const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& biases,
                         const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
-                        const std::vector<int64_t>& groups, const std::string& act) {
+                        const std::vector<int64_t>& groups) {
   TORCH_CHECK(norms.size() == 4 && ws.size() == 4 && scales.size() == 4 && biases.size() == 4 && formats.size() == 4
               && ns.size() == 4 && groups.size() == 4, "a block takes 2 LayerNorms and 4 linear layers");
-  Block b{norms, eps, {}, act};
+  Block b{norms, eps, {}};
   for (int i = 0; i < 4; i++) b.lin[i] = Lin{ws[i], scales[i], biases[i], formats[i], ns[i], groups[i]};
   return b;
 }
@@ -309,7 +308,7 @@ class StepPlan {
                  const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& biases,
                  const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
                  const std::vector<int64_t>& groups, const std::string& act) {
-    Block b = make_block(norms, eps, ws, scales, biases, formats, ns, groups, act);
+    Block b = make_block(norms, eps, ws, scales, biases, formats, ns, groups);
     const int64_t d = norms[0].numel();
     for (const auto& n : norms)
       TORCH_CHECK(n.numel() == d && n.is_contiguous() && n.scalar_type() == at::kFloat,
@@ -353,7 +352,6 @@ class StepPlan {
       if (t.requires_grad()) return true;
     return false;
   }
-  int64_t layers() const { return static_cast<int64_t>(blocks_.size()); }
 
   // ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's ks[i], vs[i]
   // (slots, H, S, d/H), written at position positions[b] -> logits (B, vocab)
@@ -578,7 +576,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("watch", &gpt2ffn::StepPlan::watch)
       .def("valid", &gpt2ffn::StepPlan::valid)
       .def("requires_grad", &gpt2ffn::StepPlan::requires_grad)
-      .def("layers", &gpt2ffn::StepPlan::layers)
       .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_isa", &gpt2ffn::set_isa, "switch to another build this CPU runs (tests); returns the previous");
