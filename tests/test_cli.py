@@ -55,6 +55,24 @@ def test_generate_precision(capsys):
     assert "error: precision='int4' quantizes a float32 model's weights" in capsys.readouterr().err
 
 
+def test_kv_cache_dtype_flag(capsys):
+    import torch
+
+    from gpt2ffn.loading import load
+    assert load("random:tiny", precision="int8")[0].kv_dtype == torch.float16  # auto
+    assert load("random:tiny", precision="int8", kv_dtype=torch.float32)[0].kv_dtype == torch.float32
+    assert load("random:tiny")[0].kv_dtype == torch.float32
+    outs = {}
+    for kv in ("auto", "float16", "float32"):
+        assert main(["generate", "Hi", "--model", "random:tiny", "--precision", "int8", "--kv-cache-dtype", kv,
+                     "--max-new-tokens", "4"]) == 0
+        outs[kv] = capsys.readouterr().out
+    assert outs["auto"] == outs["float16"] and outs["auto"].startswith("Hi")
+    assert main(["generate", "Hi", "--model", "random:tiny", "--kv-cache-dtype", "int8"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--kv-cache-dtype" in err[0], err
+
+
 def test_activations_flag(capsys):
     from gpt2ffn.loading import load
     model, _, _ = load("random:tiny", precision="int4", activations="int8")

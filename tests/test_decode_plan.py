@@ -10,6 +10,7 @@ import torch
 
 from conftest import SMALL, native_isas, randomize_
 from gpt2ffn import quantize
+from gpt2ffn.errors import ConfigError
 from gpt2ffn.kernels import packed as kp
 from gpt2ffn.kernels.formats import Packed
 from gpt2ffn.model import GPT2
@@ -47,10 +48,10 @@ def model_at(precision, keep_fp32=False, seed=0, cfg=SMALL):
     return quantize(m, precision, keep_fp32=keep_fp32)
 
 
-def steps(m, ids, fused: bool):
-    """Logits of each new token of ids (1, T) after the first, one cached step at a time."""
+def steps(m, ids, fused: bool, kv=torch.float32):
+    """Logits of each new token of ids (1, T) after the first, one cached step at a time (a cache of dtype kv)."""
     out = []
-    cache = KVCache(m.config, 1)
+    cache = KVCache(m.config, 1, kv)
     with torch.no_grad():
         m(ids[:, :4], cache)
         for t in range(4, ids.shape[1]):
@@ -127,23 +128,24 @@ def test_every_build_and_activation_steps_as_op_by_op(isa, activation):
     cfg = dataclasses.replace(SMALL, activation_function=activation)  # exact GELU: applied after the kernels
     old = kp._C.set_isa(isa)
     try:
-        for precision in ("fp32", "int4"):
+        for precision, kv in (("fp32", torch.float32), ("int4", torch.float32), ("int4", torch.float16)):
             m = model_at(precision, cfg=cfg)
             ids = torch.randint(0, SMALL.vocab_size, (1, 10), generator=torch.Generator().manual_seed(3))
             tol = tolerance(torch.float32)
-            torch.testing.assert_close(steps(m, ids, True), steps(m, ids, False), atol=tol.atol, rtol=tol.rtol)
+            torch.testing.assert_close(steps(m, ids, True, kv), steps(m, ids, False, kv), atol=tol.atol,
+                                       rtol=tol.rtol)
     finally:
         kp._C.set_isa(old)
 
 
-@pytest.mark.parametrize("precision", ["fp32", "int8"])
-def test_rows_of_a_step_are_each_row_alone_whatever_the_threads(precision):
+@pytest.mark.parametrize("precision,kv", [("fp32", torch.float32), ("int8", torch.float32), ("int8", torch.float16)])
+def test_rows_of_a_step_are_each_row_alone_whatever_the_threads(precision, kv):
     """Rows at different positions in different slots (the serving engine's decode): each row's logits are
     bitwise those of the row stepped alone, with 1 thread or 2 (no sum crosses rows or depends on the split)."""
     m = model_at(precision)
     assert m.fused_decode()
     plan = m.__dict__["_plan"]
-    cache = KVCache(m.config, 3)
+    cache = KVCache(m.config, 3, kv)
     g = torch.Generator().manual_seed(4)
     for k in cache.k + cache.v:
         k.copy_(torch.randn(k.shape, generator=g))
@@ -182,3 +184,62 @@ def test_strided_or_int32_ids_and_shared_slots():
     plan, cache = m.__dict__["_plan"], KVCache(m.config, 2)
     with pytest.raises(RuntimeError, match="two rows share a cache slot"):
         plan.run(torch.tensor([1, 2]), torch.tensor([0, 0]), torch.tensor([1, 1]), cache.k, cache.v)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_an_fp16_cache_steps_as_op_by_op_on_the_same_cache(precision):
+    """An fp16 KV cache (GPT2.kv_dtype's default for bf16/int8/int4): the one-call step writes each new key and
+    value rounded to nearest even, as the op-by-op step's copy into the cache does, and reads them widened:
+    the same logits and the same cache; against an fp32 cache they differ (the cache's dtype is what is read)."""
+    m = model_at(precision)
+    ids = torch.randint(0, SMALL.vocab_size, (1, 12), generator=torch.Generator().manual_seed(6))
+    tol = tolerance(torch.float32)
+    fused, plain = steps(m, ids, True, torch.float16), steps(m, ids, False, torch.float16)
+    torch.testing.assert_close(fused, plain, atol=tol.atol, rtol=tol.rtol)
+    wide = steps(m, ids, True, torch.float32)
+    scale = wide.abs().max()
+    # negative control: the fp16 cache moves the logits 10x more than the two routes differ (measured: 60x-40000x)
+    assert (fused - wide).abs().max() > 10 * (fused - plain).abs().max()
+    if precision in ("fp32", "bf16"):  # float activations: by about fp16's rounding of the keys (1e-5 measured)
+        assert (fused - wide).abs().max() < 1e-4 * scale
+    caches = {}
+    for fused_step in (True, False):  # what the step wrote: the keys and values rounded once, the same bits
+        cache = KVCache(m.config, 1, torch.float16)
+        with torch.no_grad():
+            m(ids[:, :4], cache)
+            m(ids[:, 4:5], cache, None if fused_step else torch.ones(1, 5, dtype=torch.long))
+        caches[fused_step] = [t[:, :, 4] for t in cache.k + cache.v]
+    for a, b in zip(caches[True], caches[False]):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-3, rtol=1e-3)  # one fp16 ulp of the same key
+
+
+def test_kv_dtype_defaults_and_choice():
+    assert model_at("fp32").kv_dtype == torch.float32  # HF's cache values: fp32 stays exact against HF
+    for precision in ("bf16", "int8", "int4"):
+        assert model_at(precision).kv_dtype == torch.float16
+    assert model_at("int8", keep_fp32=True).kv_dtype == torch.float16
+    assert randomize_(GPT2(SMALL), 0).kv_dtype == torch.float32  # not packed: plain torch modules
+    m = model_at("int8")
+    m.kv_dtype = torch.float32
+    assert m.kv_dtype == torch.float32
+    m.kv_dtype = None
+    assert m.kv_dtype == torch.float16
+    for bad in (torch.int8, torch.bfloat16, "float16"):
+        with pytest.raises(ConfigError, match="kv_dtype must be torch.float32 or torch.float16"):
+            m.kv_dtype = bad
+    twin = copy.deepcopy(m)
+    twin.kv_dtype = torch.float32
+    assert m.kv_dtype == torch.float16  # per model
+
+
+def test_a_plan_refuses_caches_of_mixed_or_other_dtypes():
+    m = model_at("int8")
+    assert m.fused_decode()
+    plan = m.__dict__["_plan"]
+    ids, pos, slots = torch.tensor([3]), torch.tensor([0]), torch.tensor([0])
+    half, full = KVCache(m.config, 1, torch.float16), KVCache(m.config, 1)
+    with pytest.raises(RuntimeError, match="layer 0: k and v caches must be contiguous Half"):
+        plan.run(ids, pos, slots, half.k, full.v)
+    with pytest.raises(RuntimeError, match="k and v caches must be float32 or float16, got BFloat16"):
+        bf = KVCache(m.config, 1, torch.bfloat16)
+        plan.run(ids, pos, slots, bf.k, bf.v)

@@ -483,14 +483,18 @@ def test_lm_eval_local_completions_equals_hf(server, model_dir, tmp_path, monkey
 
 def test_serve_precision_answers_as_the_model_in_process(model_dir):
     """`serve --precision int8` serves the int8 model: the prompt's log-probs equal load(..., precision="int8")'s
-    and differ from fp32's (so the flag cannot be silently ignored)."""
+    run over a KV cache of its kv_dtype (fp16: the prompt's keys are read back from it) and differ from fp32's (so
+    the flag cannot be silently ignored)."""
     import torch
+
+    from gpt2ffn.serving.kv_cache import KVCache
     tok = load(str(model_dir))[1]
     ids = tok.encode("the quick brown fox jumps")
 
     def logprobs(precision):
+        m = load(str(model_dir), precision=precision)[0]
         with torch.no_grad():
-            lp = torch.log_softmax(load(str(model_dir), precision=precision)[0](torch.tensor([ids]))[0].double(), -1)
+            lp = torch.log_softmax(m(torch.tensor([ids]), KVCache(m.config, 1, m.kv_dtype))[0].double(), -1)
         return [lp[i - 1, ids[i]].item() for i in range(1, len(ids))]
     s = Server(model_dir, "--precision", "int8")
     try:

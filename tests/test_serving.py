@@ -131,3 +131,28 @@ def test_batch_invariant_logits_are_bitwise_equal(model, monkeypatch):
     for a, b in zip(solo, batched_ids):
         assert len(seen[a]) == len(seen[b]) == 12
         assert all(torch.equal(x, y) for x, y in zip(seen[a], seen[b]))
+
+
+def test_a_quantized_model_is_served_from_an_fp16_cache():
+    """int8 weights: the engine's pool is fp16 (GPT2.kv_dtype), twice the positions in the same bytes, and greedy
+    output in a changing batch (packed prefill, fused decode over the fp16 slots) equals each request alone and
+    the model stepped by hand over an fp16 KVCache."""
+    from gpt2ffn.serving.kv_cache import KVCache
+    m = load("random:tiny:3", precision="int8")[0]
+    eng = Engine(m, max_batch=4)
+    assert m.kv_dtype == torch.float16 and eng.cache.k[0].dtype == torch.float16
+    cfg = m.kv_config
+    half, full = (engine_mod.default_kv_tokens(cfg, 4096, dtype, fraction=1e-4) for dtype in (torch.float16, torch.float32))
+    assert full > cfg.n_positions and 1.9 < half / full < 2.1  # a share of free memory (which moves a little)
+    ps = prompts(6, seed=11)
+    s = Sampling(max_new_tokens=10)
+    solo = [alone(m, p, s) for p in ps]
+    assert staggered(m, ps, [s] * 6, every=2) == solo
+    cache, ids = KVCache(m.config, 1, torch.float16), torch.tensor([ps[0]])
+    with torch.no_grad():
+        tok = m(ids, cache)[:, -1].argmax(-1, keepdim=True)
+        by_hand = [int(tok)]
+        for _ in range(9):
+            tok = m(tok, cache)[:, -1].argmax(-1, keepdim=True)
+            by_hand.append(int(tok))
+    assert solo[0] == by_hand

@@ -81,7 +81,8 @@ class Gpt2ffn(Torch):
         self.KVCache, self.max_len = KVCache, max_len
 
     def prefill(self, prompt):
-        self.cache = self.KVCache(self.model.config, 1, max_len=self.max_len)
+        dtype = getattr(self.model, "kv_dtype", self.torch.float32)  # fp16 for bf16/int8/int4 since it exists
+        self.cache = self.KVCache(self.model.config, 1, dtype, max_len=self.max_len)
         ids = self.torch.tensor([prompt])
         return self.run(self.model, ids, self.cache, None, True)[0, -1].numpy()
 

@@ -400,7 +400,7 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
                 raise Gpt2ffnError(f"gpt2ffn fp32 greedy tokens differ from HF's at position {same.index(False)}")
             nbytes[precision] = sum(m.packed.nbytes for m in packable(model))
             runs[f"gpt2ffn {precision}"] = (
-                lambda m=model: m(ids, KVCache(cfg, 1, max_len=prompt_tokens + new_tokens), last_only=True),
+                lambda m=model: m(ids, KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens), last_only=True),
                 lambda m=model: generate(m, [ids[0].tolist()], s))
         prefill = rounds({k: v[0] for k, v in runs.items()}, repeats)
         gen = rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2))
@@ -479,7 +479,7 @@ def step_overhead(precisions, repeats=50) -> dict:
     out = {}
     for precision in precisions:
         model = quantize(GPT2(cfg).eval(), precision)
-        cache = KVCache(cfg, 1)
+        cache = KVCache(cfg, 1, model.kv_dtype)
         model(torch.tensor([[1, 2, 3]]), cache)
         nxt = torch.tensor([[5]])
 

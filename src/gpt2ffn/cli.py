@@ -186,7 +186,7 @@ def cmd_generate(args):
     from .generate import Sampling, TextStream, engine_for, load, stream
     rank = _join(args.tp, args.command)
     model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device, tp=args.tp,
-                            activations=_activations(args.activations))
+                            activations=_activations(args.activations), kv_dtype=_dtype(args.kv_cache_dtype))
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt)
@@ -245,7 +245,8 @@ def cmd_serve(args):
           args.chat_template, args.threads, args.device, _dtype(args.dtype), args.kv_cache_fraction, args.tp, rank,
           api_keys=args.api_key or ([key] if key is not None else []), metrics_public=args.metrics_public,
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
-          max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations))
+          max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
+          kv_dtype=_dtype(args.kv_cache_dtype))
     return _leave(args.tp)
 
 
@@ -257,6 +258,12 @@ def _activations_arg(p):
     p.add_argument("--activations", choices=["auto", "fp32", "int8"], default="auto",
                    help="int8: integer dot products on activations quantized per group (int8/int4 weights); "
                    "auto: int8 for int4 on a VNNI CPU, else fp32 (README, \"Integer dot products\")")
+
+
+def _kv_dtype_arg(p):
+    p.add_argument("--kv-cache-dtype", choices=["auto", "float32", "float16"], default="auto",
+                   help="the KV cache's dtype; auto: float16 for bf16/int8/int4 weights on the CPU (as llama.cpp's "
+                   "f16 cache), else the weights' dtype (README, \"KV cache\")")
 
 
 def _device_args(p):
@@ -342,6 +349,7 @@ def build_parser() -> Parser:
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",
                    help="weights of the linear layers: fp32 (default, exact), bf16, int8 or int4")
     _activations_arg(p)
+    _kv_dtype_arg(p)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (gpt2ffn.parallel); N > 1 runs under "
                    "torchrun --nproc-per-node N, fp32 weights (README, \"Tensor parallelism\")")
     p.set_defaults(func=cmd_generate)
@@ -360,6 +368,7 @@ def build_parser() -> Parser:
     p.add_argument("--precision", choices=["fp32", "bf16", "int8", "int4"], default="fp32",
                    help="weights' precision on the CPU (default fp32)")
     _activations_arg(p)
+    _kv_dtype_arg(p)
     _device_args(p)
     p.add_argument("--kv-cache-fraction", type=float, metavar="F", help="the paged KV cache takes up to this "
                    "fraction of the memory free after loading (default: 0.25 of the host's, at most 2 GiB; "

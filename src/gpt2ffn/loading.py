@@ -53,7 +53,7 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "cpu", tp: int = 1,
-         activations: str | None = None):
+         activations: str | None = None, kv_dtype=None):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
 
     device: 'cpu' (default), 'cuda[:N]' or 'auto'; dtype: every tensor's (default: default_dtype(device)).
@@ -62,7 +62,8 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     runs in bf16 instead). On CUDA the model is plain torch in dtype: precision must be fp32 (or None).
     tp > 1: sharded over the default process group's tp ranks (gpt2ffn.parallel; fp32 weights on torch's ops).
     activations: 'fp32' or 'int8' (integer dot products, int8/int4 weights on the CPU); None: the machine's
-    default for the precision (kernels.packed.default_activations)."""
+    default for the precision (kernels.packed.default_activations). kv_dtype: the KV caches' dtype
+    (GPT2.kv_dtype; None: its default, fp16 for bf16/int8/int4 weights on the CPU, else the weights' dtype)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if device.startswith("cuda"):
@@ -95,6 +96,7 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
                                f"this model (device {device}, dtype {dtype}, tp {tp})")
         check_activations(precision, activations)
     model = load_model(spec, dtype, precision, activations)
+    model.kv_dtype = kv_dtype
     if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
         model = model.to(device)
     if tp > 1:

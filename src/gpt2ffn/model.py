@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import Config
-from .errors import Gpt2ffnError, InputError, ShapeError
+from .errors import ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
 from .linear import Conv1D, PackedLayer
@@ -68,6 +68,8 @@ class CausalSelfAttention(nn.Module):
         B = q.shape[0]
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, H, past + T, C/H)
+            if k.dtype != q.dtype:  # an fp16 cache (GPT2.kv_dtype): its values, widened exactly
+                k, v = k.to(q.dtype), v.to(q.dtype)
         dropout = self.attn_dropout.p if self.training else 0.0
         if mask is None and runs_causal_attention(q, k, v, dropout):  # query i sees keys 0..past + i
             return self.project(causal_attention(q, k, v))
@@ -230,6 +232,29 @@ class GPT2(nn.Module):
         elif logits_for != "all":
             x = x[0, logits_for]
         return self.lm_head(self.transformer.ln_f(x))
+
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The dtype of the KV caches generation makes for this model (the serving engine's pool; make yours as
+        KVCache(model.config, B, dtype=model.kv_dtype)): float16 when the linear layers are packed at bf16, int8
+        or int4 on the CPU (halves the cache bytes every decode step reads, as llama.cpp's default f16 cache;
+        README, "KV cache"), else the weights' dtype (fp32: the values HF's cache holds). Assign float32 or
+        float16 to choose, None to go back to this default."""
+        chosen = self.__dict__.get("_kv_dtype")
+        if chosen is not None:
+            return chosen
+        w = self.transformer.wte.weight
+        packed = [m.packed for m in self.modules() if isinstance(m, PackedLayer) and m.packed is not None]
+        if w.device.type == "cpu" and w.dtype == torch.float32 and packed and all(p.precision != "fp32"
+                                                                                   for p in packed):
+            return torch.float16
+        return w.dtype
+
+    @kv_dtype.setter
+    def kv_dtype(self, dtype):
+        if dtype is not None and dtype not in (torch.float32, torch.float16):
+            raise ConfigError(f"kv_dtype must be torch.float32 or torch.float16 (None: the default), got {dtype!r}")
+        self.__dict__["_kv_dtype"] = dtype
 
     def __getstate__(self):
         """copy.deepcopy and pickle without the native decode plan (rebuilt on the next step)."""

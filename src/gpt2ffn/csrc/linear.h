@@ -49,15 +49,17 @@ struct LinearArgs {
 namespace gpt2ffn {
 
 // One decode query per head against its cached keys and values (a sequence's own L positions, nothing
-// else): out = softmax(q . K^T * scale) V, all fp32, the sum over positions in order.
+// else): out = softmax(q . K^T * scale) V, all fp32 arithmetic, the sum over positions in order. The cache
+// holds fp32 or IEEE fp16 (f16: each value widened exactly to fp32 as it is read).
 struct AttendArgs {
   const float* q;    // (hd)
-  const float* k;    // (L, hd), row stride hd
-  const float* v;    // (L, hd)
+  const void* k;     // (L, hd), row stride hd: float, or uint16_t fp16 bits if f16
+  const void* v;     // (L, hd)
   int64_t L, hd;
   float scale;
   float* scores;     // (L rounded up to 16) scratch
   float* out;        // (hd)
+  bool f16;
 };
 
 // Causal attention of T new queries of one sequence and head against its L = past + T keys: query i (at

@@ -99,15 +99,18 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 
 // Rows r < MQ of out[:, 0 : 16 NV] = sum_j p[r][j] v[j, 0 : 16 NV] * inv[r] over keys j < n in order: each
 // value vector loaded once for the MQ queries of the block (p is 0 where a query does not see key j).
-template <int MQ, int NV>
-static inline void weigh_values(const float* p, int64_t ldp, const float* v, int64_t ldv, int64_t n,
+static inline V vload_kv(const float* p) { return vload(p); }
+static inline V vload_kv(const uint16_t* p) { return vload_f16(p); }
+
+template <int MQ, int NV, typename T = float>
+static inline void weigh_values(const float* p, int64_t ldp, const T* v, int64_t ldv, int64_t n,
                                 const float* inv, float* out, int64_t ldo) {
   V acc[MQ][NV];
   for (int r = 0; r < MQ; r++)
     for (int c = 0; c < NV; c++) acc[r][c] = vzero();
   for (int64_t j = 0; j < n; j++) {
     V vj[NV];
-    for (int c = 0; c < NV; c++) vj[c] = vload(v + j * ldv + 16 * c);
+    for (int c = 0; c < NV; c++) vj[c] = vload_kv(v + j * ldv + 16 * c);
     for (int r = 0; r < MQ; r++) {
       const V pj = vset1(p[r * ldp + j]);
       for (int c = 0; c < NV; c++) acc[r][c] = vfma(pj, vj[c], acc[r][c]);
@@ -173,12 +176,15 @@ static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
 
 // One decode query against its L cached keys: scores one dot product a key, softmax with the vector exp
 // (scores padded to 16 with -3e38, whose weight is zeroed), then the values, one accumulator per 16 lanes.
-void attend(const AttendArgs& a) {
+template <typename T>
+static void attend_kv(const AttendArgs& a) {
   const int64_t hd = a.hd, L = a.L, L16 = (L + 15) / 16 * 16;
+  const T* k = static_cast<const T*>(a.k);
+  const T* v = static_cast<const T*>(a.v);
   float mx = -3.4e38f;
   for (int64_t j = 0; j < L; j++) {
     V s = vzero();
-    for (int64_t i = 0; i < hd; i += 16) s = vfma(vload(a.q + i), vload(a.k + j * hd + i), s);
+    for (int64_t i = 0; i < hd; i += 16) s = vfma(vload(a.q + i), vload_kv(k + j * hd + i), s);
     const float sj = vsum(s) * a.scale;
     a.scores[j] = sj;
     mx = sj > mx ? sj : mx;
@@ -196,12 +202,17 @@ void attend(const AttendArgs& a) {
   const float invs[1] = {inv};
   for (int64_t d0 = 0; d0 < hd; d0 += 64) {
     switch ((hd - d0 >= 64 ? 64 : hd - d0) / 16) {
-      case 4: weigh_values<1, 4>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
-      case 3: weigh_values<1, 3>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
-      case 2: weigh_values<1, 2>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
-      default: weigh_values<1, 1>(a.scores, 0, a.v + d0, hd, L, invs, a.out + d0, 0); break;
+      case 4: weigh_values<1, 4>(a.scores, 0, v + d0, hd, L, invs, a.out + d0, 0); break;
+      case 3: weigh_values<1, 3>(a.scores, 0, v + d0, hd, L, invs, a.out + d0, 0); break;
+      case 2: weigh_values<1, 2>(a.scores, 0, v + d0, hd, L, invs, a.out + d0, 0); break;
+      default: weigh_values<1, 1>(a.scores, 0, v + d0, hd, L, invs, a.out + d0, 0); break;
     }
   }
+}
+
+void attend(const AttendArgs& a) {
+  if (a.f16) attend_kv<uint16_t>(a);
+  else attend_kv<float>(a);
 }
 
 void attend_causal(const CausalArgs& a) {

@@ -376,10 +376,13 @@ class StepPlan {
     TORCH_CHECK(k0.dim() == 4 && k0.size(1) * k0.size(3) == d && k0.size(3) % 16 == 0,
                 "k and v caches must be (slots, H, S, hd) with H * hd = ", d, " and hd % 16 == 0, got ", k0.sizes());
     const int64_t H = k0.size(1), S = k0.size(2), hd = k0.size(3);
+    const auto kv_type = k0.scalar_type();  // float32, or float16 (converted as it is written and read)
+    TORCH_CHECK(kv_type == at::kFloat || kv_type == at::kHalf, "k and v caches must be float32 or float16, got ",
+                kv_type);
     for (size_t i = 0; i < ks.size(); i++)
       TORCH_CHECK(ks[i].sizes() == k0.sizes() && vs[i].sizes() == k0.sizes() && ks[i].is_contiguous()
-                  && vs[i].is_contiguous() && ks[i].scalar_type() == at::kFloat && vs[i].scalar_type() == at::kFloat,
-                  "layer ", i, ": k and v caches must be contiguous float32 ", k0.sizes());
+                  && vs[i].is_contiguous() && ks[i].scalar_type() == kv_type && vs[i].scalar_type() == kv_type,
+                  "layer ", i, ": k and v caches must be contiguous ", kv_type, " ", k0.sizes(), " as layer 0's");
     for (int64_t b = 0; b < B; b++)
       TORCH_CHECK(slot[b] >= 0 && slot[b] < k0.size(0) && pos[b] < S, "row ", b, ": slot ", slot[b], " position ",
                   pos[b], " outside the cache (", k0.size(0), ", ", S, ")");
@@ -410,8 +413,19 @@ class StepPlan {
     float *lp = logits.data_ptr<float>(), *xsp = xs.data_ptr<float>();
     int8_t* xqp = xq.data_ptr<int8_t>();
     int32_t* xsump = xsum.data_ptr<int32_t>();
-    std::vector<float*> kc(ks.size()), vc(vs.size());
-    for (size_t i = 0; i < ks.size(); i++) kc[i] = ks[i].data_ptr<float>(), vc[i] = vs[i].data_ptr<float>();
+    const bool f16 = kv_type == at::kHalf;
+    const int64_t kv_bytes = f16 ? 2 : 4;
+    std::vector<char*> kc(ks.size()), vc(vs.size());
+    for (size_t i = 0; i < ks.size(); i++)
+      kc[i] = static_cast<char*>(ks[i].data_ptr()), vc[i] = static_cast<char*>(vs[i].data_ptr());
+    auto put = [&](char* dst, const float* src) {  // one head's new key or value into the cache
+      if (!f16) {
+        std::memcpy(dst, src, hd * sizeof(float));
+        return;
+      }
+      auto* h = reinterpret_cast<c10::Half*>(dst);
+      for (int64_t c = 0; c < hd; c++) h[c] = c10::Half(src[c]);  // round to nearest even, as torch's copy_
+    };
     const int phases = static_cast<int>(blocks_.size()) * 5 + 1;  // 4 layers and the heads a block, the lm_head
     std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[phases]);
     for (int i = 0; i < phases; i++) next[i].store(0);
@@ -479,10 +493,10 @@ class StepPlan {
         std::atomic<int64_t>& heads = next[phase++];
         for (int64_t j; (j = heads.fetch_add(1)) < B * H;) {
           const int64_t b = j / H, h = j % H, base = (slot[b] * H + h) * S * hd, at = base + pos[b] * hd;
-          std::memcpy(kc[i] + at, qp + b * ldq + d + h * hd, hd * sizeof(float));
-          std::memcpy(vc[i] + at, qp + b * ldq + 2 * d + h * hd, hd * sizeof(float));
-          isa->attend(AttendArgs{qp + b * ldq + h * hd, kc[i] + base, vc[i] + base, pos[b] + 1, hd, scale,
-                                 scores.data(), ap + b * d + h * hd});
+          put(kc[i] + at * kv_bytes, qp + b * ldq + d + h * hd);
+          put(vc[i] + at * kv_bytes, qp + b * ldq + 2 * d + h * hd);
+          isa->attend(AttendArgs{qp + b * ldq + h * hd, kc[i] + base * kv_bytes, vc[i] + base * kv_bytes, pos[b] + 1,
+                                 hd, scale, scores.data(), ap + b * d + h * hd, f16});
         }
 #pragma omp barrier
         project(L[1], ap, d);

@@ -125,9 +125,10 @@ class Engine:
         self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
         if self.fused:
             block_size = self.max_len
-        kv_tokens = kv_tokens or default_kv_tokens(model.kv_config, max_batch, weight.dtype, slots=self.fused,
+        kv_tokens = kv_tokens or default_kv_tokens(model.kv_config, max_batch, model.kv_dtype, slots=self.fused,
                                                    device=weight.device, fraction=kv_fraction, max_len=self.max_len)
-        self.cache = PagedKVCache(model.kv_config, -(-kv_tokens // block_size), block_size, weight.dtype, weight.device)
+        self.cache = PagedKVCache(model.kv_config, -(-kv_tokens // block_size), block_size, model.kv_dtype,
+                                  weight.device)
         self.device = weight.device
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
         self.generator.seed()

@@ -32,8 +32,8 @@ class KVCache:
     def update(self, layer: int, k, v):
         """Write this step's k, v (B, H, T, d/H) after the cached ones; return all of them so far."""
         end = self.length + k.shape[2]
-        self.k[layer][:, :, self.length:end] = k
-        self.v[layer][:, :, self.length:end] = v
+        self.k[layer][:, :, self.length:end] = k.to(self.k[layer].dtype)  # rounded to nearest even into fp16
+        self.v[layer][:, :, self.length:end] = v.to(self.v[layer].dtype)
         return self.k[layer][:, :, :end], self.v[layer][:, :, :end]
 
 
@@ -81,8 +81,8 @@ class PagedKVCache:
         """Write k, v (B, H, T, d/H) at their slots; return every row's blocks (B, H, nb * block_size, d/H)."""
         B, H, T, D = k.shape
         blk, off = self.slots
-        self.k[layer][blk, :, off] = k.transpose(1, 2).reshape(B * T, H, D)
-        self.v[layer][blk, :, off] = v.transpose(1, 2).reshape(B * T, H, D)
+        self.k[layer][blk, :, off] = k.transpose(1, 2).reshape(B * T, H, D).to(self.k[layer].dtype)
+        self.v[layer][blk, :, off] = v.transpose(1, 2).reshape(B * T, H, D).to(self.v[layer].dtype)
         if self.keys is not None:  # one row, its keys listed: (blocks, offsets) each (K,) -> (1, H, K, D)
             return [pool[layer][self.keys[0], :, self.keys[1]].transpose(0, 1)[None] for pool in (self.k, self.v)]
         nb = self.tables.shape[1]

@@ -35,9 +35,10 @@ class Service:
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
                  chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, max_model_len=None,
-                 max_n=16, tp=1, activations=None):
+                 max_n=16, tp=1, activations=None, kv_dtype=None):
         self.model_spec, self.tp, self.max_batch, self.max_waiting = model_spec, tp, max_batch, max_waiting
         self.device, self.dtype, self.kv_fraction, self.activations = device, dtype, kv_fraction, activations
+        self.kv_dtype = kv_dtype
         self.threads, self.max_model_len, self.max_n = threads, max_model_len, max_n
         self.max_len = None  # prompt + max_tokens a request may reach: --max-model-len, or the model's context
         self.batch_invariant, self.precision = batch_invariant, precision
@@ -56,7 +57,7 @@ class Service:
             import torch
             torch.set_num_threads(self.threads)
         self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device, self.tp,
-                                               self.activations)
+                                               self.activations, self.kv_dtype)
         context = self.model.config.n_positions
         if self.max_model_len is not None and not 0 < self.max_model_len <= context:
             raise Gpt2ffnError(f"--max-model-len {self.max_model_len} is outside [1, {context}], the model's "

@@ -40,7 +40,7 @@ class TPEngine(Engine):
     def default_tokens(model, kwargs) -> int:
         from .engine import default_kv_tokens  # free memory differs between ranks: rank 0's count is used
         weight = model.transformer.wpe.weight
-        return default_kv_tokens(model.kv_config, kwargs.get("max_batch", 64), weight.dtype, device=weight.device,
+        return default_kv_tokens(model.kv_config, kwargs.get("max_batch", 64), model.kv_dtype, device=weight.device,
                                  fraction=kwargs.get("kv_fraction"), max_len=kwargs.get("max_len"))
 
     def broadcast(self, obj):
