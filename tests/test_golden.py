@@ -76,7 +76,22 @@ def test_verify_round_trip_gpt2_block0(tmp_path, capsys):
     assert {"h0_c_fc", "h0_gelu", "h0_ffn", "h0_attn_probs", "h0_block (chain)", "logits"} <= names
     assert max(r["max_abs"] for r in report["rows"] if r["name"] != "logits") < 1e-4
     logits = next(r for r in report["rows"] if r["name"] == "logits")
-    assert logits["max_rel"] < 1e-6 and logits["atol"] >= 1e-4  # max(1e-4, 1e-6 * max|logits|)
+    assert logits["atol"] >= 1e-4  # max(1e-4, 1e-6 * max|logits|)
+    # Two correct fp32 computations each err by ~1e-6 of max|logits|, by the machine's GEMM blocking (HF's own
+    # was 1.04e-6 from float64 on an Intel Xeon with AMX, ours 4.8e-7): ours is held to 1e-6 of float64 HF, and
+    # to HF's fp32 within that plus HF's own distance from float64.
+    model, _, _ = golden.load_reference("random:gpt2")
+    ids = torch.tensor([[464, 2068, 7586, 21831]])
+    with torch.no_grad():
+        exact = model.double()(ids).logits.numpy()
+    g = golden.Golden(tmp_path)
+    ours = golden.run_ours(g)[0]["logits"].astype(np.float64)
+    hf = g.load("logits").astype(np.float64)
+    scale = np.abs(exact).max()
+    ours_err, hf_err = np.abs(ours - exact).max() / scale, np.abs(hf - exact).max() / scale
+    assert ours_err < 1e-6, ours_err
+    assert logits["max_rel"] < 1e-6 + hf_err, (logits["max_rel"], hf_err)
+    assert logits["max_rel"] > 0  # negative control: the comparison sees fp32 differences at all
 
 
 def candidate_from(golden_dir, out):
