@@ -25,7 +25,7 @@ if platform.machine().lower() in ("x86_64", "amd64"):
 
     src = "src/gpt2ffn/csrc/"
     files = ("ops.cpp", "linear_avx512.cpp", "linear_avx2.cpp", "qlinear_avx512.cpp", "qlinear_avx2.cpp",
-             "qlinear_avxvnni.cpp")
+             "qlinear_avxvnni.cpp", "qlinear_amx.cpp")
     ext_modules = [CppExtension("gpt2ffn._C", [src + f for f in files],
                                 extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
     cmdclass = {"build_ext": OptionalBuild.with_options(use_ninja=False)}

@@ -40,10 +40,11 @@ def randomize_(module: torch.nn.Module, seed: int, bias_std: float = 0.1) -> tor
 
 
 def native_isas() -> list:
-    """The instruction-set builds of gpt2ffn._C this CPU runs (avx512, avxvnni, avx2), for tests that run each."""
+    """The instruction-set builds of gpt2ffn._C this CPU runs (avx512amx, avx512, avxvnni, avx2), for tests that run
+    each."""
     from gpt2ffn.kernels.packed import _C
     out = []
-    for name in ("avx512", "avxvnni", "avx2") if _C is not None else ():
+    for name in ("avx512amx", "avx512", "avxvnni", "avx2") if _C is not None else ():
         try:
             _C.set_isa(_C.set_isa(name))
         except RuntimeError:

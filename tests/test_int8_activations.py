@@ -39,6 +39,38 @@ def test_the_builds_this_cpu_has_are_all_tested():
     assert "avx2" in ISAS  # every x86-64 CPU that runs the native kernels runs the AVX2 build
     if _C.isa() == "avx512":
         assert "avx512" in ISAS
+    if _C.isa() == "avx512amx":
+        assert {"avx512amx", "avx512"} <= set(ISAS)
+
+
+@pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or its kernel) gives no AMX-INT8 tiles")
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("K,N,group", [(768, 192, None), (200, 64, None), (96, 130, 8), (128, 64, 64), (256, 64, 128)])
+@pytest.mark.parametrize("act", ["", "tanh", "relu"])
+def test_amx_tiles_equal_the_vnni_kernels_bit_for_bit(precision, K, N, group, act):
+    """Blocks of 16 rows on AMX tiles, the rows after them on VNNI; groups of 20 (200 inputs), 8 and 64 fit a
+    tile, 128 does not (all VNNI): every row equals the VNNI build's, and row r of any batch equals row r alone."""
+    g = torch.Generator().manual_seed(K + N)
+    w, b, x = torch.randn(K, N, generator=g), torch.randn(N, generator=g), 2 * torch.randn(40, K, generator=g)
+    p = Packed(w, b if act != "relu" else None, precision, group=group, activations="int8")
+    outs = {}
+    for name in ("avx512amx", "avx512"):
+        old = _C.set_isa(name)
+        try:
+            outs[name] = [_C.linear(x[:M], p.w, p.scale, p.bias, p.format, p.N, p.group, act) for M in (40, 16, 33)]
+        finally:
+            _C.set_isa(old)
+    for a, v in zip(outs["avx512amx"], outs["avx512"]):
+        assert torch.equal(a, v)
+    full = outs["avx512amx"][0]
+    assert torch.equal(outs["avx512amx"][1], full[:16]) and torch.equal(outs["avx512amx"][2], full[:33])
+    # negative control: one weight byte changed changes the tiles' rows too
+    p.w.view(-1)[0] ^= 1
+    old = _C.set_isa("avx512amx")
+    try:
+        assert not torch.equal(_C.linear(x[:16], p.w, p.scale, p.bias, p.format, p.N, p.group, act), full[:16])
+    finally:
+        _C.set_isa(old)
 
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
@@ -80,7 +112,7 @@ def exact_case(precision, K, N, M, seed=0):
 
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 def test_int32_sums_bit_exact(isa, precision):
-    x, w, want = exact_case(precision, 768, 200, 6)
+    x, w, want = exact_case(precision, 768, 200, 38)  # 38 rows: two blocks of 16 (AMX tiles) and 6 more
     p = Packed(w, None, precision, activations="int8")
     q, d = quantize_activations(x, p.group)
     assert torch.equal(d, torch.full_like(d, 0.125)) and torch.equal(q.float(), x * 8)

@@ -25,6 +25,8 @@ void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
+void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1);
+bool amx_permitted();
 }
 namespace avx2 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
@@ -52,6 +54,9 @@ struct Isa {
   RangeFn qrange;
   QuantFn quantize;
 };
+// AVX-512 VNNI with AMX-INT8 (Intel Sapphire Rapids and later): the integer kernels' blocks of 16 rows on tiles
+static const Isa kAvx512Amx{"avx512amx", avx512::linear_range, avx512::attend, avx512::attend_causal,
+                            avx512::qlinear_range_amx, avx512::quantize_rows};
 static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::attend_causal, avx512::qlinear_range,
                         avx512::quantize_rows};
 // AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
@@ -68,15 +73,19 @@ static bool supports(const Isa& i) {
   const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
   const bool avx512 = avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
                       && __builtin_cpu_supports("avx512vl");
+  if (&i == &kAvx512Amx)
+    return avx512 && __builtin_cpu_supports("avx512vnni") && __builtin_cpu_supports("amx-tile")
+           && __builtin_cpu_supports("amx-int8") && avx512::amx_permitted();
   if (&i == &kAvx512) return avx512 && __builtin_cpu_supports("avx512vnni");
   if (&i == &kAvx512NoVnni) return avx512;
   if (&i == &kAvxVnni) return avx2 && __builtin_cpu_supports("avxvnni");
   return &i == &kAvx2 ? avx2 : true;
 }
 
-// The best build this CPU runs, or the one GPT2FFN_ISA names (avx512, avx512novnni, avxvnni, avx2) if it runs it.
+// The best build this CPU runs, or the one GPT2FFN_ISA names (avx512amx, avx512, avx512novnni, avxvnni, avx2) if
+// it runs it.
 static const Isa* pick() {
-  for (const Isa* i : {&kAvx512, &kAvx512NoVnni, &kAvxVnni, &kAvx2}) {
+  for (const Isa* i : {&kAvx512Amx, &kAvx512, &kAvx512NoVnni, &kAvxVnni, &kAvx2}) {
     const char* want = std::getenv("GPT2FFN_ISA");
     if (supports(*i) && (want == nullptr || std::strcmp(want, i->name) == 0)) return i;
   }
@@ -89,14 +98,14 @@ std::string isa() { return kIsa->name; }
 
 // Switches the kernels to another build (for tests: the AVX2 path on an AVX-512 CPU); returns the previous.
 std::string set_isa(const std::string& name) {
-  for (const Isa* i : {&kAvx512, &kAvx512NoVnni, &kAvxVnni, &kAvx2})
+  for (const Isa* i : {&kAvx512Amx, &kAvx512, &kAvx512NoVnni, &kAvxVnni, &kAvx2})
     if (name == i->name) {
       TORCH_CHECK(supports(*i), "this CPU cannot run the ", name, " kernels");
       const std::string old = kIsa->name;
       kIsa = i;
       return old;
     }
-  TORCH_CHECK(false, "unknown instruction set ", name, "; known: avx512, avx512novnni, avxvnni, avx2");
+  TORCH_CHECK(false, "unknown instruction set ", name, "; known: avx512amx, avx512, avx512novnni, avxvnni, avx2");
 }
 
 // act: "" (none), "tanh" (GELU's tanh form) or "relu", applied inside the kernels as y is stored; "none" (GELU's
@@ -591,6 +600,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("valid", &gpt2ffn::StepPlan::valid)
       .def("requires_grad", &gpt2ffn::StepPlan::requires_grad)
       .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>());
-  m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
+  m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_isa", &gpt2ffn::set_isa, "switch to another build this CPU runs (tests); returns the previous");
 }

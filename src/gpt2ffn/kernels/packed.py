@@ -47,7 +47,7 @@ _LOCK = threading.Lock()
 def default_activations(precision: str) -> str:
     """DEFAULT_ACTIVATIONS[precision] where the integer kernels run on VNNI; fp32 elsewhere (on the AVX2 build
     int8 activations decode slower: README, "Integer dot products")."""
-    return DEFAULT_ACTIVATIONS[precision] if ISA in ("avx512", "avxvnni") else "fp32"
+    return DEFAULT_ACTIVATIONS[precision] if ISA in ("avx512amx", "avx512", "avxvnni") else "fp32"
 
 
 def routes(precision: str, device) -> list:
