@@ -4,6 +4,7 @@ every change to the weights or routes it was built from."""
 
 import copy
 import dataclasses
+import json
 
 import pytest
 import torch
@@ -248,3 +249,48 @@ def test_a_plan_refuses_caches_of_mixed_or_other_dtypes():
     with pytest.raises(RuntimeError, match="k and v caches must be float32 or float16, got BFloat16"):
         bf = KVCache(m.config, 1, torch.bfloat16)
         plan.run(ids, pos, slots, bf.k, bf.v)
+
+
+@pytest.mark.parametrize("isa", native_isas())
+@pytest.mark.parametrize("precision,activations", FORMATS)
+def test_decode_prefetch_changes_no_bit(isa, precision, activations):
+    """Decode's rows (1 and 2: the tiles that prefetch) equal bit for bit with and without prefetching."""
+    g = torch.Generator().manual_seed(5)
+    w, b, x = torch.randn(256, 200, generator=g), torch.randn(200, generator=g), torch.randn(2, 256, generator=g)
+    p = Packed(w, b, precision, activations=activations)
+    old_isa, old = kp._C.set_isa(isa), kp._C.set_prefetch(p.format)
+    try:
+        outs = []
+        for distance in (0, 8192):
+            assert kp._C.set_prefetch(p.format, distance) in (old, 0, 8192)
+            outs.append([kp._C.linear(x[:M], p.w, p.scale, p.bias, p.format, p.N, p.group) for M in (1, 2)])
+        assert kp._C.set_prefetch(p.format) == 8192  # the distance was in effect
+    finally:
+        kp._C.set_prefetch(p.format, old)
+        kp._C.set_isa(old_isa)
+    for a, v in zip(*outs):
+        assert torch.equal(a, v)
+
+
+def test_set_prefetch_refuses_what_it_cannot_be():
+    with pytest.raises(RuntimeError, match="unknown format 9"):
+        kp._C.set_prefetch(9, 0)
+    with pytest.raises(RuntimeError, match="past any cache"):
+        kp._C.set_prefetch(0, 1 << 30)
+
+
+def test_prefetch_is_timed_cached_and_can_be_forced(tmp_path, monkeypatch):
+    monkeypatch.setenv("GPT2FFN_CACHE", str(tmp_path))
+    monkeypatch.delenv("GPT2FFN_PREFETCH", raising=False)
+    fmt = Packed(torch.randn(64, 64), None, "int8", activations="int8").format
+    old = kp._C.set_prefetch(fmt)
+    try:
+        model_at("int8")
+        entry = next(v for k, v in json.loads((tmp_path / "routes.json").read_text()).items() if k.endswith("|prefetch"))
+        assert set(entry["ms"]) == {str(d) for d in kp.PREFETCH}
+        assert kp._C.set_prefetch(fmt) == int(min(entry["ms"], key=entry["ms"].get))
+        monkeypatch.setenv("GPT2FFN_PREFETCH", "4096")
+        model_at("int8")
+        assert kp._C.set_prefetch(fmt) == 4096
+    finally:
+        kp._C.set_prefetch(fmt, old)

@@ -25,6 +25,11 @@
 namespace gpt2ffn {
 
 enum Format : int { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, I8A8 = 4, I4A8 = 5 };
+
+// Decode (one or two rows: every weight read once, from memory) prefetches each row of weights this many bytes
+// ahead, per format: 0, none (the hardware prefetcher's reach). Set per machine by the probe
+// (gpt2ffn.kernels.packed.probe: _C.set_prefetch), which times the candidates on the model's own layers.
+extern int64_t prefetch_bytes[6];
 enum Act : int { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 
 struct LinearArgs {

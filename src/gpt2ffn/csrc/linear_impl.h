@@ -17,10 +17,19 @@ namespace ISA {
 constexpr int64_t CHUNK = 64;
 constexpr int64_t SUPER = 64;  // lanes per super-block: 4 blocks of 16
 
-template <int FMT, int MR, int NB>
+// The lines of one row of weights, `pf` bytes ahead of `row` (linear.h: prefetch_bytes).
+static inline void prefetch_row(const void* row, int64_t bytes, int64_t pf) {
+  const char* p = static_cast<const char*>(row) + pf;
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
+// PF: the one- and two-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead.
+template <int FMT, int MR, int NB, bool PF = false>
 static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t sb, int j0) {
   const int64_t K = a.K, ldx = a.ldx;
   constexpr bool quantized = FMT == I8 || FMT == I4;
+  constexpr int64_t esize = FMT == F32 ? 4 : FMT == BF16 ? 2 : 1;
+  const int64_t pf = PF ? prefetch_bytes[FMT] : 0;
   const int64_t C = quantized ? a.group : CHUNK;
   const int64_t ngroups = quantized ? K / C : 0;
   const int64_t rows = FMT == I4 ? K / 2 : K;  // rows of 64 lanes in this super-block
@@ -33,6 +42,7 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
       for (int j = 0; j < NB; j++) part[m][j] = vzero();
     if constexpr (FMT == I4) {
       for (int64_t k = k0; k < k1; k += 2) {
+        if constexpr (PF) prefetch_row(static_cast<const uint8_t*>(a.w) + (sb * rows + k / 2) * SUPER + j0 * 16, NB * 16, pf);
         V lo[NB], hi[NB];
         for (int j = 0; j < NB; j++)
           vload_s4(static_cast<const uint8_t*>(a.w) + (sb * rows + k / 2) * SUPER + (j0 + j) * 16, lo[j], hi[j]);
@@ -43,6 +53,8 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
       }
     } else {
       for (int64_t k = k0; k < k1; k++) {
+        if constexpr (PF)
+          prefetch_row(static_cast<const uint8_t*>(a.w) + ((sb * rows + k) * SUPER + j0 * 16) * esize, NB * 16 * esize, pf);
         V w[NB];
         for (int j = 0; j < NB; j++) {
           const int64_t off = (sb * rows + k) * SUPER + (j0 + j) * 16;
@@ -82,6 +94,7 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
 // an output's order of operations.
 template <int FMT>
 static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
+  const bool stream = a.M <= 2 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
   for (int64_t sb = sb0; sb < sb1; sb++) {
     for (int64_t m = 0; m < a.M;) {
       const float* x = a.x + m * a.ldx;
@@ -91,8 +104,8 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
       else if (r >= 6) { tile<FMT, 6, 2>(a, x, y, sb, 0); tile<FMT, 6, 2>(a, x, y, sb, 2); m += 6; }
       else if (r >= 4) { tile<FMT, 4, 2>(a, x, y, sb, 0); tile<FMT, 4, 2>(a, x, y, sb, 2); m += 4; }
       else if (r == 3) { tile<FMT, 3, 2>(a, x, y, sb, 0); tile<FMT, 3, 2>(a, x, y, sb, 2); m += 3; }
-      else if (r == 2) { tile<FMT, 2, 4>(a, x, y, sb, 0); m += 2; }
-      else { tile<FMT, 1, 4>(a, x, y, sb, 0); m += 1; }
+      else if (r == 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0); m += 2; }
+      else { stream ? tile<FMT, 1, 4, true>(a, x, y, sb, 0) : tile<FMT, 1, 4>(a, x, y, sb, 0); m += 1; }
     }
   }
 }

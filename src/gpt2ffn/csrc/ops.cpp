@@ -19,6 +19,8 @@
 #include "linear.h"
 
 namespace gpt2ffn {
+int64_t prefetch_bytes[6] = {0, 0, 0, 0, 0, 0};
+
 namespace avx512 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void attend(const AttendArgs& a);
@@ -106,6 +108,15 @@ std::string set_isa(const std::string& name) {
       return old;
     }
   TORCH_CHECK(false, "unknown instruction set ", name, "; known: avx512amx, avx512, avx512novnni, avxvnni, avx2");
+}
+
+// Decode's prefetch distance for a format (linear.h: prefetch_bytes); returns the previous. bytes < 0: only read it.
+int64_t set_prefetch(int64_t format, int64_t bytes) {
+  TORCH_CHECK(format >= F32 && format <= I4A8, "unknown format ", format);
+  TORCH_CHECK(bytes < (int64_t{1} << 24), "prefetch distance ", bytes, " bytes is past any cache");
+  const int64_t old = prefetch_bytes[format];
+  if (bytes >= 0) prefetch_bytes[format] = bytes / 64 * 64;
+  return old;
 }
 
 // act: "" (none), "tanh" (GELU's tanh form) or "relu", applied inside the kernels as y is stored; "none" (GELU's
@@ -601,5 +612,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("requires_grad", &gpt2ffn::StepPlan::requires_grad)
       .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
+  m.def("set_prefetch", &gpt2ffn::set_prefetch, "decode's prefetch distance in bytes for a format (0: none); "
+        "returns the previous; a negative distance only reads it", py::arg("format"), py::arg("bytes") = -1);
   m.def("set_isa", &gpt2ffn::set_isa, "switch to another build this CPU runs (tests); returns the previous");
 }

@@ -46,9 +46,11 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
     }
 }
 
-template <int FMT, int MR, int NB>
+// PF: the one-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead (linear.h).
+template <int FMT, int MR, int NB, bool PF = false>
 static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
   constexpr int STEP = FMT == I4A8 ? 8 : 4;  // k per 4-byte word
+  const char* pf = PF ? static_cast<const char*>(a.w) + prefetch_bytes[FMT] : nullptr;
   constexpr int32_t OFF = FMT == I4A8 ? 8 : I8_OFFSET;
   const int64_t K = a.K, G = a.group, ng = K / G;
   const uint8_t* wsb = static_cast<const uint8_t*>(a.w) + sb * (K / STEP) * SUPER * 4;
@@ -64,6 +66,8 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
     }
     for (int64_t k = g * G; k < (g + 1) * G; k += STEP) {
       const uint8_t* wk = wsb + (k / STEP) * SUPER * 4 + j0 * 64;
+      if constexpr (PF)
+        for (int j = 0; j < NB; j++) _mm_prefetch(pf + (wk - static_cast<const uint8_t*>(a.w)) + j * 64, _MM_HINT_T0);
       if constexpr (FMT == I4A8) {
         W lo[NB], hi[NB];
         for (int j = 0; j < NB; j++) wload_i4(wk + j * 64, lo[j], hi[j]);
@@ -100,12 +104,14 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
 // in blocks of QNB x 16 lanes; the rows left over one at a time over the whole super-block.
 template <int FMT>
 static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
+  const bool stream = a.M == 1 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;
     for (; m + QMR <= a.M; m += QMR)
       for (int j0 = 0; j0 < 4; j0 += QNB) qtile<FMT, QMR, QNB>(a, m, sb, j0);
     for (; m < a.M; m++)
-      for (int j0 = 0; j0 < 4; j0 += QNB1) qtile<FMT, 1, QNB1>(a, m, sb, j0);
+      for (int j0 = 0; j0 < 4; j0 += QNB1)
+        stream ? qtile<FMT, 1, QNB1, true>(a, m, sb, j0) : qtile<FMT, 1, QNB1>(a, m, sb, j0);
   }
 }
 
