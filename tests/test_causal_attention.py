@@ -73,3 +73,20 @@ def test_bad_shapes_are_named():
     q, k, v = views(1, 2, 4, 0, 24, seed=3)
     with pytest.raises(RuntimeError, match="head width 24 must be a multiple of 16"):
         _C.causal_attention(q, k, v)
+
+
+@pytest.mark.parametrize("isa", native_isas())
+def test_fp16_keys_and_values_are_read_as_their_widened_values(isa):
+    """An fp16 KV cache's keys and values, widened as they are read: bit for bit the fp32 call on the widened ones."""
+    q, k, v = views(2, 3, 37, 11, 32, seed=4)
+    k16, v16 = k.half(), v.half()
+    old = _C.set_isa(isa)
+    try:
+        got, want = _C.causal_attention(q, k16, v16), _C.causal_attention(q, k16.float(), v16.float())
+        assert torch.equal(got, want)
+        assert not torch.equal(got, _C.causal_attention(q, k, v))  # negative control: the rounding is seen
+    finally:
+        _C.set_isa(old)
+    assert kp.runs_causal_attention(q, k16, v16, 0.0) and not kp.runs_causal_attention(q, k16, v, 0.0)
+    with pytest.raises(RuntimeError, match="k and v must both be float32 or both float16"):
+        _C.causal_attention(q, k16, v)

@@ -294,3 +294,61 @@ def test_prefetch_is_timed_cached_and_can_be_forced(tmp_path, monkeypatch):
         assert kp._C.set_prefetch(fmt) == 4096
     finally:
         kp._C.set_prefetch(fmt, old)
+
+
+def prefill_both(m, ids, kv, past_ids=None):
+    """(native, op by op): the last position's logits of ids (B, T) through GPT2.forward with a cache (after
+    past_ids, if given), and the caches written."""
+    out = []
+    for native in (True, False):
+        cache = KVCache(m.config, ids.shape[0], kv)
+        with torch.no_grad(), pytest.MonkeyPatch.context() as mp:
+            if not native:
+                mp.setattr(m, "fused_decode", lambda: False)
+            if past_ids is not None:
+                m(past_ids, cache, last_only=True)
+            out.append((m(ids, cache, last_only=True), cache))
+    return out
+
+
+@pytest.mark.parametrize("isa", native_isas())
+@pytest.mark.parametrize("kv", [torch.float32, torch.float16], ids=["fp32-cache", "fp16-cache"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "int8", "int4"])
+def test_prefill_in_one_call_equals_the_prefill_op_by_op(isa, kv, precision):
+    """A prompt (and a second chunk after it) through StepPlan.prefill: the last logits and every cached key and
+    value as the op-by-op forward computes them, for two rows at once; another model's differ. The routes differ
+    in LayerNorm's float rounding only, which an fp16 cache can round apart by one fp16 step (~1e-3) and int8
+    activations by one quantization step of a group (int8, int4): those are compared at 1e-3."""
+    m = model_at(precision)
+    g = torch.Generator().manual_seed(3)
+    first, ids = torch.randint(0, SMALL.vocab_size, (2, 7), generator=g), torch.randint(0, 96, (2, 9), generator=g)
+    f32 = tolerance(torch.float32)
+    loose = precision in ("int8", "int4") or kv == torch.float16
+    atol, rtol = (1e-3, 1e-3) if loose else (f32.atol, f32.rtol)
+    old = kp._C.set_isa(isa)
+    try:
+        for past_ids in (None, first):
+            (native, cn), (plain, cp) = prefill_both(m, ids, kv, past_ids)
+            assert native.shape == plain.shape == (2, 1, SMALL.vocab_size) and cn.length == cp.length
+            torch.testing.assert_close(native, plain, atol=atol, rtol=rtol)
+            for a, b in zip(cn.k + cn.v, cp.k + cp.v):
+                torch.testing.assert_close(a.float(), b.float(), atol=atol, rtol=rtol)
+        (other, _), _ = prefill_both(model_at(precision, seed=1), ids, kv)
+        assert not torch.allclose(other, plain, atol=atol, rtol=rtol)
+    finally:
+        kp._C.set_isa(old)
+
+
+def test_prefill_refuses_what_does_not_fit():
+    m = model_at("int8")
+    cache = KVCache(m.config, 1, m.kv_dtype)
+    plan = m.__dict__["_plan"] if m.fused_decode() else None
+    with pytest.raises(RuntimeError, match="non-empty 1-D integer tensor"):
+        plan.prefill(torch.tensor([], dtype=torch.long), 0, 0, cache.k, cache.v)
+    with pytest.raises(RuntimeError, match=rf"position {SMALL.n_positions} outside \[0, {SMALL.n_positions}\)"):
+        plan.prefill(torch.tensor([1, 2, 3]), SMALL.n_positions - 2, 0, cache.k, cache.v)
+    short = KVCache(m.config, 1, m.kv_dtype, max_len=4)
+    with pytest.raises(RuntimeError, match=r"position 4 outside the cache \(1, 4\)"):
+        plan.prefill(torch.tensor([1, 2, 3]), 2, 0, short.k, short.v)
+    with pytest.raises(RuntimeError, match=r"slot 1 position 0 outside the cache"):
+        plan.prefill(torch.tensor([1, 2]), 0, 1, cache.k, cache.v)

@@ -68,11 +68,11 @@ class CausalSelfAttention(nn.Module):
         B = q.shape[0]
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, H, past + T, C/H)
-            if k.dtype != q.dtype:  # an fp16 cache (GPT2.kv_dtype): its values, widened exactly
-                k, v = k.to(q.dtype), v.to(q.dtype)
         dropout = self.attn_dropout.p if self.training else 0.0
         if mask is None and runs_causal_attention(q, k, v, dropout):  # query i sees keys 0..past + i
-            return self.project(causal_attention(q, k, v))
+            return self.project(causal_attention(q, k, v))          # (an fp16 cache widened as it is read)
+        if k.dtype != q.dtype:  # an fp16 cache (GPT2.kv_dtype): its values, widened exactly
+            k, v = k.to(q.dtype), v.to(q.dtype)
         if mask is None and k.shape[2] == T:
             y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
         elif mask is None and T == 1:  # one new token sees every cached key: no mask to build
@@ -192,8 +192,14 @@ class GPT2(nn.Module):
         last_only: logits of the last position only, (B, 1, vocab): all generation needs, and it skips
         T - 1 rows of the largest GEMM (vocab x d)."""
         self.check_ids(ids, cache)
-        if cache is not None and attention_mask is None and ids.shape[1] == 1 and self.fused_decode():
-            return self.decode_step(ids, cache)
+        if cache is not None and attention_mask is None and self.fused_decode():
+            if ids.shape[1] == 1:
+                return self.decode_step(ids, cache)
+            if last_only:  # a prompt's prefill, one native call a row
+                logits = torch.cat([self.prefill_slot(row, cache.length, cache.k, cache.v, b)
+                                    for b, row in enumerate(ids)])
+                cache.length += ids.shape[1]
+                return logits[:, None]                                              # (B, 1, vocab)
         past = cache.length if cache is not None else 0
         T = ids.shape[1]
         mask = None
@@ -290,6 +296,15 @@ class GPT2(nn.Module):
             raise Gpt2ffnError("decode_slots needs every linear layer packed with the native decode route "
                                "(gpt2ffn.quantize on a CPU where gpt2ffn._C is built), eval() and no gradient")
         return self.__dict__["_plan"].run(ids, positions, slots, k, v)
+
+    def prefill_slot(self, ids, past: int, k, v, slot: int):
+        """ids (T,), one sequence's tokens at positions past .. past + T - 1, their keys and values into slot `slot`
+        of every layer's k[i], v[i] (slots, H, S, d/H), each attending to the slot's positions up to its own ->
+        the last position's logits (1, vocab): a prompt's whole prefill in one native call (as decode_slots)."""
+        if not self.fused_decode():
+            raise Gpt2ffnError("prefill_slot needs every linear layer packed with the native decode route "
+                               "(gpt2ffn.quantize on a CPU where gpt2ffn._C is built), eval() and no gradient")
+        return self.__dict__["_plan"].prefill(ids, past, slot, k, v)
 
     def check_ids(self, ids, cache=None):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):

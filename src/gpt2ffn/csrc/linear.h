@@ -69,17 +69,20 @@ struct AttendArgs {
 
 // Causal attention of T new queries of one sequence and head against its L = past + T keys: query i (at
 // position past + i) sees keys 0..past + i. out row i = softmax(q_i . K^T * scale) V, fp32, sums in key order.
+// The keys and values are fp32 or IEEE fp16 (f16: each widened exactly to fp32 as it is read).
 struct CausalArgs {
   const float* q;          // (T, hd), row stride ldq
   int64_t ldq;
-  const float* k;          // (L, hd), row stride ldk
-  const float* v;          // (L, hd), row stride ldv
+  const void* k;           // (L, hd), row stride ldk: float, or uint16_t fp16 bits if f16
+  const void* v;           // (L, hd), row stride ldv
   int64_t ldk, ldv, T, past, hd;
   float scale;
   float* kt;               // scratch (hd, Lp): K transposed, Lp = L rounded up to 64, zero past L
-  float* p;                // scratch (ATT_MQ, Lp): a block of queries' scores, then weights
+  float* p;                // scratch (ATT_ROWS, Lp): a block of queries' scores, then weights
   float* out;              // (T, hd), row stride ldo
   int64_t ldo;
+  bool f16;
 };
+constexpr int64_t ATT_ROWS = 4;  // the most queries a causal-attention block takes (every build's ATT_MQ <= 4)
 
 }  // namespace gpt2ffn

@@ -114,6 +114,8 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 // value vector loaded once for the MQ queries of the block (p is 0 where a query does not see key j).
 static inline V vload_kv(const float* p) { return vload(p); }
 static inline V vload_kv(const uint16_t* p) { return vload_f16(p); }
+static inline float kv_float(float x) { return x; }
+static inline float kv_float(uint16_t bits) { return _cvtsh_ss(bits); }
 
 template <int MQ, int NV, typename T = float>
 static inline void weigh_values(const float* p, int64_t ldp, const T* v, int64_t ldv, int64_t n,
@@ -135,7 +137,7 @@ static inline void weigh_values(const float* p, int64_t ldp, const T* v, int64_t
 
 // Queries i0 .. i0 + MQ - 1: scores against the keys the last of them sees, 32 keys x MQ queries a step over
 // hd (each K^T vector loaded once for the block), softmax per query over its own keys, then the values.
-template <int MQ>
+template <int MQ, typename T>
 static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
   const int64_t hd = a.hd, nmax = a.past + i0 + MQ, ldp = Lp;
   for (int64_t j0 = 0; j0 < nmax; j0 += 32) {
@@ -176,7 +178,7 @@ static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
     inv[r] = 1.0f / (vsum(total) + tail);
   }
   for (int64_t d0 = 0; d0 < hd; d0 += 64) {
-    const float* v = a.v + d0;
+    const T* v = static_cast<const T*>(a.v) + d0;
     float* out = a.out + i0 * a.ldo + d0;
     switch ((hd - d0 >= 64 ? 64 : hd - d0) / 16) {
       case 4: weigh_values<MQ, 4>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
@@ -228,15 +230,71 @@ void attend(const AttendArgs& a) {
   else attend_kv<float>(a);
 }
 
-void attend_causal(const CausalArgs& a) {
+template <typename T>
+static void attend_causal_kv(const CausalArgs& a) {
   const int64_t L = a.past + a.T, hd = a.hd, Lp = (L + 63) / 64 * 64;
+  const T* k = static_cast<const T*>(a.k);
   for (int64_t d = 0; d < hd; d++)  // K^T, so 16 keys' scores are one vector: q_d times row d, summed over d
     for (int64_t j = L; j < Lp; j++) a.kt[d * Lp + j] = 0.0f;
   for (int64_t j = 0; j < L; j++)
-    for (int64_t d = 0; d < hd; d++) a.kt[d * Lp + j] = a.k[j * a.ldk + d];
+    for (int64_t d = 0; d < hd; d++) a.kt[d * Lp + j] = kv_float(k[j * a.ldk + d]);
   int64_t i = 0;
-  for (; i + ATT_MQ <= a.T; i += ATT_MQ) attend_block<ATT_MQ>(a, i, Lp);
-  for (; i < a.T; i++) attend_block<1>(a, i, Lp);
+  for (; i + ATT_MQ <= a.T; i += ATT_MQ) attend_block<ATT_MQ, T>(a, i, Lp);
+  for (; i < a.T; i++) attend_block<1, T>(a, i, Lp);
+}
+
+void attend_causal(const CausalArgs& a) {
+  if (a.f16) attend_causal_kv<uint16_t>(a);
+  else attend_causal_kv<float>(a);
+}
+
+// One row of d: y = (x - mean) / sqrt(var + eps) * w + b. The moments: float sums per lane, the 16 lanes and the
+// last d % 16 elements added in double in index order; the rest in float, the same operations in every build (no
+// FMA), so the builds agree bit for bit.
+void layer_norm_row(const float* x, const float* w, const float* b, double eps, int64_t d, float* y) {
+  const int64_t d16 = d / 16 * 16;
+  float lane[16];
+  V acc = vzero();
+  for (int64_t c = 0; c < d16; c += 16) acc = vadd(acc, vload(x + c));
+  vstore(lane, acc);
+  double sum = 0.0;
+  for (int i = 0; i < 16; i++) sum += lane[i];
+  for (int64_t c = d16; c < d; c++) sum += x[c];
+  const float m = static_cast<float>(sum / d);
+  acc = vzero();
+  for (int64_t c = 0; c < d16; c += 16) {
+    const V t = vsub(vload(x + c), vset1(m));
+    acc = vadd(acc, vmul(t, t));
+  }
+  vstore(lane, acc);
+  double sq = 0.0;
+  for (int i = 0; i < 16; i++) sq += lane[i];
+  for (int64_t c = d16; c < d; c++) {
+    const float t = x[c] - m;
+    sq += static_cast<double>(t * t);
+  }
+  const float rstd = static_cast<float>(1.0 / std::sqrt(sq / d + eps));
+  for (int64_t c = 0; c < d16; c += 16)
+    vstore(y + c, vadd(vmul(vmul(vsub(vload(x + c), vset1(m)), vset1(rstd)), vload(w + c)), vload(b + c)));
+  for (int64_t c = d16; c < d; c++) {
+    const float t = (x[c] - m) * rstd;  // as the vectors: no contraction into an FMA
+    const float u = t * w[c];
+    y[c] = u + b[c];
+  }
+}
+
+// x[0 .. n) += y[0 .. n)
+void add_row(float* x, const float* y, int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) vstore(x + c, vadd(vload(x + c), vload(y + c)));
+  for (; c < n; c++) x[c] += y[c];
+}
+
+// y[0 .. n) = x[0 .. n) rounded to IEEE fp16 (nearest even), as bits
+void to_half_row(const float* x, uint16_t* y, int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) vstore_f16(y + c, vload(x + c));
+  for (; c < n; c++) y[c] = _cvtss_sh(x[c], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1) {

@@ -23,6 +23,9 @@ int64_t prefetch_bytes[6] = {0, 0, 0, 0, 0, 0};
 
 namespace avx512 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
+void layer_norm_row(const float* x, const float* w, const float* b, double eps, int64_t d, float* y);
+void add_row(float* x, const float* y, int64_t n);
+void to_half_row(const float* x, uint16_t* y, int64_t n);
 void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
@@ -32,6 +35,9 @@ bool amx_permitted();
 }
 namespace avx2 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
+void layer_norm_row(const float* x, const float* w, const float* b, double eps, int64_t d, float* y);
+void add_row(float* x, const float* y, int64_t n);
+void to_half_row(const float* x, uint16_t* y, int64_t n);
 void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
@@ -47,6 +53,15 @@ using AttendFn = void (*)(const AttendArgs&);
 using CausalFn = void (*)(const CausalArgs&);
 using QuantFn = void (*)(const LinearArgs&, int8_t*, float*, int32_t*, int64_t, int64_t);
 
+// The row operations of a step (linear_impl.h): LayerNorm, x += y, float -> fp16; the same bits in every build.
+struct RowOps {
+  void (*layer_norm)(const float* x, const float* w, const float* b, double eps, int64_t d, float* y);
+  void (*add)(float* x, const float* y, int64_t n);
+  void (*to_half)(const float* x, uint16_t* y, int64_t n);
+};
+static const RowOps kRows512{avx512::layer_norm_row, avx512::add_row, avx512::to_half_row};
+static const RowOps kRows256{avx2::layer_norm_row, avx2::add_row, avx2::to_half_row};
+
 // One build per instruction set: the float kernels (linear_impl.h) and the integer ones (qlinear_impl.h).
 struct Isa {
   const char* name;
@@ -55,20 +70,21 @@ struct Isa {
   CausalFn causal;
   RangeFn qrange;
   QuantFn quantize;
+  const RowOps* rows;
 };
 // AVX-512 VNNI with AMX-INT8 (Intel Sapphire Rapids and later): the integer kernels' blocks of 16 rows on tiles
 static const Isa kAvx512Amx{"avx512amx", avx512::linear_range, avx512::attend, avx512::attend_causal,
-                            avx512::qlinear_range_amx, avx512::quantize_rows};
+                            avx512::qlinear_range_amx, avx512::quantize_rows, &kRows512};
 static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::attend_causal, avx512::qlinear_range,
-                        avx512::quantize_rows};
+                        avx512::quantize_rows, &kRows512};
 // AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
 static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx512::attend_causal, avx2::qlinear_range,
-                               avx2::quantize_rows};
+                               avx2::quantize_rows, &kRows512};
 static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avx2::attend_causal, avxvnni::qlinear_range,
-                         avxvnni::quantize_rows};
+                         avxvnni::quantize_rows, &kRows256};
 static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::attend_causal, avx2::qlinear_range,
-                       avx2::quantize_rows};
-static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr};
+                       avx2::quantize_rows, &kRows256};
+static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 static bool supports(const Isa& i) {
   __builtin_cpu_init();
@@ -305,16 +321,6 @@ static StepLayer step_layer(const Lin& l, int64_t K, const std::string& act) {
   return L;
 }
 
-// LayerNorm of one row of d: moments in double, the rest in float.
-static void layer_norm_row(const float* x, const float* w, const float* b, double eps, int64_t d, float* y) {
-  double sum = 0.0, sq = 0.0;
-  for (int64_t k = 0; k < d; k++) sum += x[k];
-  const double mean = sum / d;
-  for (int64_t k = 0; k < d; k++) sq += (x[k] - mean) * (x[k] - mean);
-  const float rstd = static_cast<float>(1.0 / std::sqrt(sq / d + eps)), m = static_cast<float>(mean);
-  for (int64_t k = 0; k < d; k++) y[k] = (x[k] - m) * rstd * w[k] + b[k];
-}
-
 // A whole decode step of a GPT-2 in one call: embeddings, every block, ln_f and the lm_head, with the arguments
 // made and checked once (gpt2ffn.kernels.packed.DecodePlan builds it). All of it runs in one parallel region:
 // LayerNorms and activation quantization split by rows, each layer's super-blocks and the attention's
@@ -379,8 +385,29 @@ class StepPlan {
                     const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs) const {
     TORCH_CHECK(!ids_in.is_floating_point() && !positions_in.is_floating_point() && !slots_in.is_floating_point(),
                 "ids, positions and slots must be integer tensors");
-    const auto ids = ids_in.to(at::kLong).contiguous(), positions = positions_in.to(at::kLong).contiguous();
-    const auto slots = slots_in.to(at::kLong).contiguous();
+    return forward(ids_in.to(at::kLong).contiguous(), positions_in.to(at::kLong).contiguous(),
+                   slots_in.to(at::kLong).contiguous(), ks, vs, false);
+  }
+
+  // A prompt's prefill as one call: ids (T,), the new tokens of one sequence at positions past .. past + T - 1,
+  // their keys and values written into slot `slot` of every layer's ks[i], vs[i], each token attending to the
+  // slot's positions up to its own (causal) -> the last position's logits (1, vocab).
+  torch::Tensor prefill(const torch::Tensor& ids_in, int64_t past, int64_t slot, const std::vector<torch::Tensor>& ks,
+                        const std::vector<torch::Tensor>& vs) const {
+    TORCH_CHECK(!ids_in.is_floating_point() && ids_in.dim() == 1 && ids_in.numel() > 0,
+                "ids must be a non-empty 1-D integer tensor");
+    const int64_t T = ids_in.numel();
+    TORCH_CHECK(past >= 0, "past must be >= 0, got ", past);
+    return forward(ids_in.to(at::kLong).contiguous(), torch::arange(past, past + T, torch::dtype(at::kLong)),
+                   torch::full({T}, slot, torch::dtype(at::kLong)), ks, vs, true);
+  }
+
+ private:
+  // causal: the rows are one sequence's consecutive positions in one slot (prefill): every row's keys and values
+  // are written before any row attends, each head's queries attend as a block (attend_causal), and only the last
+  // row's logits are computed. Otherwise each row has its own slot (decode).
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
+                        const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs, bool causal) const {
     const Isa* isa = kIsa;
     TORCH_CHECK(isa->attend != nullptr, "gpt2ffn._C.StepPlan needs AVX2+FMA or AVX-512");
     TORCH_CHECK(head_.w.defined(), "StepPlan.run before set_head");
@@ -406,9 +433,11 @@ class StepPlan {
     for (int64_t b = 0; b < B; b++)
       TORCH_CHECK(slot[b] >= 0 && slot[b] < k0.size(0) && pos[b] < S, "row ", b, ": slot ", slot[b], " position ",
                   pos[b], " outside the cache (", k0.size(0), ", ", S, ")");
-    std::vector<int64_t> sorted(slot, slot + B);  // a row writes its slot while attending to it: one row a slot
-    std::sort(sorted.begin(), sorted.end());
-    TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "two rows share a cache slot");
+    if (!causal) {
+      std::vector<int64_t> sorted(slot, slot + B);  // a row writes its slot while attending to it: one row a slot
+      std::sort(sorted.begin(), sorted.end());
+      TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "two rows share a cache slot");
+    }
     auto x = wte_.numel() ? wte_.index_select(0, ids)
                           : packed_rows(ids, head_.w, head_.scale, head_.format, d, head_.N, head_.group);
     x.add_(wpe_.index_select(0, positions));
@@ -425,7 +454,8 @@ class StepPlan {
     const auto f32 = torch::dtype(at::kFloat);
     auto hbuf = torch::empty({B, d}, f32), qkv = torch::empty({B, ldq}, f32), att = torch::empty({B, d}, f32);
     auto ybuf = torch::empty({B, ldy}, f32), hid = torch::empty({B, ldh}, f32);
-    auto logits = torch::empty({B, head_layer_.nsuper * 64}, f32);
+    const int64_t R = causal ? 1 : B;  // rows of logits: the last position's in a prefill
+    auto logits = torch::empty({R, head_layer_.nsuper * 64}, f32);
     auto xq = torch::empty({B, maxk}, torch::dtype(at::kChar)), xs = torch::empty({B, maxk}, f32);
     auto xsum = torch::empty({B, maxk}, torch::dtype(at::kInt));
     float *xp = x.data_ptr<float>(), *hp = hbuf.data_ptr<float>(), *qp = qkv.data_ptr<float>();
@@ -438,13 +468,10 @@ class StepPlan {
     std::vector<char*> kc(ks.size()), vc(vs.size());
     for (size_t i = 0; i < ks.size(); i++)
       kc[i] = static_cast<char*>(ks[i].data_ptr()), vc[i] = static_cast<char*>(vs[i].data_ptr());
+    const RowOps& rows = *isa->rows;
     auto put = [&](char* dst, const float* src) {  // one head's new key or value into the cache
-      if (!f16) {
-        std::memcpy(dst, src, hd * sizeof(float));
-        return;
-      }
-      auto* h = reinterpret_cast<c10::Half*>(dst);
-      for (int64_t c = 0; c < hd; c++) h[c] = c10::Half(src[c]);  // round to nearest even, as torch's copy_
+      if (f16) rows.to_half(src, reinterpret_cast<uint16_t*>(dst), hd);  // round to nearest even, as torch's copy_
+      else std::memcpy(dst, src, hd * sizeof(float));
     };
     const int phases = static_cast<int>(blocks_.size()) * 5 + 1;  // 4 layers and the heads a block, the lm_head
     std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[phases]);
@@ -456,12 +483,16 @@ class StepPlan {
 #pragma omp parallel num_threads(threads)
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
-      std::vector<float> scores(S + 16);  // attend pads to 16
+      std::vector<float> scores(causal ? 0 : S + 16);  // attend pads to 16
+      const int64_t Lp = causal ? (pos[B - 1] + 1 + 63) / 64 * 64 : 0;
+      std::vector<float> kt(hd * Lp), probs(ATT_ROWS * Lp);  // attend_causal's K^T and scores
       int phase = 0;
-      // rows of `in` (row stride d) normalized into hbuf, and quantized for `L` if it takes int8 activations
-      auto norm = [&](const float* in, const float* w, const float* bias, double eps, const StepLayer& L) {
-        for (int64_t m = tid; m < B; m += nt) {
-          layer_norm_row(in + m * d, w, bias, eps, d, hp + m * d);
+      // rows m0 .. rows - 1 of `in` (row stride d) normalized into hbuf rows 0 .., and quantized for `L` if it
+      // takes int8 activations
+      auto norm = [&](const float* in, const float* w, const float* bias, double eps, const StepLayer& L,
+                      int64_t m0 = 0) {
+        for (int64_t m = tid; m < B - m0; m += nt) {
+          rows.layer_norm(in + (m0 + m) * d, w, bias, eps, d, hp + m * d);
           if (L.int8x) {
             LinearArgs q = L.a;
             q.x = hp, q.ldx = d;
@@ -476,9 +507,10 @@ class StepPlan {
         for (int64_t m = tid; m < B; m += nt) isa->quantize(q, xqp, xsp, xsump, m, m + 1);
       };
       // y = act(in @ W + b) by runs of super-blocks; then post(c0, c1) on the run's outputs c0..c1 of every row
-      auto gemv = [&](const StepLayer& L, const float* in, int64_t ldin, float* out, int64_t ldout, auto&& post) {
+      auto gemv = [&](const StepLayer& L, const float* in, int64_t ldin, float* out, int64_t ldout, auto&& post,
+                      int64_t rows) {
         LinearArgs a = L.a;
-        a.x = in, a.ldx = ldin, a.M = B, a.y = out, a.ldy = ldout;
+        a.x = in, a.ldx = ldin, a.M = rows, a.y = out, a.ldy = ldout;
         a.xq = xqp, a.xscale = xsp, a.xsum = xsump;
         const RangeFn fn = L.int8x ? isa->qrange : isa->range;
         const int64_t chunk = std::max<int64_t>(1, L.nsuper / (8 * nt));  // ~8 runs a thread
@@ -490,8 +522,7 @@ class StepPlan {
         }
       };
       auto residual = [&](int64_t c0, int64_t c1) {  // x += y
-        for (int64_t m = 0; m < B; m++)
-          for (int64_t c = c0; c < c1; c++) xp[m * d + c] += yp[m * ldy + c];
+        for (int64_t m = 0; m < B; m++) rows.add(xp + m * d + c0, yp + m * ldy + c0, c1 - c0);
       };
       auto nothing = [](int64_t, int64_t) {};
       auto project = [&](const StepLayer& L, const float* in, int64_t ldin) {  // x += in @ W + b
@@ -499,7 +530,7 @@ class StepPlan {
           quantize(L, in, ldin);
 #pragma omp barrier
         }
-        gemv(L, in, ldin, yp, ldy, residual);
+        gemv(L, in, ldin, yp, ldy, residual, B);
 #pragma omp barrier
       };
 
@@ -508,15 +539,29 @@ class StepPlan {
         const auto& L = layers_[i];
         norm(xp, blk.norms[0].data_ptr<float>(), blk.norms[1].data_ptr<float>(), blk.eps, L[0]);
 #pragma omp barrier
-        gemv(L[0], hp, d, qp, ldq, nothing);
+        gemv(L[0], hp, d, qp, ldq, nothing, B);
 #pragma omp barrier
         std::atomic<int64_t>& heads = next[phase++];
-        for (int64_t j; (j = heads.fetch_add(1)) < B * H;) {
-          const int64_t b = j / H, h = j % H, base = (slot[b] * H + h) * S * hd, at = base + pos[b] * hd;
-          put(kc[i] + at * kv_bytes, qp + b * ldq + d + h * hd);
-          put(vc[i] + at * kv_bytes, qp + b * ldq + 2 * d + h * hd);
-          isa->attend(AttendArgs{qp + b * ldq + h * hd, kc[i] + base * kv_bytes, vc[i] + base * kv_bytes, pos[b] + 1,
-                                 hd, scale, scores.data(), ap + b * d + h * hd, f16});
+        if (causal) {  // every row's keys and values first, then each head's queries as one block
+          for (int64_t j = tid; j < B * H; j += nt) {
+            const int64_t b = j / H, h = j % H, at = ((slot[b] * H + h) * S + pos[b]) * hd;
+            put(kc[i] + at * kv_bytes, qp + b * ldq + d + h * hd);
+            put(vc[i] + at * kv_bytes, qp + b * ldq + 2 * d + h * hd);
+          }
+#pragma omp barrier
+          for (int64_t h; (h = heads.fetch_add(1)) < H;) {
+            const int64_t base = (slot[0] * H + h) * S * hd;
+            isa->causal(CausalArgs{qp + h * hd, ldq, kc[i] + base * kv_bytes, vc[i] + base * kv_bytes, hd, hd, B,
+                                   pos[0], hd, scale, kt.data(), probs.data(), ap + h * hd, d, f16});
+          }
+        } else {
+          for (int64_t j; (j = heads.fetch_add(1)) < B * H;) {
+            const int64_t b = j / H, h = j % H, base = (slot[b] * H + h) * S * hd, at = base + pos[b] * hd;
+            put(kc[i] + at * kv_bytes, qp + b * ldq + d + h * hd);
+            put(vc[i] + at * kv_bytes, qp + b * ldq + 2 * d + h * hd);
+            isa->attend(AttendArgs{qp + b * ldq + h * hd, kc[i] + base * kv_bytes, vc[i] + base * kv_bytes,
+                                   pos[b] + 1, hd, scale, scores.data(), ap + b * d + h * hd, f16});
+          }
         }
 #pragma omp barrier
         project(L[1], ap, d);
@@ -529,18 +574,17 @@ class StepPlan {
               const float v = hidp[m * ldh + c];
               hidp[m * ldh + c] = 0.5f * v * (1.0f + std::erf(v * 0.70710678118654752f));
             }
-        });
+        }, B);
 #pragma omp barrier
         project(L[3], hidp, ldh);
       }
-      norm(xp, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, head_layer_);
+      norm(xp, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, head_layer_, B - R);
 #pragma omp barrier
-      gemv(head_layer_, hp, d, lp, head_layer_.nsuper * 64, nothing);
+      gemv(head_layer_, hp, d, lp, head_layer_.nsuper * 64, nothing, R);
     }
     return head_.N == head_layer_.nsuper * 64 ? logits : logits.narrow(1, 0, head_.N);
   }
 
- private:
   std::vector<Block> blocks_;
   std::vector<std::array<StepLayer, 4>> layers_;
   int64_t d_ = 0;
@@ -558,9 +602,12 @@ class StepPlan {
 torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
   const CausalFn causal = kIsa->causal;
   TORCH_CHECK(causal != nullptr, "gpt2ffn._C.causal_attention needs AVX2+FMA or AVX-512");
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat
-              && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat && q.device().is_cpu()
-              && k.device().is_cpu() && v.device().is_cpu(), "q, k, v must be 4-D float32 CPU tensors");
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu()
+              && k.device().is_cpu() && v.device().is_cpu(), "q, k, v must be 4-D CPU tensors, q float32");
+  TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kHalf),
+              "k and v must both be float32 or both float16, got ", k.scalar_type(), " and ", v.scalar_type());
+  const bool f16 = k.scalar_type() == at::kHalf;
+  const int64_t kv_bytes = f16 ? 2 : 4;
   const int64_t B = q.size(0), H = q.size(1), T = q.size(2), hd = q.size(3), L = k.size(2);
   TORCH_CHECK(k.size(0) == B && k.size(1) == H && k.size(3) == hd && v.sizes() == k.sizes() && L >= T,
               "k and v must be (", B, ", ", H, ", past + ", T, ", ", hd, "), got ", k.sizes(), " and ", v.sizes());
@@ -570,14 +617,16 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
   const int64_t Lp = (L + 63) / 64 * 64;
   const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> kt(hd * Lp), p(4 * Lp);  // p: ATT_MQ (<= 4) rows
+    std::vector<float> kt(hd * Lp), p(ATT_ROWS * Lp);
+    const char* kb = static_cast<const char*>(k.data_ptr());
+    const char* vb = static_cast<const char*>(v.data_ptr());
     for (int64_t i = i0; i < i1; i++) {
       const int64_t b = i / H, h = i % H;
       causal(CausalArgs{q.data_ptr<float>() + b * q.stride(0) + h * q.stride(1), q.stride(2),
-                        k.data_ptr<float>() + b * k.stride(0) + h * k.stride(1),
-                        v.data_ptr<float>() + b * v.stride(0) + h * v.stride(1), k.stride(2), v.stride(2), T,
+                        kb + (b * k.stride(0) + h * k.stride(1)) * kv_bytes,
+                        vb + (b * v.stride(0) + h * v.stride(1)) * kv_bytes, k.stride(2), v.stride(2), T,
                         L - T, hd, scale, kt.data(), p.data(), out.data_ptr<float>() + b * T * H * hd + h * hd,
-                        H * hd});
+                        H * hd, f16});
     }
   });
   return out;
@@ -610,7 +659,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("watch", &gpt2ffn::StepPlan::watch)
       .def("valid", &gpt2ffn::StepPlan::valid)
       .def("requires_grad", &gpt2ffn::StepPlan::requires_grad)
-      .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>());
+      .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>())
+      .def("prefill", &gpt2ffn::StepPlan::prefill, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_prefetch", &gpt2ffn::set_prefetch, "decode's prefetch distance in bytes for a format (0: none); "
         "returns the previous; a negative distance only reads it", py::arg("format"), py::arg("bytes") = -1);

@@ -51,6 +51,11 @@ static inline __m256 exp2i8(__m256 n) {
 // 2^n for whole n in [-126, 127], built as the float's exponent field
 static inline V vexp2i(V n) { return {exp2i8(n.lo), exp2i8(n.hi)}; }
 static inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_storeu_ps(p + 8, a.hi); }
+// rounded to the nearest even fp16, as torch's float -> half copy
+static inline void vstore_f16(uint16_t* p, V a) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 static inline float vsum(V a) {
   const __m256 s = _mm256_add_ps(a.lo, a.hi);
   __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));

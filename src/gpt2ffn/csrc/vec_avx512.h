@@ -39,6 +39,10 @@ static inline V vexp2i(V n) {
   return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
 }
 static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
+// rounded to the nearest even fp16, as torch's float -> half copy
+static inline void vstore_f16(uint16_t* p, V a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+}
 static inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
 static inline float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }
 constexpr int VREGS = 32;  // vector registers of 16 lanes

@@ -104,16 +104,18 @@ def native_args(ps) -> list:
 
 
 def runs_causal_attention(q, k, v, dropout: float) -> bool:
-    """Whether gpt2ffn._C.causal_attention serves this call: native kernels, fp32 on the CPU, a head width
-    that is a multiple of 16, no dropout and no gradient asked (SDPA does the rest)."""
+    """Whether gpt2ffn._C.causal_attention serves this call: native kernels, fp32 queries on the CPU with fp32 or
+    fp16 keys and values (a KV cache's), a head width that is a multiple of 16, no dropout and no gradient asked
+    (SDPA does the rest)."""
     return (WHY_NOT_NATIVE is None and not dropout and q.device.type == "cpu" and q.shape[-1] % 16 == 0
-            and q.dtype == k.dtype == v.dtype == torch.float32
+            and q.dtype == torch.float32 and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16)
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
 def causal_attention(q, k, v):
     """q (B, H, T, hd) against k, v (B, H, past + T, hd) -> (B, T, H * hd): query i sees keys 0..past + i of
-    its own row; fp32, per (row, head) one task (csrc/linear_impl.h: attend_causal)."""
+    its own row; fp32 arithmetic (fp16 keys and values widened exactly as they are read), per (row, head) one
+    task (csrc/linear_impl.h: attend_causal)."""
     return _C.causal_attention(q, k, v)
 
 
@@ -331,3 +333,9 @@ class DecodePlan:
         """ids (B,) at positions (B,), row b's keys and values in slot slots[b] of every layer's k[i], v[i]
         (slots, H, S, d/H) -> logits (B, vocab)."""
         return self.native.run(ids, positions, slots, k, v)
+
+    def prefill(self, ids, past: int, slot: int, k, v):
+        """ids (T,): one sequence's new tokens at positions past .. past + T - 1, their keys and values written
+        into slot `slot` of every layer's k[i], v[i], each attending causally -> the last position's logits
+        (1, vocab)."""
+        return self.native.prefill(ids, past, slot, k, v)

@@ -216,7 +216,8 @@ class Engine:
                 break
             budget -= n
             plan.append((r, r.computed, n))
-        alone = [p for p in plan if self.batch_invariant or p[0].params.prompt_logprobs]
+        # the native step runs each chunk alone, in its sequence's slot (GPT2.prefill_slot)
+        alone = [p for p in plan if self.fused or self.batch_invariant or p[0].params.prompt_logprobs]
         packed = [p for p in plan if p not in alone]
         events = [ev for p in alone for ev in self.prefill_alone(*p)]
         return events + (self.prefill_packed(packed) if packed else [])
@@ -248,8 +249,11 @@ class Engine:
     def prefill_alone(self, r: Request, start: int, n: int) -> list:
         ids = torch.tensor([r.prompt[start:start + n]], device=self.device)
         pos = torch.arange(start, start + n, device=self.device)[None]
-        logits = self.forward(ids, pos, self.table([r], [start + n]),
-                              "all" if r.params.prompt_logprobs else "last")
+        if self.fused and not r.params.prompt_logprobs:  # one native call, as a decode step
+            logits = self.model.prefill_slot(ids[0], start, self.cache.k, self.cache.v, r.blocks[0])
+        else:
+            logits = self.forward(ids, pos, self.table([r], [start + n]),
+                                  "all" if r.params.prompt_logprobs else "last")
         r.computed += n
         if r.params.prompt_logprobs:
             logits = logits[0]                                               # (n, V)
