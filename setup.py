@@ -24,10 +24,12 @@ if platform.machine().lower() in ("x86_64", "amd64"):
                 print(f"gpt2ffn: the C++ kernels were not built ({e}); torch's ops will be used", file=sys.stderr)
 
     src = "src/gpt2ffn/csrc/"
+    # -ffp-contract=off: a * b + c stays two roundings, as written (g++ fuses them by default, -std=c++20 or not):
+    # the kernels' FMAs are the explicit ones, so every build computes the same IEEE operations.
     files = ("ops.cpp", "linear_avx512.cpp", "linear_avx2.cpp", "qlinear_avx512.cpp", "qlinear_avx2.cpp",
              "qlinear_avxvnni.cpp", "qlinear_amx.cpp")
     ext_modules = [CppExtension("gpt2ffn._C", [src + f for f in files],
-                                extra_compile_args=["-O3", "-fopenmp"], extra_link_args=["-fopenmp"])]
+                                extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"], extra_link_args=["-fopenmp"])]
     cmdclass = {"build_ext": OptionalBuild.with_options(use_ninja=False)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

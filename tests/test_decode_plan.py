@@ -254,7 +254,8 @@ def test_a_plan_refuses_caches_of_mixed_or_other_dtypes():
 @pytest.mark.parametrize("isa", native_isas())
 @pytest.mark.parametrize("precision,activations", FORMATS)
 def test_decode_prefetch_changes_no_bit(isa, precision, activations):
-    """Decode's rows (1 and 2: the tiles that prefetch) equal bit for bit with and without prefetching."""
+    """Decode's rows equal bit for bit with and without prefetching (the tiles that prefetch: 1 and 2 rows of the
+    float formats, 1 row of the integer ones)."""
     g = torch.Generator().manual_seed(5)
     w, b, x = torch.randn(256, 200, generator=g), torch.randn(200, generator=g), torch.randn(2, 256, generator=g)
     p = Packed(w, b, precision, activations=activations)
@@ -282,18 +283,22 @@ def test_set_prefetch_refuses_what_it_cannot_be():
 def test_prefetch_is_timed_cached_and_can_be_forced(tmp_path, monkeypatch):
     monkeypatch.setenv("GPT2FFN_CACHE", str(tmp_path))
     monkeypatch.delenv("GPT2FFN_PREFETCH", raising=False)
-    fmt = Packed(torch.randn(64, 64), None, "int8", activations="int8").format
-    old = kp._C.set_prefetch(fmt)
+    old = [kp._C.set_prefetch(f) for f in range(6)]
     try:
-        model_at("int8")
+        m = model_at("int8")
+        fmts = {mod.packed.format for mod in m.modules() if getattr(mod, "packed", None) is not None}
         entry = next(v for k, v in json.loads((tmp_path / "routes.json").read_text()).items() if k.endswith("|prefetch"))
         assert set(entry["ms"]) == {str(d) for d in kp.PREFETCH}
-        assert kp._C.set_prefetch(fmt) == int(min(entry["ms"], key=entry["ms"].get))
+        assert {kp._C.set_prefetch(f) for f in fmts} == {int(min(entry["ms"], key=entry["ms"].get))}
         monkeypatch.setenv("GPT2FFN_PREFETCH", "4096")
         model_at("int8")
-        assert kp._C.set_prefetch(fmt) == 4096
+        assert {kp._C.set_prefetch(f) for f in fmts} == {4096}
+        monkeypatch.setenv("GPT2FFN_PREFETCH", "-1")
+        with pytest.raises(ConfigError, match="GPT2FFN_PREFETCH=-1"):
+            model_at("int8")
     finally:
-        kp._C.set_prefetch(fmt, old)
+        for f, v in enumerate(old):
+            kp._C.set_prefetch(f, v)
 
 
 def prefill_both(m, ids, kv, past_ids=None):
@@ -352,3 +357,24 @@ def test_prefill_refuses_what_does_not_fit():
         plan.prefill(torch.tensor([1, 2, 3]), 2, 0, short.k, short.v)
     with pytest.raises(RuntimeError, match=r"slot 1 position 0 outside the cache"):
         plan.prefill(torch.tensor([1, 2]), 0, 1, cache.k, cache.v)
+
+
+@pytest.mark.parametrize("isa", native_isas())
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_long_prefill_after_a_cached_prompt_on_every_build(isa, precision):
+    """40 tokens after 30 cached (70 keys: two 64-key blocks of the attention's scratch; 40 rows: blocks of 16 on
+    AMX tiles where the CPU has them, and 8 more) through StepPlan.prefill, as the op by op forward."""
+    cfg = dataclasses.replace(SMALL, n_positions=128, n_layer=2)
+    m = model_at(precision, cfg=cfg)
+    g = torch.Generator().manual_seed(4)
+    first, ids = torch.randint(0, 96, (1, 30), generator=g), torch.randint(0, 96, (1, 40), generator=g)
+    old = kp._C.set_isa(isa)
+    try:
+        (native, cn), (plain, cp) = prefill_both(m, ids, m.kv_dtype, first)
+        (other, _), _ = prefill_both(model_at(precision, seed=1, cfg=cfg), ids, m.kv_dtype, first)
+    finally:
+        kp._C.set_isa(old)
+    torch.testing.assert_close(native, plain, atol=1e-3, rtol=1e-3)
+    for a, b in zip(cn.k + cn.v, cp.k + cp.v):
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-3, rtol=1e-3)
+    assert not torch.allclose(other, plain, atol=1e-3, rtol=1e-3)

@@ -156,3 +156,6 @@ def test_a_quantized_model_is_served_from_an_fp16_cache():
             tok = m(tok, cache)[:, -1].argmax(-1, keepdim=True)
             by_hand.append(int(tok))
     assert solo[0] == by_hand
+    # prompts cut into chunks of 8 (the native prefill continuing a sequence in its slot): the same tokens
+    assert [alone(m, p, s, chunk=8) for p in ps] == solo
+    assert staggered(m, ps, [s] * 6, every=2, chunk=8) == solo

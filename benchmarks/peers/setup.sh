@@ -53,12 +53,30 @@ if [ ! -f "$BUILD/npm/package/encoder.json" ]; then
 fi
 
 # llama.cpp's llama-server from the same vendored source (the server issue's peer).
-SERVER=$BUILD/llama-server-build/bin/llama-server
+SERVER_BUILD=$BUILD/llama-server-build${LLAMA_FLAGS:+-noamx}  # rebuilt when the flags change
+SERVER=$SERVER_BUILD/bin/llama-server
 if [ ! -x "$SERVER" ]; then
-    cmake -S "$SRC/vendor/llama.cpp" -B "$BUILD/llama-server-build" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
+    cmake -S "$SRC/vendor/llama.cpp" -B "$SERVER_BUILD" -DGGML_NATIVE=ON -DLLAMA_CURL=OFF \
         -DCMAKE_C_FLAGS="$LLAMA_FLAGS" -DCMAKE_CXX_FLAGS="$LLAMA_FLAGS" \
         > "$BUILD/logs/llama-server-build.log" 2>&1
-    cmake --build "$BUILD/llama-server-build" --target llama-server -j2 >> "$BUILD/logs/llama-server-build.log" 2>&1
+    cmake --build "$SERVER_BUILD" --target llama-server -j2 >> "$BUILD/logs/llama-server-build.log" 2>&1
+fi
+
+# PEERS_AVX2=1: a second venv, $BUILD/venv-avx2, with llama.cpp built for AVX2 + FMA + F16C only (no AVX-512, no
+# VNNI): run.py from it with GPT2FFN_ISA=avx2 times both engines' AVX2 kernels on a CPU that has more (README:
+# "AVX2 builds"). Not an AVX2-only CPU: the caches and memory are this one's.
+if [ "${PEERS_AVX2:-0}" = 1 ]; then
+    AVX2_VENV=$BUILD/venv-avx2
+    [ -x "$AVX2_VENV/bin/python" ] || python3 -m venv "$AVX2_VENV"
+    "$AVX2_VENV/bin/pip" install -q -c "$REPO/constraints.txt" numpy "$SRC/vendor/llama.cpp/gguf-py"
+    AVX2_WHEEL=$BUILD/wheels-avx2/llama_cpp_python-$LLAMA_CPP_PYTHON-py3-none-linux_x86_64.whl
+    if [ ! -f "$AVX2_WHEEL" ]; then
+        CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
+-DGGML_AVX512=OFF -DGGML_AVX_VNNI=OFF" CMAKE_BUILD_PARALLEL_LEVEL=2 \
+            "$AVX2_VENV/bin/pip" wheel --no-deps -w "$BUILD/wheels-avx2" "$SRC" > "$BUILD/logs/llama-avx2-build.log" 2>&1
+    fi
+    "$AVX2_VENV/bin/pip" install -q --force-reinstall --no-deps "$AVX2_WHEEL"
+    echo "AVX2 peer venv: $AVX2_VENV"
 fi
 
 {

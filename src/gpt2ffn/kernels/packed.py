@@ -266,6 +266,8 @@ def tune_prefetch(layers: list, precision: str, log=None) -> int:
     formats = {p.format for p, _, _ in layers}
     forced = os.environ.get("GPT2FFN_PREFETCH")
     if forced is not None:
+        if not forced.isdigit():
+            raise ConfigError(f"GPT2FFN_PREFETCH={forced} must be a distance in bytes, 0 or more (0: no prefetch)")
         best = int(forced)
     else:
         xs = {K: torch.randn(1, K, generator=torch.Generator().manual_seed(0)) for K in {p.K for p, _, _ in layers}}
