@@ -51,6 +51,7 @@ BYTES_PER_WEIGHT = {("gpt2ffn", "fp32"): 4, ("gpt2ffn", "bf16"): 2, ("gpt2ffn", 
 
 LM_HEAD_BYTES = {("gpt2ffn", "int4"): 1 + 2 / 32}
 
+# run by --main-python (torch is there; a peer venv may have none)
 BANDWIDTH = """
 import time, torch
 torch.set_num_threads(2)
@@ -95,7 +96,7 @@ def speed(args, cases, log):
         random.Random(r).shuffle(order)
         for c in order:
             if c == "bandwidth":
-                out = subprocess.run([sys.executable, "-c", BANDWIDTH], capture_output=True, text=True, check=True)
+                out = subprocess.run([args.main_python, "-c", BANDWIDTH], capture_output=True, text=True, check=True)
                 bandwidth.append(float(out.stdout))
                 log(f"round {r + 1}/{args.rounds}  bandwidth {bandwidth[-1]:.1f} GB/s")
                 continue

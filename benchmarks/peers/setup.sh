@@ -68,7 +68,8 @@ fi
 if [ "${PEERS_AVX2:-0}" = 1 ]; then
     AVX2_VENV=$BUILD/venv-avx2
     [ -x "$AVX2_VENV/bin/python" ] || python3 -m venv "$AVX2_VENV"
-    "$AVX2_VENV/bin/pip" install -q -c "$REPO/constraints.txt" numpy "$SRC/vendor/llama.cpp/gguf-py"
+    "$AVX2_VENV/bin/pip" install -q -c "$REPO/constraints.txt" numpy typing-extensions diskcache jinja2 \
+        "$SRC/vendor/llama.cpp/gguf-py"
     AVX2_WHEEL=$BUILD/wheels-avx2/llama_cpp_python-$LLAMA_CPP_PYTHON-py3-none-linux_x86_64.whl
     if [ ! -f "$AVX2_WHEEL" ]; then
         CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON \
