@@ -43,6 +43,19 @@ def test_the_builds_this_cpu_has_are_all_tested():
         assert {"avx512amx", "avx512"} <= set(ISAS)
 
 
+def test_each_build_runs_its_own_instruction():
+    """Each build's integer sums run on the instruction it is named for, as compiled: the AVX-VNNI build once ran
+    the maddubs path (a target pragma defines no __AVXVNNI__), which only equal outputs could not show."""
+    want = {"avx512amx": "tdpbssd", "avx512": "vpdpbusd (AVX-512", "avxvnni": "vpdpbusd (AVX-VNNI",
+            "avx2": "vpmaddubsw"}
+    for name in ISAS:
+        old = _C.set_isa(name)
+        try:
+            assert _C.int8_dot().startswith(want[name]), (name, _C.int8_dot())
+        finally:
+            _C.set_isa(old)
+
+
 @pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or its kernel) gives no AMX-INT8 tiles")
 @pytest.mark.parametrize("precision", ["int8", "int4"])
 @pytest.mark.parametrize("K,N,group", [(768, 192, None), (200, 64, None), (96, 130, 8), (128, 64, 64), (256, 64, 128)])

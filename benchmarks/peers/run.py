@@ -13,6 +13,7 @@ and its 64 greedy ids after the 128-token prompt vs HF fp32's (equal positions, 
 
 import argparse
 import json
+import os
 import platform
 import random
 import statistics
@@ -30,6 +31,7 @@ CASES = [("hf", "fp32"), ("gpt2ffn", "fp32"), ("gpt2ffn", "bf16"), ("gpt2ffn", "
          ("ct2", "float32"), ("ct2", "int8"), ("ct2", "bfloat16"), ("ort", "fp32"), ("ort", "int8"),
          ("llama", "f32"), ("llama", "bf16"), ("llama", "q8_0"), ("llama", "q4_0")]
 REFERENCE = ("hf", "fp32")
+ISA_ENV = ("GPT2FFN_ISA", "CT2_FORCE_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
 
 
 
@@ -203,7 +205,9 @@ def main():
                        decode_tok_s_rounds=[r["decode_tok_s"] for r in runs])
         row.update(acc.get(c, {}))
         rows.append(row)
-    report = {"machine": {"cpu": cpu_name(), "threads": 2, "python": platform.python_version()},
+    # the switches that hold an engine to a lower instruction set, where set (GPT2FFN_ISA=avx2, CTranslate2's own)
+    held = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
+    report = {"machine": {"cpu": cpu_name(), "threads": 2, "python": platform.python_version(), "isa_env": held},
               "model": json.loads((args.models / "prepare.json").read_text())["model"]
               + " (gpt2ffn's random_weights_, saved with save_pretrained)",
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,

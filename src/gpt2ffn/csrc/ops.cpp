@@ -32,6 +32,8 @@ void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
 void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1);
 bool amx_permitted();
+const char* int8_dot();
+const char* int8_dot_amx();
 }
 namespace avx2 {
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
@@ -42,10 +44,12 @@ void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
+const char* int8_dot();
 }
 namespace avxvnni {
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
+const char* int8_dot();
 }
 
 using RangeFn = void (*)(const LinearArgs&, int64_t, int64_t);
@@ -71,20 +75,21 @@ struct Isa {
   RangeFn qrange;
   QuantFn quantize;
   const RowOps* rows;
+  const char* (*int8_dot)();
 };
 // AVX-512 VNNI with AMX-INT8 (Intel Sapphire Rapids and later): the integer kernels' blocks of 16 rows on tiles
 static const Isa kAvx512Amx{"avx512amx", avx512::linear_range, avx512::attend, avx512::attend_causal,
-                            avx512::qlinear_range_amx, avx512::quantize_rows, &kRows512};
+                            avx512::qlinear_range_amx, avx512::quantize_rows, &kRows512, avx512::int8_dot_amx};
 static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::attend_causal, avx512::qlinear_range,
-                        avx512::quantize_rows, &kRows512};
+                        avx512::quantize_rows, &kRows512, avx512::int8_dot};
 // AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
 static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx512::attend_causal, avx2::qlinear_range,
-                               avx2::quantize_rows, &kRows512};
+                               avx2::quantize_rows, &kRows512, avx2::int8_dot};
 static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avx2::attend_causal, avxvnni::qlinear_range,
-                         avxvnni::quantize_rows, &kRows256};
+                         avxvnni::quantize_rows, &kRows256, avxvnni::int8_dot};
 static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::attend_causal, avx2::qlinear_range,
-                       avx2::quantize_rows, &kRows256};
-static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+                       avx2::quantize_rows, &kRows256, avx2::int8_dot};
+static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
 
 static bool supports(const Isa& i) {
   __builtin_cpu_init();
@@ -113,6 +118,9 @@ static const Isa* pick() {
 static const Isa* kIsa = pick();
 
 std::string isa() { return kIsa->name; }
+
+// The instruction the current build's integer sums run on, as that build was compiled.
+std::string int8_dot() { return kIsa->int8_dot ? kIsa->int8_dot() : "none"; }
 
 // Switches the kernels to another build (for tests: the AVX2 path on an AVX-512 CPU); returns the previous.
 std::string set_isa(const std::string& name) {
@@ -664,5 +672,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_prefetch", &gpt2ffn::set_prefetch, "decode's prefetch distance in bytes for a format (0: none); "
         "returns the previous; a negative distance only reads it", py::arg("format"), py::arg("bytes") = -1);
+  m.def("int8_dot", &gpt2ffn::int8_dot, "the instruction the current build's integer dot products run on");
   m.def("set_isa", &gpt2ffn::set_isa, "switch to another build this CPU runs (tests); returns the previous");
 }

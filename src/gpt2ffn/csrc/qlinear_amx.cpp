@@ -116,6 +116,8 @@ void tile_rows(const LinearArgs& a, const int8_t* ws, int64_t sb, int64_t m0, in
 
 }  // namespace
 
+const char* int8_dot_amx() { return "tdpbssd (AMX-INT8) on blocks of 16 rows, vpdpbusd (AVX-512 VNNI) on the rest"; }
+
 // Whether this thread may use the tiles: Linux hands AMX's 8 KiB of tile state to a process only when asked
 // (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); false where the kernel refuses or knows no AMX.
 bool amx_permitted() {

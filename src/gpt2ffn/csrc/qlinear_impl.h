@@ -3,9 +3,10 @@
 // An ISA file defines, in namespace gpt2ffn::ISA before including this header, the float helpers of
 // linear_impl.h (V, vzero, vset1, vload, vload_f16, vfma, vmul, vadd, vstore) and the integer ones:
 //   W wload_i8(p); VI dot_i8(acc, w, x4);  wload_i4(p, lo, hi); VI dot_i4(acc, lo, hi, x4lo, x4hi)
-//   VI viset1(int32_t);  V vcvt(VI acc): float(acc);  quantize_group16(x, q, G, d, sum): one group of G (a
-//   multiple of 16) activations quantized as quantize_rows' scalar loop does;  I8_OFFSET: what dot_i8 adds to q (128 when it sums
-//   (q + 128) * x as vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile.
+//   VI viset1(int32_t);  V vcvt(VI acc): float(acc);  INT8_DOT: the instruction's name;
+//   quantize_group16(x, q, G, d, sum): one group of G (a multiple of 16) activations quantized as
+//   quantize_rows' scalar loop does;  I8_OFFSET: what dot_i8 adds to q (128 when it sums (q + 128) * x as
+//   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile.
 // Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
 // activation bytes meets 16 lanes' weights in one instruction.
 #pragma once
@@ -114,6 +115,9 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
         stream ? qtile<FMT, 1, QNB1, true>(a, m, sb, j0) : qtile<FMT, 1, QNB1>(a, m, sb, j0);
   }
 }
+
+// The instruction this build's integer sums run on, as compiled (tests check it per build).
+const char* int8_dot() { return INT8_DOT; }
 
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   if (a.format == I4A8) qrun<I4A8>(a, sb0, sb1);

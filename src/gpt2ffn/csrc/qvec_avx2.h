@@ -1,5 +1,5 @@
 // The integer helpers of qlinear_impl.h on two 256-bit registers per 16 lanes, in namespace gpt2ffn::ISA:
-// with AVX-VNNI (__AVXVNNI__, set by the file's target pragma) vpdpbusd as on AVX-512; without it the
+// with AVX-VNNI (GPT2FFN_AVXVNNI, set by qlinear_avxvnni.cpp) vpdpbusd as on AVX-512; without it the
 // maddubs path, llama.cpp's for q8_0 / q4_0 on AVX2: int8 weights by the sign trick (|q| unsigned times x
 // with q's sign), int4 nibbles directly as the unsigned operand.
 #pragma once
@@ -17,8 +17,9 @@ static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
   lo = {_mm256_and_si256(a, m), _mm256_and_si256(b, m)};
   hi = {_mm256_and_si256(_mm256_srli_epi16(a, 4), m), _mm256_and_si256(_mm256_srli_epi16(b, 4), m)};
 }
-#ifdef __AVXVNNI__
+#ifdef GPT2FFN_AVXVNNI  // qlinear_avxvnni.cpp (a target pragma defines no feature macro)
 constexpr int32_t I8_OFFSET = 128;  // the stored bytes are q + 128, which vpdpbusd reads unsigned
+constexpr const char* INT8_DOT = "vpdpbusd (AVX-VNNI, 256-bit)";
 static inline __m256i dot4(__m256i acc, __m256i u, __m256i x) { return _mm256_dpbusd_avx_epi32(acc, u, x); }
 static inline W wload_i8(const uint8_t* p) { return {load32(p), load32(p + 32)}; }
 static inline VI dot_i8(VI acc, const W& w, int32_t x4) {
@@ -30,6 +31,7 @@ static inline __m256i dot_u4(__m256i acc, __m256i lo, __m256i hi, __m256i xl, __
 }
 #else
 constexpr int32_t I8_OFFSET = 0;  // dot_i8 sums q * x itself
+constexpr const char* INT8_DOT = "vpmaddubsw + vpmaddwd (AVX2)";
 static inline W wload_i8(const uint8_t* p) {  // the stored q + 128 back to q: flip the top bit
   const __m256i f = _mm256_set1_epi8(static_cast<char>(0x80));
   return {_mm256_xor_si256(load32(p), f), _mm256_xor_si256(load32(p + 32), f)};
