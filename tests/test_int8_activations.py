@@ -136,21 +136,36 @@ def test_int32_sums_bit_exact(isa, precision):
     assert not torch.equal(native(x, p).double(), want)
 
 
-def test_builds_agree_bit_for_bit():
-    """Every build computes the same int32 sums and the same epilogue: equal outputs, not merely close."""
+@pytest.mark.parametrize("group,act,bias,M", [(None, "", True, 21), (64, "tanh", False, 15), (128, "relu", True, 8),
+                                             (8, "tanh", True, 3), (None, "", False, 2)])
+def test_builds_agree_bit_for_bit(group, act, bias, M):
+    """Every build computes the same int32 sums and the same epilogue: equal outputs, not merely close. Row
+    counts cover the 256-bit builds' prefill tiles (8, 4, 2 and 1 rows), groups the int4 16-bit sums' chunks."""
     g = torch.Generator().manual_seed(3)
-    w, b, x = torch.randn(384, 192, generator=g), torch.randn(192, generator=g), torch.randn(21, 384, generator=g)
+    w, b, x = torch.randn(384, 192, generator=g), torch.randn(192, generator=g), torch.randn(M, 384, generator=g)
     for precision in ("int8", "int4"):
-        p = Packed(w, b, precision, activations="int8")
+        p = Packed(w, b if bias else None, precision, group=group, activations="int8")
         outs = {}
         for name in ISAS:
             old = _C.set_isa(name)
             try:
-                outs[name] = native(x, p)
+                outs[name] = _C.linear(x, p.w, p.scale, p.bias, p.format, p.N, p.group, act)
             finally:
                 _C.set_isa(old)
         first = next(iter(outs.values()))
-        assert all(torch.equal(first, y) for y in outs.values()), precision
+        assert all(torch.equal(first, y) for y in outs.values()), (precision, {k: bool(torch.equal(first, y)) for k, y in outs.items()})
+
+
+def test_int4_largest_sums_are_exact(isa):
+    """int4 nibbles of 15 against activations of 127 in every position: the largest sums the maddubs build's
+    16-bit partial sums (32 inputs before they widen) can meet."""
+    K, N, M = 256, 64, 9
+    w = torch.full((K, N), -0.875)
+    w[::32] = 1.0  # each group's max |w| is +1: s = -1/8, so -0.875 is q = 7, the nibble 15
+    x = torch.full((M, K), 1.0)
+    p = Packed(w, None, "int4", activations="int8")
+    want = w.double().sum(0).expand(M, N)
+    assert torch.equal(native(x, p).double(), want), isa
 
 
 def test_batch_invariant():

@@ -6,7 +6,8 @@
 //   VI viset1(int32_t);  V vcvt(VI acc): float(acc);  INT8_DOT: the instruction's name;
 //   quantize_group16(x, q, G, d, sum): one group of G (a multiple of 16) activations quantized as
 //   quantize_rows' scalar loop does;  I8_OFFSET: what dot_i8 adds to q (128 when it sums (q + 128) * x as
-//   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile.
+//   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile (the 256-bit builds
+//   define GPT2FFN_QRUN8 and prefill through their own qrun8 instead).
 // Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
 // activation bytes meets 16 lanes' weights in one instruction.
 #pragma once
@@ -65,8 +66,8 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
       const VI start = viset1(-OFF * a.xsum[(m0 + m) * ng + g]);
       for (int j = 0; j < NB; j++) part[m][j] = start;
     }
-    for (int64_t k = g * G; k < (g + 1) * G; k += STEP) {
-      const uint8_t* wk = wsb + (k / STEP) * SUPER * 4 + j0 * 64;
+    const uint8_t* wk = wsb + g * (G / STEP) * SUPER * 4 + j0 * 64;  // stepped: no signed k / STEP per step
+    for (int64_t k = g * G; k < (g + 1) * G; k += STEP, wk += SUPER * 4) {
       if constexpr (PF)
         for (int j = 0; j < NB; j++) _mm_prefetch(pf + (wk - static_cast<const uint8_t*>(a.w)) + j * 64, _MM_HINT_T0);
       if constexpr (FMT == I4A8) {
@@ -105,6 +106,9 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
 // in blocks of QNB x 16 lanes; the rows left over one at a time over the whole super-block.
 template <int FMT>
 static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
+#ifdef GPT2FFN_QRUN8
+  if (a.M > 1) return qrun8<FMT>(a, sb0, sb1);  // the 256-bit builds' prefill (qvec_avx2.h)
+#endif
   const bool stream = a.M == 1 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;

@@ -3,14 +3,20 @@
 // maddubs path, llama.cpp's for q8_0 / q4_0 on AVX2: int8 weights by the sign trick (|q| unsigned times x
 // with q's sign), int4 nibbles directly as the unsigned operand.
 #pragma once
+#include <algorithm>
+
 #include "vec_avx2.h"
+namespace gpt2ffn::ISA {
+using namespace gpt2ffn::avx2;
+}
+#include "act_impl.h"
 
 namespace gpt2ffn {
 namespace ISA {
 using namespace gpt2ffn::avx2;
 struct VI { __m256i lo, hi; };
 struct W { __m256i lo, hi; };
-constexpr int QMR = 2, QNB = 2, QNB1 = 2;
+constexpr int QMR = 2, QNB = 2, QNB1 = 2;  // qtile's tiles: decode (one row) here
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
   const __m256i m = _mm256_set1_epi8(15), a = load32(p), b = load32(p + 32);
@@ -82,6 +88,114 @@ static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float&
   u = _mm_add_epi32(u, _mm_shuffle_epi32(u, 0x4E));
   sum = _mm_cvtsi128_si32(_mm_add_epi32(u, _mm_shuffle_epi32(u, 0xB1)));
 }
+
+// Prefill on 256-bit registers: tiles of MR rows x 8 lanes (one register), each weight word loaded (and, for
+// maddubs, made into |q| and q) once per MR rows, each row's 4 (int4: 8) activation bytes broadcast from
+// memory. With 16 ymm registers the 2 x 32 tile of qtile spilled its int32 sums to the stack on every step;
+// here MR sums, the weight word, a broadcast and a product are live. The float side is qtile's, operation for
+// operation, so every build still gives the same bits.
+#ifdef GPT2FFN_AVXVNNI
+struct Q8 { __m256i u; };
+static inline Q8 q8load(const uint8_t* p) { return {load32(p)}; }
+static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
+  return dot4(acc, w.u, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)));
+}
+#else
+struct Q8 { __m256i q, a; };  // q and |q|
+static inline Q8 q8load(const uint8_t* p) {
+  const __m256i q = _mm256_xor_si256(load32(p), _mm256_set1_epi8(static_cast<char>(0x80)));
+  return {q, _mm256_sign_epi8(q, q)};
+}
+static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
+  const __m256i s = _mm256_sign_epi8(_mm256_set1_epi32(*reinterpret_cast<const int32_t*>(x)), w.q);
+  return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w.a, s), _mm256_set1_epi16(1)));
+}
+#endif
+
+// GCC's partial redundancy elimination hoisted every row's broadcast above the first product, 8 live copies
+// that pushed the sums to the stack; without it each row's chain runs in order in 4 registers.
+template <int FMT, int MR>
+__attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a, int64_t m0, int64_t sb, int v) {
+  constexpr int STEP = FMT == I4A8 ? 8 : 4;
+  constexpr int32_t OFF = FMT == I4A8 ? 8 : I8_OFFSET;
+  const int64_t K = a.K, G = a.group, ng = K / G;
+  const uint8_t* w = static_cast<const uint8_t*>(a.w) + sb * (K / STEP) * 256 + v * 32;
+  const uint8_t* x = reinterpret_cast<const uint8_t*>(a.xq) + m0 * K;
+  __m256 acc[MR];
+  for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+  for (int64_t g = 0; g < ng; g++) {
+    __m256i part[MR];
+    for (int m = 0; m < MR; m++) part[m] = _mm256_set1_epi32(-OFF * a.xsum[(m0 + m) * ng + g]);
+    if constexpr (FMT == I4A8) {
+      const __m256i mask = _mm256_set1_epi8(15);
+#ifdef GPT2FFN_AVXVNNI
+      const uint8_t* wp = w + g * (G / 8) * 256;
+      for (int64_t k = g * G; k < (g + 1) * G; k += 8, wp += 256) {
+        const __m256i b = load32(wp);
+        const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+        for (int m = 0; m < MR; m++) {
+          const uint8_t* xm = x + m * K + k;
+          part[m] = dot4(dot4(part[m], lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm))), hi,
+                         _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4)));
+        }
+      }
+#else
+      // q <= 15, |x| <= 127: one step adds at most 4 x 15 x 127 = 7620 to a 16-bit pair sum, so 4 steps
+      // (32 k) add in 16 bits before one madd widens them
+      for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
+        __m256i p16[MR];
+        for (int m = 0; m < MR; m++) p16[m] = _mm256_setzero_si256();
+        const uint8_t* wp = w + (k0 / 8) * 256;
+        for (int64_t k = k0; k < std::min(k0 + 32, (g + 1) * G); k += 8, wp += 256) {
+          const __m256i b = load32(wp);
+          const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+          for (int m = 0; m < MR; m++) {
+            const uint8_t* xm = x + m * K + k;
+            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm)));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4)));
+            p16[m] = _mm256_add_epi16(p16[m], _mm256_add_epi16(pl, ph));
+          }
+        }
+        for (int m = 0; m < MR; m++) part[m] = _mm256_add_epi32(part[m], _mm256_madd_epi16(p16[m], _mm256_set1_epi16(1)));
+      }
+#endif
+    } else {
+      // pointers stepped, not (k / 4) * 256 recomputed: a signed division's 7 scalar instructions a step
+      // took ports the vector instructions need
+      const uint8_t* wp = w + g * (G / 4) * 256;
+      for (int64_t k = g * G; k < (g + 1) * G; k += 4, wp += 256) {
+        const Q8 q = q8load(wp);
+        for (int m = 0; m < MR; m++) part[m] = q8dot(part[m], q, x + m * K + k);
+      }
+    }
+    // acc += float(sum_k q_k x_k) * (d * scale), as qtile
+    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
+    for (int m = 0; m < MR; m++)
+      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m]), _mm256_mul_ps(s, _mm256_set1_ps(a.xscale[(m0 + m) * ng + g])), acc[m]);
+  }
+  const int64_t col = sb * 64 + v * 8;
+  const __m256 b = a.bias ? _mm256_loadu_ps(a.bias + col) : _mm256_setzero_ps();
+  for (int m = 0; m < MR; m += 2) {  // rows in pairs through the 16-lane activation
+    const int m1 = m + 1 < MR ? m + 1 : m;
+    const V y = activate(V{_mm256_add_ps(acc[m], b), _mm256_add_ps(acc[m1], b)}, a.act);
+    _mm256_storeu_ps(a.y + (m0 + m) * a.ldy + col, y.lo);
+    if (m1 != m) _mm256_storeu_ps(a.y + (m0 + m1) * a.ldy + col, y.hi);
+  }
+}
+
+// Rows in tiles of 8 (then 4, 2, 1), each over the super-block's 8 registers of lanes.
+template <int FMT>
+static void qrun8(const LinearArgs& a, int64_t sb0, int64_t sb1) {
+  for (int64_t sb = sb0; sb < sb1; sb++) {
+    int64_t m = 0;
+    for (; m + 8 <= a.M; m += 8)
+      for (int v = 0; v < 8; v++) qtile8<FMT, 8>(a, m, sb, v);
+    if (m + 4 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 4>(a, m, sb, v); m += 4; }
+    if (m + 2 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 2>(a, m, sb, v); m += 2; }
+    if (m < a.M) for (int v = 0; v < 8; v++) qtile8<FMT, 1>(a, m, sb, v);
+  }
+}
+#define GPT2FFN_QRUN8 1
 }  // namespace ISA
 }  // namespace gpt2ffn
 

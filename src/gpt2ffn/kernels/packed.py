@@ -45,14 +45,12 @@ _LOCK = threading.Lock()
 
 
 def default_activations(precision: str) -> str:
-    """DEFAULT_ACTIVATIONS[precision] where the integer kernels run on VNNI. On the maddubs builds (avx2,
-    avx512novnni) int4 keeps int8 activations (its error is its weights': the same KLD; prefill 1.7-1.9x faster
-    on both CPUs measured, decode 1.66x faster on an Intel Xeon and within +-10% on AMD Zen 4) and int8 takes
-    fp32 ones (decode 1.1-1.2x slower with int8 activations on Zen 4, equal on the Xeon; and the lower KLD):
-    README, "Integer dot products"."""
-    if ISA in ("avx512amx", "avx512", "avxvnni") or precision == "int4":
-        return DEFAULT_ACTIVATIONS[precision]
-    return "fp32"
+    """DEFAULT_ACTIVATIONS[precision] on every build: int8 and int4 weights take int8 activations (their lm_heads
+    as precision.pack_layer says). The maddubs builds (avx2, avx512novnni) once kept fp32 activations for int8;
+    with their 8-row prefill tiles int8 activations prefill 1.5x faster there and decode as fast (Intel Xeon,
+    AVX2 build), and one default on every build gives the same bits on every CPU: README, "Integer dot
+    products"."""
+    return DEFAULT_ACTIVATIONS[precision]
 
 
 def routes(precision: str, device) -> list:
