@@ -6,8 +6,8 @@
 //   VI viset1(int32_t);  V vcvt(VI acc): float(acc);  INT8_DOT: the instruction's name;
 //   quantize_group16(x, q, G, d, sum): one group of G (a multiple of 16) activations quantized as
 //   quantize_rows' scalar loop does;  I8_OFFSET: what dot_i8 adds to q (128 when it sums (q + 128) * x as
-//   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile (the 256-bit builds
-//   define GPT2FFN_QRUN8 and prefill through their own qrun8 instead).
+//   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile, QNB1 decode's
+//   (the 256-bit builds define GPT2FFN_QRUN8 and no QMR / QNB: they prefill through their own qrun8).
 // Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
 // activation bytes meets 16 lanes' weights in one instruction.
 #pragma once
@@ -112,8 +112,10 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const bool stream = a.M == 1 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;
+#ifndef GPT2FFN_QRUN8  // (there M is 1 here)
     for (; m + QMR <= a.M; m += QMR)
       for (int j0 = 0; j0 < 4; j0 += QNB) qtile<FMT, QMR, QNB>(a, m, sb, j0);
+#endif
     for (; m < a.M; m++)
       for (int j0 = 0; j0 < 4; j0 += QNB1)
         stream ? qtile<FMT, 1, QNB1, true>(a, m, sb, j0) : qtile<FMT, 1, QNB1>(a, m, sb, j0);

@@ -16,7 +16,7 @@ namespace ISA {
 using namespace gpt2ffn::avx2;
 struct VI { __m256i lo, hi; };
 struct W { __m256i lo, hi; };
-constexpr int QMR = 2, QNB = 2, QNB1 = 2;  // qtile's tiles: decode (one row) here
+constexpr int QNB1 = 2;  // decode's blocks of 16 lanes (prefill: qrun8 below)
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
   const __m256i m = _mm256_set1_epi8(15), a = load32(p), b = load32(p + 32);
