@@ -73,7 +73,11 @@ def stop(proc):
 
 def gpt2ffn_cmd(args, port):
     cmd = [sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", args.hf_dir, "--port", str(port),
-           "--precision", args.precision, "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--device", args.device]
+    if args.device == "cpu":
+        cmd += ["--precision", args.precision]
+    if args.max_batch:
+        cmd += ["--max-batch", str(args.max_batch)]
     return cmd + (["--batch-invariant"] if args.batch_invariant else [])
 
 
@@ -182,6 +186,8 @@ def main():
     p.add_argument("--hf-dir", default="random:gpt2", help="gpt2ffn's model: HF directory (same weights as --gguf)")
     p.add_argument("--precision", default="fp32", help="gpt2ffn serve --precision")
     p.add_argument("--batch-invariant", action="store_true", help="gpt2ffn serve --batch-invariant")
+    p.add_argument("--device", default="cpu", help="gpt2ffn serve --device (cuda: its default bf16, CUDA graphs)")
+    p.add_argument("--max-batch", type=int, help="gpt2ffn serve --max-batch (default its own, 64)")
     p.add_argument("--llama-server", help="path to llama.cpp's llama-server; omit to test gpt2ffn only")
     p.add_argument("--gguf", help="the GGUF llama-server loads")
     p.add_argument("--parallel", type=int, default=32, help="llama-server -np")

@@ -1,5 +1,7 @@
 """Host time of the sampler and of a whole engine decode step at batch 256, the batch sampler
-(serving/sampling.next_tokens) against the per-row loop it replaced (adjust + pick for each row), interleaved.
+(serving/sampling.next_tokens) against the per-row loop it replaced (adjust + pick for each row), and the
+step with the static decode (serving/static.py: rows in slots 0..B-1, no block table, no gather; CUDA's
+default, where it is replayed as a CUDA graph) against the paged one, interleaved.
 
     python benchmarks/sampling_host.py [--batch 256] [--vocab 50257] [--rounds 7] [--out benchmarks/results/sampling-host.json]
 
@@ -68,11 +70,13 @@ def main():
 
     cfg = Config(n_embd=64, n_layer=1, n_head=4, n_positions=128, vocab_size=V)
     model = random_weights_(GPT2(cfg), 0).eval()
-    steps = {name: [] for name in samplers}
+    engines = {name: (fn, False) for name, fn in samplers.items()}
+    engines["batch sampler, static decode"] = (next_tokens, True)
+    steps = {name: [] for name in engines}
     for _ in range(max(2, args.rounds // 2)):
-        for name, fn in samplers.items():
+        for name, (fn, static) in engines.items():
             engine_mod.next_tokens = fn
-            eng = Engine(model, max_batch=B, max_waiting=B, max_len=128, kv_tokens=B * 128)
+            eng = Engine(model, max_batch=B, max_waiting=B, max_len=128, kv_tokens=B * 128, static_decode=static)
             eng.add(*[Request(list(r.prompt), r.params) for r in reqs])
             while eng.waiting or any(r.computed < len(r.prompt) for r in eng.running):
                 eng.step()  # admit and prefill everything first (prompts 22 + 100 new: none finishes here)
@@ -81,13 +85,29 @@ def main():
                 eng.step()
                 steps[name].append(1e3 * (time.perf_counter() - t0))
     engine_mod.next_tokens = next_tokens
+    # greedy rows: the step is the model and the engine's bookkeeping, paged (a block table per row, every
+    # row's keys gathered) against static (slots 0..B-1 read in place), contexts of ~100 positions
+    greedy = {"paged": [], "static decode": []}
+    prompts = [torch.randint(0, V, (100,), generator=g).tolist() for _ in range(B)]
+    for _ in range(max(2, args.rounds // 2)):
+        for name in greedy:
+            eng = Engine(model, max_batch=B, max_waiting=B, max_len=128, kv_tokens=B * 128,
+                         static_decode=name != "paged", chunk=4096)
+            eng.add(*[Request(list(p), Sampling(max_new_tokens=20, ignore_eos=True)) for p in prompts])
+            while eng.waiting or any(r.computed < len(r.prompt) for r in eng.running):
+                eng.step()
+            for _ in range(8):
+                t0 = time.perf_counter()
+                eng.step()
+                greedy[name].append(1e3 * (time.perf_counter() - t0))
     result = {"machine": f"{cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}",
               "batch": B, "vocab": V,
               "sampler_ms_median": {k: statistics.median(v) for k, v in ms.items()},
-              "engine_step_ms_median": {k: statistics.median(v) for k, v in steps.items()}}
-    for what in ("sampler_ms_median", "engine_step_ms_median"):
+              "engine_step_ms_median": {k: statistics.median(v) for k, v in steps.items()},
+              "greedy_step_ms_median": {k: statistics.median(v) for k, v in greedy.items()}}
+    for what in ("sampler_ms_median", "engine_step_ms_median", "greedy_step_ms_median"):
         for k, v in result[what].items():
-            print(f"{what:22s} {k:24s} {v:8.2f} ms")
+            print(f"{what:22s} {k:30s} {v:8.2f} ms")
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
 

@@ -128,7 +128,7 @@ def floors(ffn, device):
 def rounds(fns: dict, repeats: int, device="cpu") -> dict:
     """Median ms of each function, timed in interleaved rounds (each round runs every function once, in
     order), so that load changes on a shared machine touch every entry alike. Two warm-up calls each."""
-    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
     for f in fns.values():
         f()
         f()
@@ -305,7 +305,7 @@ def run(args):
                 result[part] = bench_kernels(repeats=repeats)
             elif part == "model":
                 result[part] = bench_model(precisions, repeats=max(5, repeats // 2), weights=args.weights,
-                                           device=device)
+                                           device=device, batches=args.batch)
             else:
                 result[part] = bench_accuracy(args.weights, precisions)
             size = "" if part != "model" or args.weights == "random:gpt2" else "-" + args.weights.split(":")[1]
@@ -364,16 +364,20 @@ def random_hf(weights: str):
 
 
 def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print,
-                weights="random:gpt2", device="cpu") -> dict:
+                weights="random:gpt2", device="cpu", batches=None) -> dict:
     """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
     (sdpa, KV cache, fp32), the same random weights (`weights`: random:<preset>[:seed], default the 124M
     shape; gpt2-medium / -large / -xl for the others), greedy, interleaved rounds in one
     process. fp32's tokens are checked equal to HF's first. Each precision's floor: the bytes a decode step
     must read (its packed weights, lm_head included) over the DRAM read bandwidth measured in the same run.
     The per-step overhead: a decode step of a 1-layer model with tiny widths, where weights cost nothing.
-    On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16), HF also with its static cache."""
+    On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16) and batch (default 1, 32, 256), HF also
+    with its static cache."""
     if device != "cpu":
-        return bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights)
+        return bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights,
+                                batches or (1, 32, 256))
+    if batches:
+        raise Gpt2ffnError("--batch is for --model --device cuda (on the CPU --model times batch 1)")
     from .generate import Sampling, generate
     from .model import GPT2
     from .precision import packable, quantize
@@ -426,24 +430,33 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     return out
 
 
-def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights="random:gpt2") -> dict:
-    """bench_model on a GPU: per dtype ('fp32', 'bf16'), gpt2ffn's engine and HF generate (dynamic and static
-    cache), greedy, batch 1, synchronized timings, interleaved rounds."""
+def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device, weights="random:gpt2",
+                     batches=(1, 32, 256)) -> dict:
+    """bench_model on a GPU: per dtype ('fp32', 'bf16') and batch, gpt2ffn's engine (its decode steps as CUDA
+    graphs, captured once per engine, the time reported) and HF generate (dynamic cache; static cache up to
+    batch 32), the same random prompts of prompt_tokens, new_tokens greedy tokens each (no EOS), synchronized
+    end-to-end timings (prefill included), interleaved rounds. At batch 1 gpt2ffn's tokens are compared with
+    HF's."""
     from transformers import GPT2LMHeadModel
 
-    from .generate import Sampling, generate
     from .model import GPT2
+    from .serving.engine import Request
+    from .serving.sampling import Sampling
+    from .serving.tp import make_engine
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     bad = [p for p in precisions if p not in dtypes]
     if bad:
         raise Gpt2ffnError(f"on CUDA --precision is the dtype: fp32 or bf16, got {', '.join(bad)}")
+    if not batches or min(batches) < 1:
+        raise Gpt2ffnError(f"batch sizes must be >= 1, got {list(batches)}")
     cfg, name, base = random_hf(weights)
     hf_cfg = base.config
-    ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0)).to(device)
+    prompts = torch.randint(0, cfg.vocab_size, (max(batches), prompt_tokens),
+                            generator=torch.Generator().manual_seed(0)).to(device)
     s = Sampling(max_new_tokens=new_tokens)
-    out = {"device": torch.cuda.get_device_name(device), "prompt_tokens": prompt_tokens, "new_tokens": new_tokens,
-           "engines": {}}
-    runs = {}
+    out = {"device": torch.cuda.get_device_name(device), "torch": torch.__version__, "cuda": torch.version.cuda,
+           "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "batches": list(batches), "engines": {}}
+    runs, engines = {}, []
     with torch.no_grad():
         for p in precisions:
             hf = GPT2LMHeadModel(hf_cfg).to(device, dtypes[p]).eval()
@@ -451,21 +464,35 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
             hf.generation_config.eos_token_id = None
             ours = GPT2(cfg).to(device, dtypes[p]).eval()
             ours.load_state_dict(base.state_dict())
-            want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:]
-            got = generate(ours, [ids[0].tolist()], s)[0]
-            same = sum(a == b for a, b in zip(got, want.tolist())) / new_tokens
-            out["engines"][f"gpt2ffn {p}"] = {"greedy_same_as_hf": same}
-            runs[f"gpt2ffn {p}"] = lambda m=ours: generate(m, [ids[0].tolist()], s)
-            runs[f"HF transformers {p}"] = lambda m=hf: m.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                                                                   pad_token_id=0)
-            runs[f"HF transformers {p} static cache"] = lambda m=hf: m.generate(
-                ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static")
+            for B in batches:
+                ids = prompts[:B]
+                engine = make_engine(ours, max_batch=B, max_waiting=B, max_len=prompt_tokens + new_tokens,
+                                     kv_tokens=B * (prompt_tokens + new_tokens))
+                engines.append(engine)
+                key = f"gpt2ffn {p} batch {B}"
+                e = out["engines"][key] = {"batch": B}
+                if engine.graphs is not None:
+                    e["graphs_captured"], e["graph_shapes"], e["capture_s"] = engine.graphs
+                rows = ids.tolist()
+                runs[key] = lambda engine=engine, rows=rows: engine.run([Request(list(r), s) for r in rows])
+                if B == 1:
+                    want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:]
+                    got = runs[key]()[0].output
+                    e["greedy_same_as_hf"] = sum(a == b for a, b in zip(got, want.tolist())) / new_tokens
+                runs[f"HF transformers {p} batch {B}"] = lambda m=hf, ids=ids: m.generate(
+                    ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+                if B <= 32:
+                    runs[f"HF transformers {p} static cache batch {B}"] = lambda m=hf, ids=ids: m.generate(
+                        ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static")
         ms = rounds(runs, max(3, repeats // 2), device)
-    log(f"{name} (random weights) on {out['device']}, {prompt_tokens} prompt + {new_tokens} new, greedy")
-    for name, t in ms.items():
-        e = out["engines"].setdefault(name, {})
-        e["generate_ms"], e["tokens_per_s"] = t, new_tokens / t * 1e3
-        log(f"  {name:<40}{t:>10.1f} ms{e['tokens_per_s']:>10.1f} tok/s (prompt + new, end to end)")
+    log(f"{name} (random weights) on {out['device']}, torch {torch.__version__}, {prompt_tokens} prompt + "
+        f"{new_tokens} new, greedy")
+    for key, t in ms.items():
+        e = out["engines"].setdefault(key, {})
+        B = int(key.rsplit(" ", 1)[1])
+        e["generate_ms"], e["tokens_per_s"] = t, B * new_tokens / t * 1e3
+        extra = f"  ({e['graphs_captured']}/{e['graph_shapes']} graphs in {e['capture_s']:.1f} s)" if "capture_s" in e else ""
+        log(f"  {key:<48}{t:>10.1f} ms{e['tokens_per_s']:>12.1f} tok/s (prompt + new, end to end){extra}")
     return out
 
 

@@ -246,7 +246,7 @@ def cmd_serve(args):
           api_keys=args.api_key or ([key] if key is not None else []), metrics_public=args.metrics_public,
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
           max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
-          kv_dtype=_dtype(args.kv_cache_dtype))
+          kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds)
     return _leave(args.tp)
 
 
@@ -373,6 +373,8 @@ def build_parser() -> Parser:
     p.add_argument("--kv-cache-fraction", type=float, metavar="F", help="the paged KV cache takes up to this "
                    "fraction of the memory free after loading (default: 0.25 of the host's, at most 2 GiB; "
                    "0.8 of the GPU's on CUDA)")
+    p.add_argument("--cuda-graph-seconds", type=float, default=60.0, metavar="S", help="on CUDA, capture the "
+                   "decode steps as CUDA graphs at start-up for up to S seconds (default 60; 0: run them eagerly)")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (as HF's apply_chat_template "
                    "uses): enables /v1/chat/completions")
@@ -398,6 +400,8 @@ def build_parser() -> Parser:
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
     p.add_argument("--model", action="store_true", help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF")
+    p.add_argument("--batch", type=int, action="append", help="with --model --device cuda: a batch size to time "
+                   "(repeatable; default 1, 32 and 256)")
     p.add_argument("--precision", choices=PRECISIONS, action="append",
                    help="with --model / --accuracy: the precisions (repeatable; default fp32 / all four)")
     p.add_argument("--kernels", action="store_true",

@@ -19,11 +19,15 @@ from ..errors import Gpt2ffnError
 from ..model import GPT2
 from .kv_cache import PagedKVCache
 from .sampling import Sampling, logprobs_of, next_tokens
+from .static import StaticDecoder, attention_kernels
 from .text import TextStream
 
 # Prefill tokens per step. GPT-2 small, 512-token prompt: chunks of 128 and 256 prefill equally fast (2.2 s),
 # 32 and 64 are 50% and 25% slower; 128 stalls the running streams half as long as 256 (README, "Serving").
+# A GPU prefills thousands of tokens in the time a step's launches take: there a step takes up to 2048 (as
+# vLLM's max_num_batched_tokens), so 256 prompts of 128 tokens are admitted in 16 steps, not 256.
 CHUNK = 128
+CUDA_CHUNK = 2048
 
 
 KV_FRACTION = {"cpu": 0.25, "cuda": 0.8}
@@ -107,29 +111,40 @@ class Engine:
     requests queued beyond them (more: QueueFull); kv_tokens: size of the cache pool in positions
     (default: default_kv_tokens, with kv_fraction of the free memory);
     max_len: the longest prompt + max_new_tokens it takes (default n_positions); batch_invariant: each
-    row's logits bitwise independent of its batch mates (see decode_step)."""
+    row's logits bitwise independent of its batch mates (see decode_step); static_decode: decode steps of
+    fixed shapes over slots (serving/static.py; default: on CUDA, unless batch_invariant), replayed as CUDA
+    graphs there (captured at start-up within graph_seconds; 0: none, every step eager)."""
 
     def __init__(self, model: GPT2, decode=None, max_batch: int = 64, max_waiting: int = 256,
-                 kv_tokens: int | None = None, chunk: int = CHUNK, block_size: int = 16, max_len: int | None = None,
-                 batch_invariant: bool = False, metrics=None, kv_fraction: float | None = None):
+                 kv_tokens: int | None = None, chunk: int | None = None, block_size: int = 16, max_len: int | None = None,
+                 batch_invariant: bool = False, metrics=None, kv_fraction: float | None = None,
+                 static_decode: bool | None = None, graph_seconds: float = 60.0):
         cfg = model.config
         self.model, self.decode, self.metrics = model, decode, metrics
-        self.max_batch, self.max_waiting, self.chunk = max_batch, max_waiting, chunk
-        self.batch_invariant = batch_invariant
         weight = model.transformer.wte.weight
+        self.max_batch, self.max_waiting = max_batch, max_waiting
+        self.chunk = chunk or (CUDA_CHUNK if weight.device.type == "cuda" else CHUNK)
+        self.batch_invariant = batch_invariant
         with torch.no_grad():
             # The native decode block (kernels/, gpt2ffn._C) reads each sequence's cache as one contiguous slot:
             # then a block is a whole context. It is batch-invariant by construction (each row's LayerNorm,
             # GEMV sums, attention over its own slot in one fixed order), so it serves that mode too.
             self.fused = model.fused_decode()
         self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
-        if self.fused:
+        if static_decode is None:
+            static_decode = weight.device.type == "cuda" and not batch_invariant and not self.fused
+        slots = self.fused or static_decode
+        if slots:  # one slot of max_len positions per sequence
             block_size = self.max_len
-        kv_tokens = kv_tokens or default_kv_tokens(model.kv_config, max_batch, model.kv_dtype, slots=self.fused,
+        kv_tokens = kv_tokens or default_kv_tokens(model.kv_config, max_batch, model.kv_dtype, slots=slots,
                                                    device=weight.device, fraction=kv_fraction, max_len=self.max_len)
         self.cache = PagedKVCache(model.kv_config, -(-kv_tokens // block_size), block_size, model.kv_dtype,
                                   weight.device)
         self.device = weight.device
+        self.static = StaticDecoder(model, self.cache, max_batch) if static_decode else None
+        self.graphs = None  # (captured, shapes, seconds) on CUDA
+        if self.static is not None and self.device.type == "cuda" and graph_seconds > 0:
+            self.graphs = self.static.capture(graph_seconds)
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
         self.generator.seed()
         self.waiting, self.running = deque(), []
@@ -191,9 +206,10 @@ class Engine:
                     break  # the pool is full: it waits for a running sequence to finish
                 self.running.append(self.waiting.popleft())
         decoding = [r for r in self.running if r.computed == len(r.prompt)]
-        events += self.prefill([r for r in self.running if r.computed < len(r.prompt)])
-        if decoding:
-            events += self.decode_step(decoding)
+        with attention_kernels(self.device):
+            events += self.prefill([r for r in self.running if r.computed < len(r.prompt)])
+            if decoding:
+                events += self.decode_step(decoding)
         if self.metrics is not None:
             self.metrics.step(self, len(decoding), events)
         return events
@@ -269,6 +285,14 @@ class Engine:
 
     def decode_step(self, rows: list) -> list:
         """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant)."""
+        if self.static is not None:  # rows in slots 0..D-1, a fixed-shape step (a CUDA graph's replay on a GPU)
+            for r in rows:
+                if not self.static.holds(r):
+                    self.static.add(r, self.running)
+            rows = list(self.static.rows)
+            logits = self.static.step()
+            picked = next_tokens(logits, rows, self.generator)
+            return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
         ids = torch.tensor([[r.output[-1]] for r in rows], device=self.device)
         pos = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device)
         lengths = [len(r.prompt) + len(r.output) for r in rows]
@@ -315,6 +339,8 @@ class Engine:
     def finish(self, r: Request, reason: str) -> Token:
         r.finish_reason = reason
         self.running.remove(r)
+        if self.static is not None:
+            self.static.remove(r)
         self.cache.release(r.blocks)
         r.blocks = []
         return Token(r, -1, finish_reason=reason)

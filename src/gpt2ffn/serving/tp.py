@@ -33,6 +33,7 @@ class TPEngine(Engine):
         self.rank = dist.get_rank(self.group)
         self.root = dist.get_global_rank(self.group, 0)
         kwargs["kv_tokens"] = self.broadcast(kwargs.get("kv_tokens") or self.default_tokens(model, kwargs))
+        kwargs["static_decode"] = False  # each pass goes through forward(), which the other ranks follow
         super().__init__(model, decode, **kwargs)
         self.follower = self.rank != 0
 

@@ -1,0 +1,192 @@
+"""Decode steps of fixed shapes over a slot cache, so that a GPU replays each as one CUDA graph (as vLLM does).
+
+The engine's cache holds one slot of max_len positions per sequence (PagedKVCache with block_size = max_len).
+The sequences that decode are kept in slots 0..D-1, in order: a sequence whose prompt is done moves into slot
+D, and when one finishes the last one moves into its slot (its filled positions are copied, a few MB on a
+GPU). A step then reads every decoding row's keys as one view of the cache, cache[:B, :, :span], with no
+gather and no block table, and its shapes depend only on (B, span): B the batch rounded up to a bucket (1,
+2, 4, 8, 16, 32, then steps of 32), span the longest row rounded up to a power of two (at least 64, at most
+max_len). Rows past D are padding: token 0 at position max_len - 1 of their slot, a position every sequence
+writes before it reads it, so they disturb no one, and their logits are dropped.
+
+On CUDA each (B, span) is captured once at start-up into a CUDA graph (the time is reported and bounded by
+`seconds`; shapes not captured in time run eagerly) and a step is one host-to-device copy of the ids and
+positions, one replay, and the sampler's one copy back. On the CPU the same steps run eagerly (tested
+against the engine's paged path); the CPU's native decode (GPT2.decode_slots) needs none of this.
+"""
+
+import contextlib
+import time
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from ..model import GPT2
+
+# On CUDA the engine's attention (masked: paged prefill, these steps) runs on the memory-efficient, flash or
+# math kernels, not cuDNN's: cuDNN planned anew for every new shape (1.1 ms a call, 57% of the host time of
+# a batch-256 run, issue 18), and prefill's packed rows have a new shape every step.
+GPU_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+
+
+def attention_kernels(device):
+    """The context the engine's steps run in: on CUDA, SDPA without cuDNN (GPU_ATTENTION)."""
+    return sdpa_kernel(GPU_ATTENTION) if torch.device(device).type == "cuda" else contextlib.nullcontext()
+
+
+def batch_buckets(max_batch: int) -> list:
+    """1, 2, 4, 8, 16, 32, then steps of 32, up to and including max_batch."""
+    out = [b for b in (1, 2, 4, 8, 16) if b < max_batch] + list(range(32, max_batch, 32))
+    return out + [max_batch]
+
+
+def span_buckets(max_len: int) -> list:
+    """Powers of two from 64 below max_len, then max_len."""
+    out, s = [], 64
+    while s < max_len:
+        out.append(s)
+        s *= 2
+    return out + [max_len]
+
+
+def first_at_least(buckets: list, n: int) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+class _SlotView:
+    """What a block's attention asks of a cache (update): write each row's new key and value at its position
+    of its slot (row b is slot b), return slots 0..B-1's first `span` positions as views."""
+
+    def __init__(self, cache, rows, positions, span: int):
+        self.cache, self.rows, self.positions, self.span = cache, rows, positions, span
+
+    def update(self, layer: int, k, v):
+        B = k.shape[0]
+        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+            pool[self.rows, :, self.positions] = new[:, :, 0].to(pool.dtype)      # (B, H, D) at (slot, position)
+        return self.cache.k[layer][:B, :, :self.span], self.cache.v[layer][:B, :, :self.span]
+
+
+class StaticDecoder:
+    """One-token steps of the rows in slots 0..D-1 (see the module's docstring). rows: the decoding requests,
+    row i in slot i (request.blocks == [i])."""
+
+    def __init__(self, model: GPT2, cache, max_batch: int):
+        self.model, self.cache = model, cache
+        self.max_len = cache.block_size
+        self.buckets = batch_buckets(min(max_batch, cache.num_blocks))
+        self.spans = span_buckets(self.max_len)
+        device = cache.k[0].device
+        top = self.buckets[-1]
+        # ids, positions: the step's inputs, in place (a graph reads these addresses); pinned host staging
+        self.io = torch.zeros(2, top, dtype=torch.long, device=device)
+        self.host = torch.zeros(2, top, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.slots = torch.arange(top, device=device)
+        self.rows = []
+        self.graphs = {}                 # (B, span) -> (CUDAGraph, its logits)
+        self.capture_s = 0.0
+
+    # -- the slots ----------------------------------------------------------------------------------------
+    def _copy(self, src: int, dst: int, n: int):
+        """Positions 0..n-1 of slot src into slot dst, every layer."""
+        for pool in (*self.cache.k, *self.cache.v):
+            pool[dst, :, :n] = pool[src, :, :n]
+
+    def _swap(self, a: int, na: int, b: int, nb: int):
+        for pool in (*self.cache.k, *self.cache.v):
+            keep = pool[a, :, :na].clone()
+            pool[a, :, :nb] = pool[b, :, :nb]
+            pool[b, :, :na] = keep
+
+    def filled(self, r) -> int:
+        """Positions of r's slot that may hold its keys: its prompt so far and its tokens (the last one's
+        position is written by the step that reads it, maybe already this step)."""
+        return min(r.computed + len(r.output), self.max_len)
+
+    def add(self, r, running: list):
+        """r's prompt is done: move it into slot D (swapping with a sequence still in prefill there)."""
+        d, s = len(self.rows), r.blocks[0]
+        if s != d:
+            other = next((q for q in running if q is not r and q.blocks and q.blocks[0] == d), None)
+            if other is None:  # slot d is free: take it, free r's
+                self._copy(s, d, self.filled(r))
+                free = self.cache.free
+                free[free.index(d)] = s
+            else:
+                self._swap(s, self.filled(r), d, self.filled(other))
+                other.blocks = [s]
+            r.blocks = [d]
+        self.rows.append(r)
+
+    def holds(self, r) -> bool:
+        return bool(r.blocks) and r.blocks[0] < len(self.rows) and self.rows[r.blocks[0]] is r
+
+    def remove(self, r):
+        """r stops decoding: the last row moves into its slot; r is left holding the slot that frees."""
+        if not self.holds(r):
+            return
+        i, last = r.blocks[0], self.rows[-1]
+        if last is not r:
+            self._copy(last.blocks[0], i, self.filled(last))
+            self.rows[i] = last
+            r.blocks, last.blocks = last.blocks, [i]
+        self.rows.pop()
+
+    # -- the step -----------------------------------------------------------------------------------------
+    def forward(self, B: int, span: int):
+        """The model over inputs io[:, :B] and slots 0..B-1 -> logits (B, vocab): fixed shapes for (B, span)."""
+        ids, positions = self.io[0, :B], self.io[1, :B]
+        t = self.model.transformer
+        mask = (torch.arange(span, device=ids.device)[None, :] <= positions[:, None])[:, None, None]  # (B,1,1,S)
+        view = _SlotView(self.cache, self.slots[:B], positions, span)
+        x = t.drop(t.wte(ids) + t.wpe(positions))[:, None]                            # (B, 1, C)
+        for i, block in enumerate(t.h):
+            x = block(x, i, view, mask)
+        return self.model.lm_head(t.ln_f(x[:, 0]))
+
+    def step(self) -> torch.Tensor:
+        """The next-token logits of every decoding row, (D, vocab), row i that of self.rows[i]."""
+        d = len(self.rows)
+        B = first_at_least(self.buckets, d)
+        host = self.host[:, :B]
+        host[0, :d] = torch.tensor([r.output[-1] for r in self.rows])
+        host[1, :d] = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in self.rows])
+        host[0, d:], host[1, d:] = 0, self.max_len - 1
+        span = first_at_least(self.spans, int(host[1, :d].max()) + 1)
+        self.io[:, :B].copy_(host, non_blocking=True)
+        graph = self.graphs.get((B, span))
+        if graph is None:
+            return self.forward(B, span)[:d]
+        graph[0].replay()
+        return graph[1][:d]
+
+    @torch.no_grad()
+    def capture(self, seconds: float = 60.0) -> tuple:
+        """CUDA graphs of every (B, span), the largest first, sharing one memory pool, until `seconds` have
+        passed; -> (graphs captured, of how many, seconds taken). The inputs are the padding rows' (every
+        slot's last position, rewritten before any sequence reads it)."""
+        start = time.perf_counter()
+        self.host[0], self.host[1] = 0, self.max_len - 1
+        self.io.copy_(self.host)
+        pool = torch.cuda.graph_pool_handle()
+        shapes = [(B, s) for B in reversed(self.buckets) for s in reversed(self.spans)]
+        for B, span in shapes:
+            if time.perf_counter() - start > seconds:
+                break
+            self._capture(B, span, pool)
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - start
+        return len(self.graphs), len(shapes), self.capture_s
+
+    def _capture(self, B: int, span: int, pool):
+        with attention_kernels("cuda"):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # warm up: cuBLAS workspaces, attention kernels' choices
+                for _ in range(2):
+                    self.forward(B, span)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                out = self.forward(B, span)
+            self.graphs[B, span] = (graph, out)

@@ -1,0 +1,142 @@
+"""Decode steps of fixed shapes over slots (serving/static.py): the sequences that decode kept in slots 0..D-1,
+each step one (batch bucket, span bucket) shape, so that a GPU replays it as a CUDA graph. On the CPU the same
+steps run eagerly: the tokens and logits must be the paged path's, whatever joins, finishes or is aborted."""
+
+import pytest
+import torch
+
+import gpt2ffn.serving.engine as engine_mod
+from gpt2ffn.generate import load
+from gpt2ffn.model import load_model
+from gpt2ffn.serving.engine import Engine, Request
+from gpt2ffn.serving.sampling import Sampling
+from gpt2ffn.serving.static import batch_buckets, span_buckets
+
+
+@pytest.fixture(scope="module", params=["plain", "packed"])
+def model(request):
+    """Plain torch modules (the GPU's case) and the CPU's packed layers (the native decode, here bypassed)."""
+    if request.param == "plain":
+        return load_model("random:tiny:3", precision=None).eval()
+    return load("random:tiny:3")[0]
+
+
+def prompts(n, seed=0, lo=1, hi=40):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(1, 512, (int(torch.randint(lo, hi, (1,), generator=g)),), generator=g).tolist()
+            for _ in range(n)]
+
+
+def check_slots(eng):
+    """Decoding rows in slots 0..D-1 in order; every running request owns its own slot; the rest are free."""
+    st = eng.static
+    assert [r.blocks for r in st.rows] == [[i] for i in range(len(st.rows))]
+    owned = [r.blocks[0] for r in eng.running]
+    assert len(set(owned)) == len(owned)
+    assert sorted(owned + eng.cache.free) == list(range(eng.cache.num_blocks))
+    assert all(s >= len(st.rows) for s in eng.cache.free)
+
+
+def staggered(model, ps, samplings, every=2, abort=(), **kw):
+    eng = Engine(model, max_batch=5, max_waiting=64, chunk=8, max_len=80, **kw)
+    reqs = [Request(p, s) for p, s in zip(ps, samplings)]
+    pending, steps = list(reqs), 0
+    while pending or eng.has_work():
+        if pending and steps % every == 0:
+            eng.add(pending.pop(0))
+        for i in abort:
+            if steps == 6 + 3 * i:
+                eng.abort(reqs[i])
+        eng.step()
+        if eng.static is not None:
+            check_slots(eng)
+        steps += 1
+    return [r.output for r in reqs]
+
+
+def test_buckets():
+    assert batch_buckets(1) == [1] and batch_buckets(5) == [1, 2, 4, 5]
+    assert batch_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 96, 100]
+    assert batch_buckets(256)[-3:] == [192, 224, 256]
+    assert span_buckets(64) == [64] and span_buckets(50) == [50] and span_buckets(1024) == [64, 128, 256, 512, 1024]
+    assert span_buckets(192) == [64, 128, 192]
+
+
+def test_greedy_and_seeded_tokens_equal_the_paged_path(model):
+    ps = prompts(12)
+    greedy = [Sampling(max_new_tokens=int(n)) for n in torch.randint(1, 30, (12,), generator=torch.Generator().manual_seed(1))]
+    seeded = [Sampling(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.9, seed=i, presence_penalty=0.3)
+              for i in range(12)]
+    for samplings in (greedy, seeded):
+        want = staggered(model, ps, samplings, static_decode=False)
+        assert staggered(model, ps, samplings, static_decode=True) == want
+        assert staggered(model, ps, samplings, abort=(2, 5), static_decode=True)[6:] == want[6:]
+
+
+def test_every_step_logits_are_the_whole_sequence_forward(model, monkeypatch):
+    """Each decoding row's logits equal a plain forward of its whole sequence (fp32 tolerance), through slot
+    moves (rows finishing, joining), padded batch buckets and span buckets."""
+    worst, picked = [0.0], engine_mod.next_tokens
+
+    def spy(logits, rows, gen):
+        with torch.no_grad():
+            for i, r in enumerate(rows):
+                ref = model(torch.tensor([r.prompt + r.output]))[0, -1]
+                worst[0] = max(worst[0], (ref - logits[i]).abs().max().item())
+        return picked(logits, rows, gen)
+
+    monkeypatch.setattr(engine_mod, "next_tokens", spy)
+    ps = prompts(10, seed=3, hi=60)
+    staggered(model, ps, [Sampling(max_new_tokens=18)] * 10, every=1, static_decode=True)
+    assert 0 < worst[0] < 2e-5
+
+
+def test_defaults_and_logprobs(model):
+    # on the CPU the default is the paged path (the packed model's native decode when it has one)
+    assert Engine(model, max_batch=2).static is None
+    eng = Engine(model, max_batch=3, static_decode=True)
+    assert eng.static is not None and eng.cache.block_size == eng.max_len and eng.graphs is None
+    s = Sampling(max_new_tokens=5, logprobs=2, prompt_logprobs=1)
+    got = eng.run([Request([5, 6, 7, 8], s), Request([9, 10], s)])
+    want = Engine(model, max_batch=3, static_decode=False).run([Request([5, 6, 7, 8], s), Request([9, 10], s)])
+    assert [r.output for r in got] == [r.output for r in want]
+    assert [len(r.prompt_logprobs) for r in got] == [4, 2]
+    assert eng.counts() == (0, 0, 0) and eng.static.rows == []
+
+
+def test_cuda_graph_seconds_is_checked(capsys):
+    from gpt2ffn.cli import main
+    assert main(["serve", "--model", "random:tiny", "--cuda-graph-seconds", "-1"]) == 2
+    assert "--cuda-graph-seconds must be >= 0, got -1.0" in capsys.readouterr().err
+
+
+def test_bench_batch_sizes_are_for_cuda(capsys):
+    from gpt2ffn.cli import main
+    assert main(["bench", "--model", "--batch", "32", "--weights", "random:tiny"]) == 2
+    assert "--batch is for --model --device cuda" in capsys.readouterr().err
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype):
+    """On a GPU: every decode shape captured, the replayed steps give the eager steps' tokens, greedy and
+    seeded; in fp32 with TF32 off the greedy tokens are HF's on the same card."""
+    from transformers import GPT2LMHeadModel
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = load(str(hf_dir), dtype=dtype, device="cuda")[0]
+    ps = prompts(40, seed=5, hi=20)
+    s = [Sampling(max_new_tokens=24)] * 20 + [Sampling(max_new_tokens=24, temperature=1.0, seed=i) for i in range(20)]
+    graphs = Engine(model, max_batch=40, max_len=64)
+    assert graphs.static is not None and graphs.graphs[0] == graphs.graphs[1] > 0
+    eager = Engine(model, max_batch=40, max_len=64, graph_seconds=0)
+    assert eager.static is not None and eager.graphs is None
+    got = [r.output for r in graphs.run([Request(p, x) for p, x in zip(ps, s)])]
+    assert got == [r.output for r in eager.run([Request(p, x) for p, x in zip(ps, s)])]
+    if dtype == torch.float32:
+        hf = GPT2LMHeadModel.from_pretrained(hf_dir).to("cuda").eval()
+        hf.generation_config.eos_token_id = None
+        with torch.no_grad():
+            for p, out in zip(ps[:4], got):
+                want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                                   pad_token_id=0)[0, len(p):].tolist()
+                assert out == want
