@@ -113,6 +113,11 @@ def forward_impls(ffn, device):
     impls["torch.compile(Linear+GELU+Linear)"] = (torch.compile(copy.deepcopy(stack), dynamic=False), False)
     if device == "cpu":
         impls["numpy reference"] = (reference.FFN.from_state_dict(ffn.state_dict()), True)
+    elif kernels.cuda.epilogue_gelu_is_tanh(device):  # else that epilogue is not GPT-2's GELU there
+        p = {k: v.detach() for k, v in ffn.state_dict().items()}
+        impls["addmm + cuBLASLt GELU epilogue"] = (lambda x: kernels.cuda.fused(
+            x.reshape(-1, x.shape[-1]), p["c_fc.weight"], p["c_fc.bias"], p["c_proj.weight"], p["c_proj.bias"]
+        ).view(x.shape), False)
     return impls
 
 
@@ -315,6 +320,8 @@ def run(args):
         return result
     result["forward"] = bench_forward(dims, tokens, repeats, device)
     result["dispatch"] = {str(k): v for k, v in kernels.choices().items()}
+    if str(device).startswith("cuda"):
+        result["cuda_ffn"] = kernels.cuda.choices()
     if args.backward:
         bwd_dims = args.dims or ([768] if args.quick else [768, 1600])
         bwd_tokens = args.tokens or ([512] if args.quick else [64, 512, 2048])

@@ -4,6 +4,8 @@
   and recomputes GELU in backward (less activation memory than plain autograd).
 - CPU fp32 inference: the fastest of `cpu.AUTO` for this (n_embd, hidden, token bucket, threads),
   measured once on first use and cached.
+- CUDA inference with the tanh GELU: c_fc's bias and GELU in cuBLASLt's epilogue where that is checked to be
+  the tanh form and measured faster (`cuda.py`), else plain ops.
 - anything else (torch.compile tracing, other dtypes or devices): plain traceable torch ops.
 
 GPT2FFN_PATH=<path name> (or "plain") forces one path, for benchmarks and debugging.
@@ -16,7 +18,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import cpu
+from . import cpu, cuda
 
 _CHOICES = {}  # (n_embd, hidden, token bucket, threads, activation) -> path name
 _LOCK = threading.Lock()
@@ -107,6 +109,10 @@ def ffn(x2, w1, b1, w2, b2, approximate):
     if torch.is_grad_enabled() and (x2.requires_grad or w1.requires_grad or b1.requires_grad
                                     or w2.requires_grad or b2.requires_grad):
         return RecomputeGELU.apply(x2, w1, b1, w2, b2, approximate)
+    if x2.device.type == "cuda" and approximate == "tanh":
+        if cuda.choose(x2, w1, b1, w2, b2, plain, bucket(x2.shape[0])) == "fused":
+            return cuda.fused(x2, w1, b1, w2, b2)
+        return plain(x2, w1, b1, w2, b2, approximate)
     if x2.dtype != torch.float32 or x2.device.type != "cpu":
         return plain(x2, w1, b1, w2, b2, approximate)
     if not x2.is_contiguous():

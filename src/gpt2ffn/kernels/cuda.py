@@ -1,0 +1,77 @@
+"""The FFN on CUDA: c_fc's bias and GELU in cuBLASLt's epilogue, where that is GPT-2's GELU and faster.
+
+`torch._addmm_activation(b, x, w, use_gelu=True)` computes x @ w + b and applies GELU as the GEMM stores its
+output (cuBLASLt's GELU_BIAS epilogue), which saves a pass over the (N, hidden) tensor. Which GELU that is
+depends on the device: cuBLASLt's epilogue computes the tanh form (GPT-2's), while the CPU's kernel computes
+the exact one. So before it is used on a device, one call is checked against F.gelu(approximate="tanh"). The
+check runs in fp32, on inputs that are exact in TF32, through an identity weight, so only the activation can
+differ. It passes if the call is within 2e-6 of the tanh form everywhere (inside the fp32 tolerance of 1e-5
+that the FFN is held to) and at least 3e-4 from the exact form somewhere (they differ by up to 4.7e-4). Then,
+per dtype, shape and token bucket, the fused call is timed against the plain ops and the faster is kept. No check or timing runs while a CUDA graph is being
+captured: there the plain ops run until a choice exists (the engine's warm-up makes it first).
+GPT2FFN_CUDA_FFN=fused|plain forces one.
+"""
+
+import os
+import threading
+import time
+
+import torch
+import torch.nn.functional as F
+
+_TANH = {}     # device -> whether its epilogue GELU is the tanh form
+_CHOICES = {}  # (device, dtype, d, hidden, token bucket) -> "fused" | "plain"
+_LOCK = threading.Lock()
+FORCED = os.environ.get("GPT2FFN_CUDA_FFN")
+
+
+def fused(x2, w1, b1, w2, b2):
+    """c_fc with bias and GELU in the GEMM's epilogue, then c_proj with its bias."""
+    return torch.addmm(b2, torch._addmm_activation(b1, x2, w1, use_gelu=True), w2)
+
+
+def epilogue_gelu_is_tanh(device) -> bool:
+    """Whether torch._addmm_activation's GELU on `device` is the tanh form (measured once per device)."""
+    device = torch.device(device)
+    if device not in _TANH:
+        x = (torch.arange(64 * 16, dtype=torch.float32) - 512).reshape(64, 16) / 80  # [-6.4, 6.4], exact in TF32
+        x = x.to(device)
+        y = torch._addmm_activation(torch.zeros(16, device=device), x, torch.eye(16, device=device), use_gelu=True)
+        tanh = (y - F.gelu(x, approximate="tanh")).abs().max().item()
+        exact = (y - F.gelu(x)).abs().max().item()
+        _TANH[device] = tanh <= 2e-6 and exact >= 3e-4
+    return _TANH[device]
+
+
+def _time(f, repeats: int = 10) -> float:
+    f()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        f()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def choose(x2, w1, b1, w2, b2, plain, bucket: int) -> str:
+    """'fused' or 'plain' for this call's device, dtype, shape and token bucket (tanh GELU only)."""
+    if FORCED in ("fused", "plain"):
+        return FORCED
+    key = (x2.device, x2.dtype, w1.shape[0], w1.shape[1], bucket)
+    name = _CHOICES.get(key)
+    if name is not None:
+        return name
+    if x2.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+        return "plain" if x2.device.type == "cuda" else _CHOICES.setdefault(key, "plain")
+    with _LOCK:
+        if key not in _CHOICES:
+            fast = epilogue_gelu_is_tanh(x2.device) and (
+                _time(lambda: fused(x2, w1, b1, w2, b2)) < _time(lambda: plain(x2, w1, b1, w2, b2, "tanh")))
+            _CHOICES[key] = "fused" if fast else "plain"
+    return _CHOICES[key]
+
+
+def choices() -> dict:
+    """What has been checked and chosen so far, for reports."""
+    return {"epilogue_gelu_is_tanh": {str(k): v for k, v in _TANH.items()},
+            "ffn": {f"{k[0]} {k[1]} {k[2]}x{k[3]} tokens<={k[4]}": v for k, v in _CHOICES.items()}}
