@@ -11,6 +11,7 @@ from gpt2ffn.cli import main
 from gpt2ffn.errors import Gpt2ffnError
 from gpt2ffn.generate import Sampling, generate
 from gpt2ffn.loading import default_dtype, load, resolve_device
+from gpt2ffn.model import load_model
 from gpt2ffn.serving import engine as engine_mod
 from gpt2ffn.serving.engine import Engine, default_kv_tokens
 
@@ -85,13 +86,13 @@ def test_cuda_model_and_engine_match_hf_on_the_card(hf_dir):
     """On a GPU: fp32 logits within the CUDA tolerance of HF's on the same card, greedy tokens equal (bf16 too)."""
     ids = torch.tensor([[1, 5, 9, 2, 7, 3]], device="cuda")
     hf = GPT2LMHeadModel.from_pretrained(hf_dir).to("cuda").eval()
-    model, _, _ = load(str(hf_dir), dtype=torch.float32, device="cuda")
+    hf.generation_config.eos_token_id = None
+    model = load_model(str(hf_dir), precision=None).to("cuda")  # weights only: the checkpoint has no tokenizer
     with torch.no_grad():
-        assert (model(ids).logits - hf(ids).logits).abs().max() < 1e-4
+        assert (model(ids) - hf(ids).logits).abs().max() < 1e-4
         want = hf.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)[0, 6:].tolist()
     assert generate(model, [ids[0].tolist()], Sampling(max_new_tokens=8))[0] == want
-    bf16, _, _ = load(str(hf_dir), device="cuda")
-    assert bf16.transformer.wte.weight.dtype == torch.bfloat16
+    bf16 = load_model(str(hf_dir), precision=None).to("cuda", torch.bfloat16)
     out = generate(bf16, [ids[0].tolist()] * 3, Sampling(max_new_tokens=8, temperature=0.8, top_p=0.9, seed=1))
     assert len(out) == 3 and all(len(o) == 8 for o in out)
 

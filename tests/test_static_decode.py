@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import gpt2ffn.serving.engine as engine_mod
+from gpt2ffn.errors import Gpt2ffnError
 from gpt2ffn.generate import load
 from gpt2ffn.model import load_model
 from gpt2ffn.serving.engine import Engine, Request
@@ -102,6 +103,8 @@ def test_defaults_and_logprobs(model):
     assert [r.output for r in got] == [r.output for r in want]
     assert [len(r.prompt_logprobs) for r in got] == [4, 2]
     assert eng.counts() == (0, 0, 0) and eng.static.rows == []
+    with pytest.raises(Gpt2ffnError, match="cannot be batch-invariant"):
+        Engine(model, static_decode=True, batch_invariant=True)
 
 
 def test_cuda_graph_seconds_is_checked(capsys):
@@ -118,25 +121,30 @@ def test_bench_batch_sizes_are_for_cuda(capsys):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype):
-    """On a GPU: every decode shape captured, the replayed steps give the eager steps' tokens, greedy and
-    seeded; in fp32 with TF32 off the greedy tokens are HF's on the same card."""
+def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype, monkeypatch):
+    """On a GPU: the shapes captured at start-up and on first use, the replayed steps give the eager steps'
+    tokens, greedy and seeded; in fp32 with TF32 off the greedy tokens are HF's on the same card."""
     from transformers import GPT2LMHeadModel
-    torch.backends.cuda.matmul.allow_tf32 = False
-    model = load(str(hf_dir), dtype=dtype, device="cuda")[0]
-    ps = prompts(40, seed=5, hi=20)
-    s = [Sampling(max_new_tokens=24)] * 20 + [Sampling(max_new_tokens=24, temperature=1.0, seed=i) for i in range(20)]
-    graphs = Engine(model, max_batch=40, max_len=64)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = load_model(str(hf_dir), dtype=dtype, precision=None).to("cuda").eval()
+    V, n = model.config.vocab_size, model.config.n_positions                 # the small checkpoint: 96, 32
+    g = torch.Generator().manual_seed(5)
+    ps = [torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(40)]
+    s = [Sampling(max_new_tokens=n - 9)] * 20 + [Sampling(max_new_tokens=n - 9, temperature=1.0, seed=i) for i in range(20)]
+    graphs = Engine(model, max_batch=40, max_len=n)
     assert graphs.static is not None and graphs.graphs[0] == graphs.graphs[1] > 0
-    eager = Engine(model, max_batch=40, max_len=64, graph_seconds=0)
-    assert eager.static is not None and eager.graphs is None
+    lazy = Engine(model, max_batch=40, max_len=n, graph_seconds=0)
+    eager = Engine(model, max_batch=40, max_len=n, cuda_graphs=False)
+    assert lazy.graphs is None and not eager.static.use_graphs
     got = [r.output for r in graphs.run([Request(p, x) for p, x in zip(ps, s)])]
+    assert got == [r.output for r in lazy.run([Request(p, x) for p, x in zip(ps, s)])]
+    assert lazy.static.graphs and all(g is not None for g in lazy.static.graphs.values())
     assert got == [r.output for r in eager.run([Request(p, x) for p, x in zip(ps, s)])]
     if dtype == torch.float32:
         hf = GPT2LMHeadModel.from_pretrained(hf_dir).to("cuda").eval()
         hf.generation_config.eos_token_id = None
         with torch.no_grad():
             for p, out in zip(ps[:4], got):
-                want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=24, do_sample=False,
+                want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n - 9, do_sample=False,
                                    pad_token_id=0)[0, len(p):].tolist()
                 assert out == want

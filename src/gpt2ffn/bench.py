@@ -443,7 +443,7 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
     graphs, captured once per engine, the time reported) and HF generate (dynamic cache; static cache up to
     batch 32), the same random prompts of prompt_tokens, new_tokens greedy tokens each (no EOS), synchronized
     end-to-end timings (prefill included), interleaved rounds. At batch 1 gpt2ffn's tokens are compared with
-    HF's."""
+    HF's. HF's static cache runs without the torch.compile transformers would add (disable_compile)."""
     from transformers import GPT2LMHeadModel
 
     from .model import GPT2
@@ -490,7 +490,8 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
                     ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
                 if B <= 32:
                     runs[f"HF transformers {p} static cache batch {B}"] = lambda m=hf, ids=ids: m.generate(
-                        ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static")
+                        ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0, cache_implementation="static",
+                        disable_compile=True)
         ms = rounds(runs, max(3, repeats // 2), device)
     log(f"{name} (random weights) on {out['device']}, torch {torch.__version__}, {prompt_tokens} prompt + "
         f"{new_tokens} new, greedy")

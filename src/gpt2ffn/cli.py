@@ -246,7 +246,8 @@ def cmd_serve(args):
           api_keys=args.api_key or ([key] if key is not None else []), metrics_public=args.metrics_public,
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
           max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
-          kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds)
+          kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds,
+          cuda_graphs=not args.no_cuda_graphs)
     return _leave(args.tp)
 
 
@@ -374,7 +375,8 @@ def build_parser() -> Parser:
                    "fraction of the memory free after loading (default: 0.25 of the host's, at most 2 GiB; "
                    "0.8 of the GPU's on CUDA)")
     p.add_argument("--cuda-graph-seconds", type=float, default=60.0, metavar="S", help="on CUDA, capture the "
-                   "decode steps as CUDA graphs at start-up for up to S seconds (default 60; 0: run them eagerly)")
+                   "decode steps as CUDA graphs at start-up for up to S seconds, the rest on first use (default 60)")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="on CUDA, run the decode steps eagerly")
     p.add_argument("--threads", type=int, help="torch threads (default: torch's, one per core)")
     p.add_argument("--chat-template", metavar="FILE", help="a Jinja chat template (as HF's apply_chat_template "
                    "uses): enables /v1/chat/completions")

@@ -23,7 +23,8 @@ def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invar
     longest = max(len(p) for p in prompts) + s.max_new_tokens
     max_len = min(longest, model.config.n_positions) if longest > 0 else 1
     return make_engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,
-                       kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant)
+                       kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant,
+                       graph_seconds=0)  # one call: CUDA graphs of the shapes it meets, captured on first use
 
 
 @torch.no_grad()

@@ -113,12 +113,13 @@ class Engine:
     max_len: the longest prompt + max_new_tokens it takes (default n_positions); batch_invariant: each
     row's logits bitwise independent of its batch mates (see decode_step); static_decode: decode steps of
     fixed shapes over slots (serving/static.py; default: on CUDA, unless batch_invariant), replayed as CUDA
-    graphs there (captured at start-up within graph_seconds; 0: none, every step eager)."""
+    graphs there unless cuda_graphs is False (captured at start-up for up to graph_seconds, the rest on
+    first use)."""
 
     def __init__(self, model: GPT2, decode=None, max_batch: int = 64, max_waiting: int = 256,
                  kv_tokens: int | None = None, chunk: int | None = None, block_size: int = 16, max_len: int | None = None,
                  batch_invariant: bool = False, metrics=None, kv_fraction: float | None = None,
-                 static_decode: bool | None = None, graph_seconds: float = 60.0):
+                 static_decode: bool | None = None, cuda_graphs: bool = True, graph_seconds: float = 60.0):
         cfg = model.config
         self.model, self.decode, self.metrics = model, decode, metrics
         weight = model.transformer.wte.weight
@@ -133,6 +134,8 @@ class Engine:
         self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
         if static_decode is None:
             static_decode = weight.device.type == "cuda" and not batch_invariant and not self.fused
+        if static_decode and batch_invariant:
+            raise Gpt2ffnError("static_decode batches rows into one step: it cannot be batch-invariant")
         slots = self.fused or static_decode
         if slots:  # one slot of max_len positions per sequence
             block_size = self.max_len
@@ -141,9 +144,9 @@ class Engine:
         self.cache = PagedKVCache(model.kv_config, -(-kv_tokens // block_size), block_size, model.kv_dtype,
                                   weight.device)
         self.device = weight.device
-        self.static = StaticDecoder(model, self.cache, max_batch) if static_decode else None
-        self.graphs = None  # (captured, shapes, seconds) on CUDA
-        if self.static is not None and self.device.type == "cuda" and graph_seconds > 0:
+        self.static = StaticDecoder(model, self.cache, max_batch, cuda_graphs) if static_decode else None
+        self.graphs = None  # (captured at start-up, shapes, seconds) on CUDA
+        if self.static is not None and self.static.use_graphs and graph_seconds > 0:
             self.graphs = self.static.capture(graph_seconds)
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
         self.generator.seed()
@@ -396,6 +399,8 @@ class Loop:
         with e.lock:
             victims = e.running + list(e.waiting)
             e.waiting.clear()
+        if e.static is not None:  # no slot moves: every row goes (and after a device error they would fail too)
+            e.static.rows.clear()
         for r in list(e.running):
             e.finish(r, "error")
         out = []

@@ -384,7 +384,7 @@ def busy_in_openai_shape(svc: Service):
 def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
           precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
           rank=0, api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
-          max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0):
+          max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
     tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes."""
     import uvicorn
@@ -405,7 +405,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     api_keys = check_keys(api_keys)
     check_tls(ssl_certfile, ssl_keyfile)
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
-                  dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds)
+                  dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs)
     if rank != 0:
         svc.load()
         svc.engine.follow()  # returns when rank 0's engine thread stops

@@ -35,10 +35,10 @@ class Service:
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
                  chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, max_model_len=None,
-                 max_n=16, tp=1, activations=None, kv_dtype=None, graph_seconds=60.0):
+                 max_n=16, tp=1, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True):
         self.model_spec, self.tp, self.max_batch, self.max_waiting = model_spec, tp, max_batch, max_waiting
         self.device, self.dtype, self.kv_fraction, self.activations = device, dtype, kv_fraction, activations
-        self.kv_dtype, self.graph_seconds = kv_dtype, graph_seconds
+        self.kv_dtype, self.graph_seconds, self.cuda_graphs = kv_dtype, graph_seconds, cuda_graphs
         self.threads, self.max_model_len, self.max_n = threads, max_model_len, max_n
         self.max_len = None  # prompt + max_tokens a request may reach: --max-model-len, or the model's context
         self.batch_invariant, self.precision = batch_invariant, precision
@@ -66,7 +66,8 @@ class Service:
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
         self.engine = make_engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
                                   max_len=self.max_len, batch_invariant=self.batch_invariant, metrics=self.metrics,
-                                  kv_fraction=self.kv_fraction, graph_seconds=self.graph_seconds)
+                                  kv_fraction=self.kv_fraction, graph_seconds=self.graph_seconds,
+                                  cuda_graphs=self.cuda_graphs)
         if getattr(self.engine, "follower", False):
             return  # ranks > 0 of --tp run rank 0's forward passes (engine.follow()); no HTTP, no Loop
         self.loop = Loop(self.engine)
@@ -84,7 +85,8 @@ class Service:
             if self.engine.graphs is not None:
                 done, shapes, seconds = self.engine.graphs
                 print(f"gpt2ffn: decode steps captured as {done} of {shapes} CUDA graphs in {seconds:.1f} s "
-                      f"(batch buckets {self.engine.static.buckets}, spans {self.engine.static.spans})", flush=True)
+                      f"(batch buckets {self.engine.static.buckets}, spans {self.engine.static.spans}; the rest on "
+                      f"first use)", flush=True)
         except Exception as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             os._exit(2)

@@ -69,22 +69,26 @@ class _SlotView:
 
 class StaticDecoder:
     """One-token steps of the rows in slots 0..D-1 (see the module's docstring). rows: the decoding requests,
-    row i in slot i (request.blocks == [i])."""
+    row i in slot i (request.blocks == [i]). graphs (CUDA only): replay each shape as a CUDA graph, captured
+    by capture() at start-up or else on its first use."""
 
-    def __init__(self, model: GPT2, cache, max_batch: int):
+    def __init__(self, model: GPT2, cache, max_batch: int, graphs: bool = False):
         self.model, self.cache = model, cache
         self.max_len = cache.block_size
         self.buckets = batch_buckets(min(max_batch, cache.num_blocks))
         self.spans = span_buckets(self.max_len)
         device = cache.k[0].device
+        self.use_graphs = graphs and device.type == "cuda"
         top = self.buckets[-1]
         # ids, positions: the step's inputs, in place (a graph reads these addresses); pinned host staging
         self.io = torch.zeros(2, top, dtype=torch.long, device=device)
-        self.host = torch.zeros(2, top, dtype=torch.long, pin_memory=device.type == "cuda")
+        self.host = torch.zeros(2, top, dtype=torch.long, pin_memory=self.use_graphs)
         self.slots = torch.arange(top, device=device)
+        self.logits = None  # (top, vocab): every graph's output, one buffer (not one per shape)
         self.rows = []
-        self.graphs = {}                 # (B, span) -> (CUDAGraph, its logits)
-        self.capture_s = 0.0
+        self.graphs = {}    # (B, span) -> CUDAGraph, or None where its capture failed (then eager)
+        self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
+        self.capture_s, self.capture_error = 0.0, None
 
     # -- the slots ----------------------------------------------------------------------------------------
     def _copy(self, src: int, dst: int, n: int):
@@ -148,45 +152,54 @@ class StaticDecoder:
         """The next-token logits of every decoding row, (D, vocab), row i that of self.rows[i]."""
         d = len(self.rows)
         B = first_at_least(self.buckets, d)
-        host = self.host[:, :B]
+        host = self.host
         host[0, :d] = torch.tensor([r.output[-1] for r in self.rows])
         host[1, :d] = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in self.rows])
         host[0, d:], host[1, d:] = 0, self.max_len - 1
         span = first_at_least(self.spans, int(host[1, :d].max()) + 1)
-        self.io[:, :B].copy_(host, non_blocking=True)
+        self.io.copy_(host, non_blocking=True)  # the whole buffer: a strided part would bypass the pinned copy
+        if self.use_graphs and (B, span) not in self.graphs:
+            self._capture(B, span)  # first use: the inputs are real, and writing them twice changes nothing
         graph = self.graphs.get((B, span))
         if graph is None:
             return self.forward(B, span)[:d]
-        graph[0].replay()
-        return graph[1][:d]
+        graph.replay()
+        return self.logits[:d]
 
     @torch.no_grad()
     def capture(self, seconds: float = 60.0) -> tuple:
-        """CUDA graphs of every (B, span), the largest first, sharing one memory pool, until `seconds` have
-        passed; -> (graphs captured, of how many, seconds taken). The inputs are the padding rows' (every
-        slot's last position, rewritten before any sequence reads it)."""
+        """CUDA graphs of every (B, span), the smallest batches first (the most launch-bound), sharing one
+        memory pool, until `seconds` have passed (the rest are captured on first use); -> (graphs captured, of
+        how many shapes, seconds taken). The inputs are the padding rows' (every slot's last position, rewritten
+        before any sequence reads it)."""
         start = time.perf_counter()
         self.host[0], self.host[1] = 0, self.max_len - 1
         self.io.copy_(self.host)
-        pool = torch.cuda.graph_pool_handle()
-        shapes = [(B, s) for B in reversed(self.buckets) for s in reversed(self.spans)]
+        shapes = [(B, s) for B in self.buckets for s in self.spans]
         for B, span in shapes:
             if time.perf_counter() - start > seconds:
                 break
-            self._capture(B, span, pool)
+            self._capture(B, span)
         torch.cuda.synchronize()
         self.capture_s = time.perf_counter() - start
-        return len(self.graphs), len(shapes), self.capture_s
+        return sum(g is not None for g in self.graphs.values()), len(shapes), self.capture_s
 
-    def _capture(self, B: int, span: int, pool):
-        with attention_kernels("cuda"):
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # warm up: cuBLAS workspaces, attention kernels' choices
-                for _ in range(2):
-                    self.forward(B, span)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                out = self.forward(B, span)
-            self.graphs[B, span] = (graph, out)
+    def _capture(self, B: int, span: int):
+        """One shape's graph, its logits into self.logits[:B]; a shape that fails to capture runs eagerly."""
+        try:
+            with attention_kernels("cuda"):
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):  # warm up: cuBLAS workspaces, attention kernels' choices
+                    for _ in range(2):
+                        out = self.forward(B, span)
+                torch.cuda.current_stream().wait_stream(side)
+                if self.logits is None:
+                    self.logits = torch.empty(self.buckets[-1], out.shape[-1], dtype=out.dtype, device=out.device)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    self.logits[:B].copy_(self.forward(B, span))
+            self.graphs[B, span] = graph
+        except RuntimeError as e:  # e.g. out of memory: this shape stays eager
+            self.graphs[B, span] = None
+            self.capture_error = f"{type(e).__name__}: {e}"

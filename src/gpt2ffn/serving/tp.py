@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from .engine import Engine
+from .static import attention_kernels
 
 STOP = "stop"
 
@@ -61,7 +62,7 @@ class TPEngine(Engine):
 
     def follow(self):
         """Ranks > 0: run each forward pass rank 0 broadcasts, until it closes the engine."""
-        with torch.no_grad():
+        with torch.no_grad(), attention_kernels(self.device):
             while True:
                 call = self.broadcast(None)
                 if call == STOP:
