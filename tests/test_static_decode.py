@@ -96,7 +96,7 @@ def test_defaults_and_logprobs(model):
     # on the CPU the default is the paged path (the packed model's native decode when it has one)
     assert Engine(model, max_batch=2).static is None
     eng = Engine(model, max_batch=3, static_decode=True)
-    assert eng.static is not None and eng.cache.block_size == eng.max_len and eng.graphs is None
+    assert eng.static is not None and eng.cache.block_size == eng.max_len and eng.graph_capture is None
     s = Sampling(max_new_tokens=5, logprobs=2, prompt_logprobs=1)
     got = eng.run([Request([5, 6, 7, 8], s), Request([9, 10], s)])
     want = Engine(model, max_batch=3, static_decode=False).run([Request([5, 6, 7, 8], s), Request([9, 10], s)])
@@ -132,10 +132,10 @@ def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype, monkeypatch):
     ps = [torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(40)]
     s = [Sampling(max_new_tokens=n - 9)] * 20 + [Sampling(max_new_tokens=n - 9, temperature=1.0, seed=i) for i in range(20)]
     graphs = Engine(model, max_batch=40, max_len=n)
-    assert graphs.static is not None and graphs.graphs[0] == graphs.graphs[1] > 0
+    assert graphs.static is not None and graphs.graph_capture[0] == graphs.graph_capture[1] > 0
     lazy = Engine(model, max_batch=40, max_len=n, graph_seconds=0)
     eager = Engine(model, max_batch=40, max_len=n, cuda_graphs=False)
-    assert lazy.graphs is None and not eager.static.use_graphs
+    assert lazy.graph_capture is None and not eager.static.use_graphs
     got = [r.output for r in graphs.run([Request(p, x) for p, x in zip(ps, s)])]
     assert got == [r.output for r in lazy.run([Request(p, x) for p, x in zip(ps, s)])]
     assert lazy.static.graphs and all(g is not None for g in lazy.static.graphs.values())

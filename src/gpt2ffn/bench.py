@@ -478,8 +478,8 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
                 engines.append(engine)
                 key = f"gpt2ffn {p} batch {B}"
                 e = out["engines"][key] = {"batch": B}
-                if engine.graphs is not None:
-                    e["graphs_captured"], e["graph_shapes"], e["capture_s"] = engine.graphs
+                if engine.graph_capture is not None:
+                    e["graphs_captured"], e["graph_shapes"], e["capture_s"] = engine.graph_capture
                 rows = ids.tolist()
                 runs[key] = lambda engine=engine, rows=rows: engine.run([Request(list(r), s) for r in rows])
                 if B == 1:

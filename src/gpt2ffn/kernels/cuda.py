@@ -7,8 +7,9 @@ the exact one. So before it is used on a device, one call is checked against F.g
 check runs in fp32, on inputs that are exact in TF32, through an identity weight, so only the activation can
 differ. It passes if the call is within 2e-6 of the tanh form everywhere (inside the fp32 tolerance of 1e-5
 that the FFN is held to) and at least 3e-4 from the exact form somewhere (they differ by up to 4.7e-4). Then,
-per dtype, shape and token bucket, the fused call is timed against the plain ops and the faster is kept. No check or timing runs while a CUDA graph is being
-captured: there the plain ops run until a choice exists (the engine's warm-up makes it first).
+per dtype, shape and token bucket, the fused call is timed against the plain ops and the faster is kept. No
+check or timing runs while a CUDA graph is being captured: there the plain ops run until a choice exists (the
+engine's warm-up makes it first).
 GPT2FFN_CUDA_FFN=fused|plain forces one.
 """
 
@@ -62,7 +63,7 @@ def choose(x2, w1, b1, w2, b2, plain, bucket: int) -> str:
     if name is not None:
         return name
     if x2.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
-        return "plain" if x2.device.type == "cuda" else _CHOICES.setdefault(key, "plain")
+        return "plain"
     with _LOCK:
         if key not in _CHOICES:
             fast = epilogue_gelu_is_tanh(x2.device) and (

@@ -117,7 +117,8 @@ class Engine:
     first use)."""
 
     def __init__(self, model: GPT2, decode=None, max_batch: int = 64, max_waiting: int = 256,
-                 kv_tokens: int | None = None, chunk: int | None = None, block_size: int = 16, max_len: int | None = None,
+                 kv_tokens: int | None = None, chunk: int | None = None, block_size: int = 16,
+                 max_len: int | None = None,
                  batch_invariant: bool = False, metrics=None, kv_fraction: float | None = None,
                  static_decode: bool | None = None, cuda_graphs: bool = True, graph_seconds: float = 60.0):
         cfg = model.config
@@ -145,9 +146,9 @@ class Engine:
                                   weight.device)
         self.device = weight.device
         self.static = StaticDecoder(model, self.cache, max_batch, cuda_graphs) if static_decode else None
-        self.graphs = None  # (captured at start-up, shapes, seconds) on CUDA
+        self.graph_capture = None  # (CUDA graphs captured at start-up, of how many shapes, seconds)
         if self.static is not None and self.static.use_graphs and graph_seconds > 0:
-            self.graphs = self.static.capture(graph_seconds)
+            self.graph_capture = self.static.capture(graph_seconds)
         self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
         self.generator.seed()
         self.waiting, self.running = deque(), []
@@ -294,8 +295,14 @@ class Engine:
                     self.static.add(r, self.running)
             rows = list(self.static.rows)
             logits = self.static.step()
-            picked = next_tokens(logits, rows, self.generator)
-            return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
+        else:
+            logits = self.step_logits(rows)
+        picked = next_tokens(logits, rows, self.generator)
+        return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
+
+    def step_logits(self, rows: list):
+        """(B, vocab): the next-token logits of rows in their own slots or blocks (the native step, B forwards
+        of one row in batch-invariant mode, or one paged forward)."""
         ids = torch.tensor([[r.output[-1]] for r in rows], device=self.device)
         pos = torch.tensor([[len(r.prompt) + len(r.output) - 1] for r in rows], device=self.device)
         lengths = [len(r.prompt) + len(r.output) for r in rows]
@@ -307,8 +314,7 @@ class Engine:
                                 for i, r in enumerate(rows)])
         else:
             logits = self.forward(ids, pos, self.table(rows, lengths))    # (B, V)
-        picked = next_tokens(logits, rows, self.generator)
-        return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
+        return logits
 
     def forward(self, ids, positions, tables, *args):
         """One forward pass of the model over the engine's paged cache (GPT2.forward_paged's arguments, less the

@@ -82,11 +82,12 @@ class Service:
                   f"ready (max batch {self.max_batch}, max waiting {self.max_waiting}, KV cache "
                   f"{cache.num_blocks * cache.block_size} positions, max model len {self.max_len}, max n {self.max_n}"
                   f"{', batch-invariant' if self.batch_invariant else ''})", flush=True)
-            if self.engine.graphs is not None:
-                done, shapes, seconds = self.engine.graphs
+            if self.engine.graph_capture is not None:
+                (done, shapes, seconds), static = self.engine.graph_capture, self.engine.static
+                failed = static.capture_error and f"; a capture failed, that shape runs eagerly: {static.capture_error}"
                 print(f"gpt2ffn: decode steps captured as {done} of {shapes} CUDA graphs in {seconds:.1f} s "
-                      f"(batch buckets {self.engine.static.buckets}, spans {self.engine.static.spans}; the rest on "
-                      f"first use)", flush=True)
+                      f"(batch buckets {static.buckets}, spans {static.spans}; the rest on first use{failed or ''})",
+                      flush=True)
         except Exception as e:
             print(f"error: {e}", file=sys.stderr, flush=True)
             os._exit(2)

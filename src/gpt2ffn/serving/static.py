@@ -9,9 +9,9 @@ gather and no block table, and its shapes depend only on (B, span): B the batch 
 max_len). Rows past D are padding: token 0 at position max_len - 1 of their slot, a position every sequence
 writes before it reads it, so they disturb no one, and their logits are dropped.
 
-On CUDA each (B, span) is captured once at start-up into a CUDA graph (the time is reported and bounded by
-`seconds`; shapes not captured in time run eagerly) and a step is one host-to-device copy of the ids and
-positions, one replay, and the sampler's one copy back. On the CPU the same steps run eagerly (tested
+On CUDA each (B, span) is captured once into a CUDA graph, at start-up within a time bound (reported) or on
+its first use, and a step is one host-to-device copy of the ids and positions, one replay, and the sampler's
+one copy back. On the CPU the same steps run eagerly (tested
 against the engine's paged path); the CPU's native decode (GPT2.decode_slots) needs none of this.
 """
 
@@ -54,11 +54,14 @@ def first_at_least(buckets: list, n: int) -> int:
 
 
 class _SlotView:
-    """What a block's attention asks of a cache (update): write each row's new key and value at its position
-    of its slot (row b is slot b), return slots 0..B-1's first `span` positions as views."""
+    """The cache GPT2.forward_paged is given: write each row's new key and value at its position of its slot
+    (row b is slot b), return slots 0..B-1's first `span` positions as views (no tables to bind)."""
 
     def __init__(self, cache, rows, positions, span: int):
         self.cache, self.rows, self.positions, self.span = cache, rows, positions, span
+
+    def bind(self, *args):
+        pass
 
     def update(self, layer: int, k, v):
         B = k.shape[0]
@@ -139,14 +142,10 @@ class StaticDecoder:
     # -- the step -----------------------------------------------------------------------------------------
     def forward(self, B: int, span: int):
         """The model over inputs io[:, :B] and slots 0..B-1 -> logits (B, vocab): fixed shapes for (B, span)."""
-        ids, positions = self.io[0, :B], self.io[1, :B]
-        t = self.model.transformer
-        mask = (torch.arange(span, device=ids.device)[None, :] <= positions[:, None])[:, None, None]  # (B,1,1,S)
-        view = _SlotView(self.cache, self.slots[:B], positions, span)
-        x = t.drop(t.wte(ids) + t.wpe(positions))[:, None]                            # (B, 1, C)
-        for i, block in enumerate(t.h):
-            x = block(x, i, view, mask)
-        return self.model.lm_head(t.ln_f(x[:, 0]))
+        ids, positions = self.io[0, :B, None], self.io[1, :B, None]                      # (B, 1)
+        mask = (torch.arange(span, device=ids.device) <= positions)[:, None, None]   # (B, 1, 1, span)
+        view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span)
+        return self.model.forward_paged(ids, positions, view, None, "last", mask)
 
     def step(self) -> torch.Tensor:
         """The next-token logits of every decoding row, (D, vocab), row i that of self.rows[i]."""
