@@ -2,6 +2,8 @@
 # Issue 18's checks on a lent GPU, in two device calls of under 10 minutes each (../shared/gpu/README.md: run
 # `bash ../shared/gpu/wheels.sh` here once, then `run` with carry [".whl"] and the command
 #   bash benchmarks/gpu_round.sh tests bench      then      bash benchmarks/gpu_round.sh ffn load
+# The serve extra's httptools (uvicorn's C HTTP parser; the image has uvloop) is not in wheels.sh's list: add it to
+# .whl with README's device download line (`... -d .whl httptools==0.9.0`), or uvicorn parses HTTP in Python (h11).
 # Each part has its own time limit, so a hang in one still brings the others back. Everything lands in $OUT:
 #   gpu.txt          the card, driver, torch, CUDA and transformers versions
 #   tests: cuda-tests.txt    the tests marked cuda (model, engine, CUDA graphs against eager and HF, the FFN)
@@ -11,9 +13,12 @@
 #                    GELU epilogue where kernels/cuda.py checks and picks it) vs Linear+GELU+Linear, torch.compile,
 #                    the epilogue alone and the two bare GEMMs
 #   load:  load-cuda.json, load.txt       benchmarks/load_test.py against gpt2ffn serve --device cuda at 1, 32
-#                    and 256 streaming clients (tokens/s, TTFT and latency p50/p99, errors)
+#                    and 256 streaming clients (tokens/s, TTFT and latency p50/p99, errors), 8 client processes
+#   overhead: serve-overhead-cuda.json, overhead.txt   benchmarks/serve_overhead.py: 256 streaming clients against
+#                    the same 256 requests in process (issue 18's >= 0.7 target), CPU us per token of the event
+#                    loop and the engine thread (a third call: `bash benchmarks/gpu_round.sh overhead`)
 set -u
-[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load}..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead}..." >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -30,8 +35,10 @@ for part in "$@"; do
     ffn) timeout 200 python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,64,4096 --out "$OUT" \
            > "$OUT/ffn.txt" 2>&1 ;;
     load) timeout 330 python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda --max-batch 256 \
-            --clients 1,32,256 --requests-per-client 2 --max-tokens 64 --out "$OUT/load-cuda.json" \
+            --clients 1,32,256 --requests-per-client 2 --max-tokens 64 --processes 8 --out "$OUT/load-cuda.json" \
             > "$OUT/load.txt" 2>&1 ;;
+    overhead) timeout 400 python3 benchmarks/serve_overhead.py --model random:gpt2 --device cuda --clients 256 \
+                --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" > "$OUT/overhead.txt" 2>&1 ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done

@@ -123,7 +123,10 @@ async def alone(url, max_tokens, timeout):
         return [(await one(http, url, model, i, max_tokens))[4] for i in range(VARIANTS)]
 
 
-async def load(url, clients, requests, max_tokens, timeout, reference):
+async def drive(url, clients, requests, max_tokens, timeout, reference, start_at=None):
+    """`clients` concurrent clients send `requests` streamed completions in all (from start_at, a time.time(),
+    if given) -> (per done request (ttft, latency, tokens), status codes, error texts, answers that differ from
+    alone, start, end)."""
     model = httpx.get(url + "/v1/models").json()["data"][0]["id"]
     todo = list(range(requests))
     done, codes, errors, differ = [], {}, [], 0
@@ -146,17 +149,48 @@ async def load(url, clients, requests, max_tokens, timeout, reference):
     async with httpx.AsyncClient(timeout=timeout, limits=httpx.Limits(max_connections=clients + 4,
                                                                      max_keepalive_connections=0)) as http:
         await one(http, url, model, -1, 4)  # warm-up
-        t0 = time.perf_counter()
+        if start_at is not None:
+            await asyncio.sleep(max(0.0, start_at - time.time()))
+        t0 = time.time()
         await asyncio.gather(*(client(http) for _ in range(clients)))
-        wall = time.perf_counter() - t0
+        return done, codes, errors, differ, t0, time.time()
+
+
+def _drive_in_process(args):
+    return asyncio.run(drive(*args))
+
+
+def load(url, clients, requests, max_tokens, timeout, reference, processes=1):
+    """The load of `clients` streaming clients, from `processes` client processes (one Python process parses
+    ~20-30k server-sent events a second: a GPU serving 256 streams needs more than one)."""
+    processes = max(1, min(processes, clients))
+    if processes == 1:
+        parts = [asyncio.run(drive(url, clients, requests, max_tokens, timeout, reference))]
+    else:
+        import multiprocessing
+        start_at = time.time() + 2 + 0.2 * processes  # every process connected and warmed up first
+        share = [(clients // processes + (p < clients % processes),
+                  requests // processes + (p < requests % processes)) for p in range(processes)]
+        with multiprocessing.get_context("spawn").Pool(processes) as pool:
+            parts = pool.map(_drive_in_process, [(url, c, r, max_tokens, timeout, reference, start_at)
+                                                 for c, r in share])
+    done = [d for part in parts for d in part[0]]
+    codes = {}
+    for part in parts:
+        for k, v in part[1].items():
+            codes[k] = codes.get(k, 0) + v
+    errors = [e for part in parts for e in part[2]]
+    differ = sum(part[3] for part in parts)
+    wall = max(part[5] for part in parts) - min(part[4] for part in parts)
     ttfts, lats = [d[0] for d in done if d[0] is not None], [d[1] for d in done]
     tokens = sum(d[2] for d in done)
-    return {"clients": clients, "requests": requests, "max_tokens": max_tokens, "wall_s": round(wall, 3),
-            "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
+    return {"clients": clients, "requests": requests, "max_tokens": max_tokens, "client_processes": processes,
+            "wall_s": round(wall, 3), "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
             "requests_per_s": round(len(done) / wall, 3),
             "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),
             "latency_p50_s": statistics.median(lats) if lats else None, "latency_p99_s": pct(lats, 0.99),
-            "differ_from_alone": differ, "errors": len(errors), "status_codes": {str(k): v for k, v in codes.items()}, "first_errors": errors[:3]}
+            "differ_from_alone": differ, "errors": len(errors), "status_codes": {str(k): v for k, v in codes.items()},
+            "first_errors": errors[:3]}
 
 
 def plot(result, path):
@@ -198,6 +232,7 @@ def main():
     p.add_argument("--requests-per-client", type=int, default=4)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--timeout", type=float, default=600, help="per request, seconds")
+    p.add_argument("--processes", type=int, default=1, help="client processes the clients are split over")
     p.add_argument("--out", default="benchmarks/results/load.json")
     args = p.parse_args()
     if args.llama_server and not args.gguf:
@@ -220,7 +255,8 @@ def main():
         try:
             reference = asyncio.run(alone(url, args.max_tokens, args.timeout))
             for n in clients:
-                r = asyncio.run(load(url, n, n * args.requests_per_client, args.max_tokens, args.timeout, reference))
+                r = load(url, n, n * args.requests_per_client, args.max_tokens, args.timeout, reference,
+                         args.processes)
                 result["servers"].setdefault(name, []).append(r)
                 print(f"{name:32s} {n:3d} clients: {r['tokens_per_s']:8.1f} tok/s {r['requests_per_s']:6.2f} req/s  "
                       f"TTFT p50 {r['ttft_p50_s'] or 0:6.2f} s  latency p50 {r['latency_p50_s'] or 0:6.2f} "

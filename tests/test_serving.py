@@ -159,3 +159,75 @@ def test_a_quantized_model_is_served_from_an_fp16_cache():
     # prompts cut into chunks of 8 (the native prefill continuing a sequence in its slot): the same tokens
     assert [alone(m, p, s, chunk=8) for p in ps] == solo
     assert staggered(m, ps, [s] * 6, every=2, chunk=8) == solo
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_incremental_text_stream(seed):
+    """TextStream decodes a few tokens a step. What it sends is, at every step, a prefix of the final text (no
+    part of a stop string, no half character shown as U+FFFD), and all but the last `hold` characters known so far
+    (those that could start a stop string); the final text is the whole decode cut at the first stop string, hit
+    at the first token that completes one. Characters of 1-4 UTF-8 bytes split across tokens, invalid bytes,
+    tokens with no text, stop strings."""
+    from gpt2ffn.serving.text import TextStream, cut_at_stop
+    g = torch.Generator().manual_seed(seed)
+    chars = "ab ,.é€😀\n"
+    pieces = {i: c.encode() for i, c in enumerate(chars)}
+    pieces[len(pieces)] = b"\xff"   # invalid UTF-8
+    pieces[len(pieces)] = b""       # a token with no text (a skipped special token)
+    stream = []
+    for _ in range(int(torch.randint(1, 40, (1,), generator=g))):
+        b = pieces[int(torch.randint(len(pieces), (1,), generator=g))]
+        cut = int(torch.randint(len(b) + 1, (1,), generator=g))  # split multi-byte characters across tokens
+        stream += [b[:cut], b[cut:]]
+    ids = {}
+    tokens = [ids.setdefault(p, len(ids)) for p in stream]
+    table = {i: p for p, i in ids.items()}
+
+    def decode(ts):
+        return b"".join(table[t] for t in ts).decode("utf-8", errors="replace")
+    whole = decode(tokens).replace("\ufffd", "")  # no U+FFFD in a stop string: it could be half a character
+    stops = [[], ["é"], [" a", "😀"], [whole[3:6]] if len(whole) > 6 else ["zz"]][seed % 4]
+    hold = max((len(s) for s in stops), default=1) - 1
+    hit = next((n for n in range(1, len(tokens) + 1) if cut_at_stop(decode(tokens[:n]), stops)[1]), None)
+    final = cut_at_stop(decode(tokens[:hit or len(tokens)]), stops)[0]
+    ts, sent = TextStream(decode, stops), ""
+    for n, t in enumerate(tokens, 1):
+        delta, stopped = ts.push(t)
+        sent += delta
+        assert final.startswith(sent) and stopped == (n == hit)
+        if stopped:
+            assert sent == final
+            break
+        assert len(sent) >= len(decode(tokens[:n]).rstrip("\ufffd")) - hold
+    assert sent + ts.finish() == final
+
+
+def test_stream_chunks_join_the_tokens_that_came_together():
+    """A stream that fell behind sends, per choice, one chunk of every token that came since it last ran: the
+    texts joined, the log-probs listed together with text_offset counted in the whole choice's text (after the
+    echoed prompt), the finish reason of the last."""
+    from types import SimpleNamespace
+
+    from gpt2ffn.serving.engine import Token
+    from gpt2ffn.serving.protocol import CompletionRequest
+    from gpt2ffn.serving.service import Choices, Service
+    svc = Service("random:tiny")
+    svc.tok, svc.name = SimpleNamespace(decode=lambda ids: "".join("abcdefgh"[i] for i in ids)), "m"
+    body = CompletionRequest(model="m", prompt=[0, 1], n=2, logprobs=1, echo=True, stream=True)
+    samplings = [Sampling(max_new_tokens=3)] * 2
+    choices = Choices(svc, body, [[0, 1]], samplings, echo_text=["PROMPT"])
+    r = [Request([0, 1], s) for s in samplings]
+
+    def tok(i, c, t, text, finish=None):
+        return c, Token(r[c], t, logprob=-0.5 * i, top=([t], [-0.5 * i]), text=text, finish_reason=finish)
+    first = choices.chunks([tok(1, 0, 2, "c"), tok(2, 1, 3, ""), tok(3, 0, 4, "e")])
+    assert [c["choices"][0]["index"] for c in first] == [0, 1]
+    a, b = (c["choices"][0] for c in first)  # b: the echoed prompt, its token's own text still held back
+    assert a["text"] == "PROMPTce" and a["finish_reason"] is None
+    assert a["logprobs"]["tokens"] == ["c", "e"] and a["logprobs"]["token_logprobs"] == [-0.5, -1.5]
+    assert a["logprobs"]["text_offset"] == [6, 7]
+    assert b["text"] == "PROMPT" and b["logprobs"]["text_offset"] == [6]
+    (last,) = choices.chunks([tok(4, 0, 5, "f"), (0, Token(r[0], -1, finish_reason="length"))])
+    assert last["choices"][0]["text"] == "f" and last["choices"][0]["finish_reason"] == "length"
+    assert last["choices"][0]["logprobs"]["text_offset"] == [8]
+    assert choices.texts == ["PROMPTcef", "PROMPT"] and choices.gen == [[2, 4, 5], [3]]

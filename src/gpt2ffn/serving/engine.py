@@ -364,6 +364,15 @@ class Engine:
         return requests
 
 
+def name_os_thread(name: str):
+    """Give the calling thread `name` where the OS shows it (Linux: top -H, /proc/<pid>/task/*/comm; 15 bytes)."""
+    try:
+        import ctypes
+        ctypes.CDLL(None).prctl(15, name.encode()[:15], 0, 0, 0)  # PR_SET_NAME
+    except (OSError, AttributeError):
+        pass
+
+
 class Loop:
     """The thread that owns the engine for the server: it steps while there is work, sleeps otherwise, and
     passes each Token to its request's sink."""
@@ -385,6 +394,7 @@ class Loop:
         self.thread.join(30)
 
     def work(self):
+        name_os_thread("gpt2ffn-engine")
         while True:
             with self.wake:
                 while not self.engine.has_work() and not self.stopping:

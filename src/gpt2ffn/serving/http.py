@@ -24,6 +24,7 @@ import socket
 import ssl
 import sys
 import threading
+import weakref
 from pathlib import Path
 from typing import Annotated
 
@@ -167,14 +168,97 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
 
 
 # -- from engine Tokens to a response ---------------------------------------------------------------------
-def submit(svc: Service, prompts: list, samplings: list):
-    """One engine request per choice, queued: (requests, their event queue), or an error response (503
-    beyond --max-waiting), before any byte of the answer is sent."""
-    loop, events = asyncio.get_running_loop(), asyncio.Queue()
+class Inbox:
+    """Tokens from the engine thread to one event loop. The thread appends; the loop is woken once for all that
+    arrived since it last looked (one call_soon_threadsafe per engine step, not one per token)."""
+
+    def __init__(self, loop):
+        self.loop, self.lock, self.items, self.woken = loop, threading.Lock(), [], False
+
+    def put(self, box, item):
+        """From the engine thread: item into box, on the loop's thread."""
+        with self.lock:
+            self.items.append((box, item))
+            if self.woken:
+                return
+            self.woken = True
+        self.loop.call_soon_threadsafe(self.deliver)
+
+    def deliver(self):
+        with self.lock:
+            items, self.items, self.woken = self.items, [], False
+        for box, item in items:
+            box.put(item)
+
+
+INBOXES = weakref.WeakKeyDictionary()  # event loop -> its Inbox
+
+
+class Mailbox:
+    """One API request's (choice, Token) pairs, taken all at once by the coroutine that answers it: when it
+    falls behind (a slow client, a busy loop), the tokens that piled up go out together."""
+
+    def __init__(self):
+        self.items, self.waiter = [], None
+
+    def put(self, item):
+        self.items.append(item)
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(None)
+
+    async def take(self, timeout: float) -> list:
+        """Every pair that arrived, waiting up to `timeout` seconds for the first; [] if none came."""
+        if not self.items:
+            loop = asyncio.get_running_loop()
+            self.waiter = waiter = loop.create_future()
+            timer = loop.call_later(timeout, lambda: waiter.done() or waiter.set_result(None))
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self.waiter = None
+        items, self.items = self.items, []
+        return items
+
+
+class Answer:
+    """The engine requests of one API request and their (choice, Token) pairs as they come back."""
+
+    def __init__(self, svc: Service, request: Request, reqs: list, box: Mailbox):
+        self.svc, self.request, self.reqs, self.box, self.left = svc, request, reqs, box, len(reqs)
+
+    async def next(self):
+        """The pairs that came since the last call (waiting for at least one); [] once every request finished;
+        or an error response: 499 when the client left, 500 when the engine failed."""
+        while self.left:
+            items = await self.box.take(0.25)
+            if not items:
+                if await self.request.is_disconnected():
+                    return refuse(self.svc, 499, "client closed the request")
+                continue
+            for _, ev in items:
+                if ev.finish_reason == "error":
+                    return refuse(self.svc, 500, f"generation failed: {ev.text}", kind="server_error")
+                self.left -= ev.finish_reason is not None
+            return items
+        return []
+
+    def abort(self):
+        """Stop what is still running (a client that left, an error): its slots free at the next step."""
+        for r in self.reqs:
+            if r.finish_reason is None:
+                self.svc.engine.abort(r)
+
+
+def submit(svc: Service, request: Request, prompts: list, samplings: list):
+    """One engine request per choice, queued: an Answer, or an error response (503 beyond --max-waiting),
+    before any byte of the answer is sent."""
+    loop, box = asyncio.get_running_loop(), Mailbox()
+    inbox = INBOXES.get(loop) or INBOXES.setdefault(loop, Inbox(loop))
     reqs = []
     for c, s in enumerate(samplings):
         def sink(ev, c=c):
-            loop.call_soon_threadsafe(events.put_nowait, (c, ev))
+            inbox.put(box, (c, ev))
         reqs.append(EngineRequest(prompts[c // (len(samplings) // len(prompts))], s, sink))
     try:
         svc.loop.submit(*reqs)
@@ -184,80 +268,50 @@ def submit(svc: Service, prompts: list, samplings: list):
     except Gpt2ffnError as e:
         return refuse(svc, 400, str(e), param="prompt")
     svc.metrics.counts(svc.engine)
-    return reqs, events
-
-
-async def run(svc: Service, request: Request, reqs: list, events, on_event):
-    """Feed (choice, Token) to on_event until every request finishes. Returns None, or an error response
-    (499 when the client left, 500 when the engine failed)."""
-    left = len(reqs)
-    try:
-        while left:
-            try:
-                c, ev = await asyncio.wait_for(events.get(), timeout=0.25)
-            except asyncio.TimeoutError:
-                if await request.is_disconnected():
-                    return refuse(svc, 499, "client closed the request")
-                continue
-            if ev.finish_reason == "error":
-                return refuse(svc, 500, f"generation failed: {ev.text}", kind="server_error")
-            left -= ev.finish_reason is not None
-            await on_event(c, ev)
-    finally:
-        for r in reqs:
-            if r.finish_reason is None:
-                svc.engine.abort(r)
-    return None
+    return Answer(svc, request, reqs, box)
 
 
 async def respond(svc: Service, request: Request, stream: bool, prompts: list, samplings: list, choices: Choices):
     """Queue the choices, then answer with the whole response or a stream of server-sent events."""
-    queued = submit(svc, prompts, samplings)
-    if not isinstance(queued, tuple):
-        return queued
+    answer = submit(svc, request, prompts, samplings)
+    if not isinstance(answer, Answer):
+        return answer
     if stream:
-        return StreamingResponse(sse(svc, request, queued, choices), media_type="text/event-stream",
+        return StreamingResponse(sse(svc, answer, choices), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache"})
-
-    async def collect(c, ev):
-        choices.collect(c, ev)
-    failed = await run(svc, request, *queued, collect)
-    if failed is not None:
-        return failed
+    try:
+        while items := await answer.next():
+            if not isinstance(items, list):
+                return items
+            for c, ev in items:
+                choices.collect(c, ev)
+    finally:
+        answer.abort()
     svc.metrics.requests.labels("200").inc()
     return choices.response()
 
 
-async def sse(svc: Service, request: Request, queued: tuple, choices: Choices):
-    """The server-sent events of a streamed answer: a chunk per new text, [DONE] last (an error body if the
-    engine failed); a client that went away has its requests aborted."""
-    out = asyncio.Queue()
-
-    async def push(c, ev):
-        chunk = choices.chunk(c, ev, choices.collect(c, ev))
-        if chunk is not None:
-            await out.put(chunk)
-    task = asyncio.ensure_future(run(svc, request, *queued, push))
+async def sse(svc: Service, answer: Answer, choices: Choices):
+    """The server-sent events of a streamed answer: per choice a chunk of the text that came since the last one
+    (one token, or several when the client or the loop fell behind), [DONE] last (an error body if the engine
+    failed); a client that went away has its requests aborted."""
     status = 200
     try:
         if choices.chat:
             yield f"data: {json.dumps(choices.role_chunk())}\n\n"
-        while not (task.done() and out.empty()):
-            try:
-                item = await asyncio.wait_for(out.get(), timeout=0.1)
-            except asyncio.TimeoutError:
-                continue
-            yield f"data: {json.dumps(item)}\n\n"
-        failed = task.result()
-        if failed is not None:
-            status = failed.status_code
-            yield f"data: {failed.body.decode()}\n\n"
-            return
+        while items := await answer.next():
+            if not isinstance(items, list):
+                status = items.status_code
+                yield f"data: {items.body.decode()}\n\n"
+                return
+            out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(items))
+            if out:
+                yield out
         if choices.include_usage:
             yield f"data: {json.dumps(choices.usage_chunk())}\n\n"
         yield "data: [DONE]\n\n"
     finally:
-        task.cancel()  # a client that went away: run()'s finally aborts its requests
+        answer.abort()
         if status == 200:
             svc.metrics.requests.labels("200").inc()
 
@@ -287,21 +341,32 @@ def authorized(header: str | None, digests: list) -> bool:
     return match and scheme.lower() == "bearer"
 
 
-async def gate(request: Request, call_next):
+class Gate:
     """Before a body is read: 401 without a valid API key (when the server has keys) on any path but the open
-    ones, then 413 for a body over the limit."""
-    state, path = request.app.state, request.url.path
-    guarded = path not in OPEN_PATHS and not (path == "/metrics" and state.metrics_public)
-    if state.api_keys and guarded and not authorized(request.headers.get("authorization"), state.api_keys):
-        given = "authorization" in request.headers
-        return refuse(state.service, 401, "invalid API key" if given else
-                      "missing API key: send the header `Authorization: Bearer KEY`", code="invalid_api_key",
-                      headers={"WWW-Authenticate": "Bearer"})
-    length, limit = request.headers.get("content-length"), state.max_body
-    if length is not None and (not length.isdigit() or int(length) > limit):
-        return error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
-                     code="request_too_large")
-    return await call_next(request)
+    ones, then 413 for a body over the limit. Plain ASGI, so an answer's body passes through untouched
+    (Starlette's BaseHTTPMiddleware relays each streamed chunk through a memory stream and two task switches)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        refused = self.check(Request(scope)) if scope["type"] == "http" else None
+        await (refused or self.app)(scope, receive, send)
+
+    @staticmethod
+    def check(request: Request):
+        state, path = request.app.state, request.url.path
+        guarded = path not in OPEN_PATHS and not (path == "/metrics" and state.metrics_public)
+        if state.api_keys and guarded and not authorized(request.headers.get("authorization"), state.api_keys):
+            given = "authorization" in request.headers
+            return refuse(state.service, 401, "invalid API key" if given else
+                          "missing API key: send the header `Authorization: Bearer KEY`", code="invalid_api_key",
+                          headers={"WWW-Authenticate": "Bearer"})
+        length, limit = request.headers.get("content-length"), state.max_body
+        if length is not None and (not length.isdigit() or int(length) > limit):
+            return error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                         code="request_too_large")
+        return None
 
 
 async def invalid(request: Request, exc: RequestValidationError):
@@ -321,7 +386,7 @@ def create_app(svc: Service, max_body: int = MAX_BODY, api_keys=(), metrics_publ
                   description="OpenAI-compatible completions over gpt2ffn's GPT-2, continuously batched.")
     app.state.service, app.state.max_body = svc, max_body
     app.state.api_keys, app.state.metrics_public = [digest(k) for k in api_keys], metrics_public
-    app.middleware("http")(gate)
+    app.add_middleware(Gate)
     app.add_exception_handler(RequestValidationError, invalid)
     app.include_router(router)
     return app
@@ -428,5 +493,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         asyncio.constants.SSL_SHUTDOWN_TIMEOUT = 3.0
     # uvicorn drains, restores the handlers it found, then re-raises SIGTERM: let that end the process with 0.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    # uvloop and httptools where installed (the serve extra), except that TLS keeps asyncio's loop: uvloop has its
+    # own TLS shutdown wait (30 s), which SSL_SHUTDOWN_TIMEOUT above does not reach
     uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
-                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, limit_concurrency=limit_concurrency)
+                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, limit_concurrency=limit_concurrency,
+                loop="asyncio" if ssl_certfile else "auto")

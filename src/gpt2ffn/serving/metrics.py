@@ -41,11 +41,11 @@ class Metrics:
         self.counts(engine)
         if batch:
             self.batch.observe(batch)
-        now = time.perf_counter()
+        now, generated = time.perf_counter(), 0
         for ev in events:
             r = ev.request
             if ev.id >= 0:
-                self.generation_tokens.inc()
+                generated += 1
                 if ev.gap is None:
                     self.ttft.observe(now - r.arrival)
                     self.prompt_tokens.inc(len(r.prompt))
@@ -55,6 +55,8 @@ class Metrics:
                 self.cancelled.inc()
             elif ev.finish_reason is not None:
                 self.e2e.observe(now - r.arrival)
+        if generated:
+            self.generation_tokens.inc(generated)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -158,11 +158,11 @@ class Service:
                          ignore_eos=body.ignore_eos, logprobs=token_lp, prompt_logprobs=echo and logprobs is not None)
                 for _ in prompts for j in range(best_of)]
 
-    def logprobs(self, ids: list, lps: list, tops: list) -> dict:
+    def logprobs(self, ids: list, lps: list, tops: list, start: int = 0) -> dict:
         """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the top ones and the chosen
-        token), text_offset (of each token in the choice's text)."""
+        token), text_offset (of each token in the choice's text, whose first `start` characters came before)."""
         d = self.tok.decode
-        offsets = [len(d(ids[:i])) for i in range(len(ids))]
+        offsets = [start + len(d(ids[:i])) for i in range(len(ids))]
         tops_out = []
         for t, lp, top in zip(ids, lps, tops):
             if lp is None:
@@ -250,17 +250,30 @@ class Choices:
     def chunk_object(self) -> str:
         return "chat.completion.chunk" if self.chat else "text_completion"
 
-    def chunk(self, c: int, ev, text: str) -> dict | None:
-        """The stream chunk for one Token of choice c whose new text is `text`, or None if it adds nothing."""
-        lp = self.svc.logprobs([ev.id], [ev.logprob], [ev.top]) if self.want_lp and ev.id >= 0 else None
-        if not (text or lp or ev.finish_reason):
-            return None
-        if self.chat:
-            delta = {"index": c, "delta": {"content": text} if text or not ev.finish_reason else {},
-                     "finish_reason": ev.finish_reason}
-        else:
-            delta = {"index": c, "text": text, "logprobs": lp, "finish_reason": ev.finish_reason}
-        return self.head(self.chunk_object, [delta])
+    def chunks(self, items: list) -> list:
+        """The stream chunks for (choice, Token) pairs that arrived together: one per choice, in the order they
+        came, its tokens' text (and log-probs) joined; none for a choice whose tokens add nothing yet."""
+        by_choice = {}
+        for c, ev in items:
+            by_choice.setdefault(c, []).append(ev)
+        out = []
+        for c, evs in by_choice.items():
+            before = len(self.texts[c]) + (len(self.echo[c // self.per_prompt]) if self.echo and not self.started[c]
+                                           else 0)
+            text = "".join(self.collect(c, ev) for ev in evs)
+            got = [ev for ev in evs if ev.id >= 0]
+            lp = (self.svc.logprobs([ev.id for ev in got], [ev.logprob for ev in got], [ev.top for ev in got],
+                                    before) if self.want_lp and got else None)
+            finish = next((ev.finish_reason for ev in evs if ev.finish_reason), None)
+            if not (text or lp or finish):
+                continue
+            if self.chat:
+                delta = {"index": c, "delta": {"content": text} if text or not finish else {},
+                         "finish_reason": finish}
+            else:
+                delta = {"index": c, "text": text, "logprobs": lp, "finish_reason": finish}
+            out.append(self.head(self.chunk_object, [delta]))
+        return out
 
     def role_chunk(self) -> dict:
         """A chat stream's first chunk: each choice's role."""
