@@ -44,6 +44,27 @@ def test_adjust_batch_equals_the_reference_bitwise():
     assert next_tokens(logits, reqs) == x.argmax(-1).tolist()
 
 
+def test_adjust_batch_follows_growing_outputs_bitwise():
+    """The ids seen are kept on each request and extended by its new tokens (sampling.history): step after step,
+    with repeats and contexts of hundreds of ids, and after an output is replaced, still `adjust` bitwise."""
+    g = torch.Generator().manual_seed(1)
+    kinds = [dict(repetition_penalty=1.2), dict(frequency_penalty=0.3, presence_penalty=0.2),
+             dict(repetition_penalty=0.9, frequency_penalty=-0.4)]
+    reqs = [request(Sampling(max_new_tokens=200, **kinds[i % 3]), torch.randint(0, 40, (50 * i + 1,),
+                                                                                 generator=g).tolist())
+            for i in range(6)]
+    for step in range(60):
+        logits = 3 * torch.randn(len(reqs), V, generator=g)
+        x = logits.clone()
+        adjust_batch(x, reqs)
+        for i, r in enumerate(reqs):
+            assert torch.equal(x[i], adjust(logits[i], r.params, r.prompt, r.output)), (step, i)
+        for r in reqs:
+            r.output.append(int(torch.randint(0, 60, (1,), generator=g)))
+        if step == 30:
+            reqs[1].output = reqs[1].output[:3]  # not what the engine does, but history() must not go stale
+
+
 def reference_support(logits, s: Sampling):
     """What pick keeps of one row: its masked, temperature-scaled logits (top-k first, then top-p)."""
     x = logits.float()[None] / s.temperature

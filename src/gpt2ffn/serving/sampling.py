@@ -3,6 +3,7 @@ the plain one-row reference it is checked against (adjust, pick)."""
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import Gpt2ffnError
@@ -169,42 +170,59 @@ def race(z, requests: list, generator=None):
     return (z.softmax(-1) / q).argmax(-1)
 
 
-def _rows(x, pairs, dtype=torch.long):
-    """[(row, value), ...] -> two tensors on x's device."""
-    r, v = zip(*pairs)
-    return torch.tensor(r, device=x.device), torch.tensor(v, device=x.device, dtype=dtype)
+def history(r):
+    """r's prompt + output ids as an int64 numpy array, kept on the request and extended by its new tokens only
+    (the engine appends to r.output), so a step costs the new tokens, not the whole context, in Python."""
+    n, p = len(r.prompt) + len(r.output), len(r.prompt)
+    buf, filled = getattr(r, "_history", None), getattr(r, "_history_n", 0)
+    if buf is None or filled > n or len(buf) < n:
+        buf = np.empty(max(n, p + r.params.max_new_tokens, 1), np.int64)
+        buf[:p], filled = r.prompt, p
+        r._history = buf
+    buf[filled:n] = r.output[filled - p:]
+    r._history_n = n
+    return buf[:n]
+
+
+def _padded(ids: list, device, pad=None):
+    """Rows of ids of different lengths -> (R, L) int64, each row padded with `pad`, or else with its own first id
+    (an index that the ops below read and write alike: a duplicate changes nothing)."""
+    out = np.empty((len(ids), max(len(i) for i in ids)), np.int64)
+    for j, i in enumerate(ids):
+        out[j, :len(i)], out[j, len(i):] = i, i[0] if pad is None else pad
+    return torch.from_numpy(out).to(device)
 
 
 def adjust_batch(x, requests):
-    """`adjust` for every row of x (B, V) in place, with one tensor op per kind of adjustment for the batch."""
-    V = x.shape[1]
-    rep = [(i, r.params.repetition_penalty, sorted(set(r.prompt) | set(r.output))) for i, r in enumerate(requests)
-           if r.params.repetition_penalty != 1 and (r.prompt or r.output)]
-    if rep:
-        seen = torch.zeros(len(rep), V, dtype=torch.bool, device=x.device)
-        seen[_rows(x, [(j, t) for j, (_, _, ts) in enumerate(rep) for t in ts])] = True
-        idx = [i for i, _, _ in rep]
-        pen = torch.tensor([p for _, p, _ in rep], device=x.device)[:, None]
-        v = x[idx]
-        x[idx] = torch.where(seen, torch.where(v > 0, v / pen, v * pen), v)
-    pf = [(i, r) for i, r in enumerate(requests) if r.output and (r.params.presence_penalty or r.params.frequency_penalty)]
-    if pf:
-        counts = torch.zeros(len(pf), V, device=x.device)
-        counts.index_put_(_rows(x, [(j, t) for j, (_, r) in enumerate(pf) for t in r.output]),
-                          torch.ones(sum(len(r.output) for _, r in pf), device=x.device), accumulate=True)
-        freq = torch.tensor([r.params.frequency_penalty for _, r in pf], device=x.device)[:, None]
-        pres = torch.tensor([r.params.presence_penalty for _, r in pf], device=x.device)[:, None]
-        idx = [i for i, _ in pf]
-        x[idx] -= torch.where(counts > 0, freq * counts + pres, 0.0)
+    """`adjust` for every row of x (B, V) in place, bitwise: one tensor op per kind of adjustment for the batch,
+    over the ids each row has seen (a few hundred), never over the (B, V) logits as a whole."""
+    dev = x.device
+    rep = [i for i, r in enumerate(requests) if r.params.repetition_penalty != 1 and (r.prompt or r.output)]
+    if rep:  # every id of prompt and output (a repeated one reads and writes the same): v / p if v > 0 else v * p
+        ids = _padded([history(requests[i]) for i in rep], dev)
+        rows = torch.tensor(rep, device=dev)[:, None].expand_as(ids)
+        pen = torch.tensor([requests[i].params.repetition_penalty for i in rep], device=dev)[:, None]
+        v = x[rows, ids]
+        x[rows, ids] = torch.where(v > 0, v / pen, v * pen)
+    pf = [i for i, r in enumerate(requests) if r.output and (r.params.presence_penalty or r.params.frequency_penalty)]
+    if pf:  # every generated id: minus frequency x its count + presence
+        gen = [history(requests[i])[len(requests[i].prompt):] for i in pf]
+        out = _padded(gen, dev)
+        srt = _padded(gen, dev, pad=-1).sort(dim=1).values  # the padding counts as no id
+        counts = (torch.searchsorted(srt, out, right=True) - torch.searchsorted(srt, out)).float()
+        rows = torch.tensor(pf, device=dev)[:, None].expand_as(out)
+        freq = torch.tensor([requests[i].params.frequency_penalty for i in pf], device=dev)[:, None]
+        pres = torch.tensor([requests[i].params.presence_penalty for i in pf], device=dev)[:, None]
+        x[rows, out] = x[rows, out] - (freq * counts + pres)
     bias = [(i, int(t), b) for i, r in enumerate(requests) for t, b in r.params.logit_bias.items()]
     if bias:
-        x.index_put_((torch.tensor([i for i, _, _ in bias], device=x.device),
-                      torch.tensor([t for _, t, _ in bias], device=x.device)),
-                     torch.tensor([b for _, _, b in bias], device=x.device), accumulate=True)
+        x.index_put_((torch.tensor([i for i, _, _ in bias], device=dev),
+                      torch.tensor([t for _, t, _ in bias], device=dev)),
+                     torch.tensor([b for _, _, b in bias], device=dev), accumulate=True)
     held = [(i, r.params.eos_token_id) for i, r in enumerate(requests)
             if len(r.output) < r.params.min_tokens and r.params.eos_token_id is not None]
     if held:
-        x[_rows(x, held)] = float("-inf")
+        x[torch.tensor([i for i, _ in held], device=dev), torch.tensor([t for _, t in held], device=dev)] = float("-inf")
 
 
 def logprobs_of(logits, tokens, top: int):
