@@ -182,9 +182,11 @@ def load(url, clients, requests, max_tokens, timeout, reference, processes=1):
     errors = [e for part in parts for e in part[2]]
     differ = sum(part[3] for part in parts)
     wall = max(part[5] for part in parts) - min(part[4] for part in parts)
+    spread = max(part[4] for part in parts) - min(part[4] for part in parts)  # a late process makes wall longer
     ttfts, lats = [d[0] for d in done if d[0] is not None], [d[1] for d in done]
     tokens = sum(d[2] for d in done)
     return {"clients": clients, "requests": requests, "max_tokens": max_tokens, "client_processes": processes,
+            "start_spread_s": round(spread, 3),
             "wall_s": round(wall, 3), "completion_tokens": tokens, "tokens_per_s": round(tokens / wall, 2),
             "requests_per_s": round(len(done) / wall, 3),
             "ttft_p50_s": pct(ttfts, 0.5), "ttft_p99_s": pct(ttfts, 0.99),

@@ -7,7 +7,8 @@ written once: the first write of a slot faults its pages in, on the CPU), send N
 ignore_eos, usage at the end) from a raw-socket client that only counts bytes and events (so the client,
 on the same cores, costs little), and read the server's threads' CPU time from /proc before and after. Then
 the same N requests through the engine in process (Engine.step until done, no HTTP; an engine made as the
-server makes it), for the ratio issue 18 targets (serve at 256 streaming clients >= 0.7 of the in-process rate).
+server makes it, but without the server's Prometheus metrics, whose cost counts as the server's), for the ratio
+issue 18 targets (serve at 256 streaming clients >= 0.7 of the in-process rate).
 
 Reported per server: completion tokens/s through HTTP and in process, their ratio, SSE events per token, and
 CPU microseconds per token of the event loop's thread (HTTP, JSON, the per-request plumbing) and of the engine's

@@ -268,9 +268,13 @@ def test_full_queue_is_503_with_retry_after(slow_server):
 
 
 def test_disconnect_stops_generation(slow_server):
+    """A client that leaves mid-stream: its request is cancelled (the engine frees it) and counted as a 499."""
     before = httpx.get(slow_server.url + "/metrics").text
+    def metric(text, name):
+        return float(next((line for line in text.splitlines() if line.startswith(name + " ")), "x 0").split()[1])
+
     def cancelled(text):
-        return float(next(line for line in text.splitlines() if line.startswith("gpt2ffn_cancelled_total ")).split()[1])
+        return metric(text, "gpt2ffn_cancelled_total")
 
     with httpx.stream("POST", slow_server.url + "/v1/completions", timeout=60,
                       json={"model": slow_server.model, "prompt": "x", "max_tokens": 900, "stream": True}) as r:
@@ -281,6 +285,8 @@ def test_disconnect_stops_generation(slow_server):
     while time.time() < deadline:
         text = httpx.get(slow_server.url + "/metrics").text
         if cancelled(text) > cancelled(before) and "gpt2ffn_num_requests_running 0.0" in text:
+            code = 'gpt2ffn_requests_total{code="499"}'
+            assert metric(text, code) == metric(before, code) + 1
             return
         time.sleep(0.1)
     pytest.fail("generation went on after the client disconnected")
@@ -376,6 +382,19 @@ def test_echo_and_logprobs_equal_hf_log_softmax(server, model_dir):
     # no echo: the generated tokens only
     r1 = post(server, prompt=ids, max_tokens=4, temperature=0, logprobs=1, ignore_eos=True)
     assert r1["choices"][0]["logprobs"]["token_logprobs"] == pytest.approx(expected[len(ids) - 1:], abs=1e-4)
+
+
+def test_streamed_text_offsets_equal_the_whole_answers(server):
+    """With a stop string the stream holds back text that could start one; its chunks' text_offset still count
+    in the whole answer's text (as the answer without streaming gives them)."""
+    body = dict(prompt="Hello", max_tokens=12, temperature=0, logprobs=1, stop=["\n\n\n"], ignore_eos=True)
+    whole = post(server, **body)["choices"][0]["logprobs"]
+    chunks = [json.loads(line[6:]) for line in httpx.post(
+        server.url + "/v1/completions", timeout=60, json={"model": server.model, "stream": True, **body}
+    ).text.splitlines() if line.startswith("data: {")]
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert sum((lp["text_offset"] for lp in lps), []) == whole["text_offset"]
+    assert sum((lp["tokens"] for lp in lps), []) == whole["tokens"]
 
 
 def test_streaming_logprobs_and_echo(server):

@@ -204,8 +204,9 @@ def test_incremental_text_stream(seed):
 
 def test_stream_chunks_join_the_tokens_that_came_together():
     """A stream that fell behind sends, per choice, one chunk of every token that came since it last ran: the
-    texts joined, the log-probs listed together with text_offset counted in the whole choice's text (after the
-    echoed prompt), the finish reason of the last."""
+    texts joined, the log-probs listed together, text_offset as the whole answer counts it (in the decoded ids
+    before each token, the echoed prompt's included: a token whose text is still held back, as a possible stop
+    string, keeps its place), the finish reason of the last."""
     from types import SimpleNamespace
 
     from gpt2ffn.serving.engine import Token
@@ -214,20 +215,24 @@ def test_stream_chunks_join_the_tokens_that_came_together():
     svc = Service("random:tiny")
     svc.tok, svc.name = SimpleNamespace(decode=lambda ids: "".join("abcdefgh"[i] for i in ids)), "m"
     body = CompletionRequest(model="m", prompt=[0, 1], n=2, logprobs=1, echo=True, stream=True)
-    samplings = [Sampling(max_new_tokens=3)] * 2
-    choices = Choices(svc, body, [[0, 1]], samplings, echo_text=["PROMPT"])
+    samplings = [Sampling(max_new_tokens=3, logprobs=1, prompt_logprobs=True)] * 2
+    choices = Choices(svc, body, [[0, 1]], samplings, echo_text=["ab"])
     r = [Request([0, 1], s) for s in samplings]
+    for q in r:
+        q.prompt_logprobs = [(None, ((), ())), (-1.0, ([1], [-1.0]))]
 
     def tok(i, c, t, text, finish=None):
         return c, Token(r[c], t, logprob=-0.5 * i, top=([t], [-0.5 * i]), text=text, finish_reason=finish)
     first = choices.chunks([tok(1, 0, 2, "c"), tok(2, 1, 3, ""), tok(3, 0, 4, "e")])
     assert [c["choices"][0]["index"] for c in first] == [0, 1]
     a, b = (c["choices"][0] for c in first)  # b: the echoed prompt, its token's own text still held back
-    assert a["text"] == "PROMPTce" and a["finish_reason"] is None
+    assert a["text"] == "abce" and a["finish_reason"] is None
     assert a["logprobs"]["tokens"] == ["c", "e"] and a["logprobs"]["token_logprobs"] == [-0.5, -1.5]
-    assert a["logprobs"]["text_offset"] == [6, 7]
-    assert b["text"] == "PROMPT" and b["logprobs"]["text_offset"] == [6]
+    assert a["logprobs"]["text_offset"] == [2, 3]
+    assert b["text"] == "ab" and b["logprobs"]["text_offset"] == [2]
     (last,) = choices.chunks([tok(4, 0, 5, "f"), (0, Token(r[0], -1, finish_reason="length"))])
     assert last["choices"][0]["text"] == "f" and last["choices"][0]["finish_reason"] == "length"
-    assert last["choices"][0]["logprobs"]["text_offset"] == [8]
-    assert choices.texts == ["PROMPTcef", "PROMPT"] and choices.gen == [[2, 4, 5], [3]]
+    assert last["choices"][0]["logprobs"]["text_offset"] == [4]
+    assert choices.texts == ["abcef", "ab"] and choices.gen == [[2, 4, 5], [3]]
+    whole = choices.response()["choices"][0]["logprobs"]  # the same offsets as the whole answer's
+    assert whole["text_offset"] == [0, 1, 2, 3, 4]

@@ -24,7 +24,6 @@ import socket
 import ssl
 import sys
 import threading
-import weakref
 from pathlib import Path
 from typing import Annotated
 
@@ -176,22 +175,24 @@ class Inbox:
         self.loop, self.lock, self.items, self.woken = loop, threading.Lock(), [], False
 
     def put(self, box, item):
-        """From the engine thread: item into box, on the loop's thread."""
+        """From the engine thread: item into box, on the loop's thread (dropped once the loop has closed: nobody
+        is left to answer, and the engine thread must go on)."""
         with self.lock:
             self.items.append((box, item))
             if self.woken:
                 return
             self.woken = True
-        self.loop.call_soon_threadsafe(self.deliver)
+        try:
+            self.loop.call_soon_threadsafe(self.deliver)
+        except RuntimeError:  # the event loop is closed
+            with self.lock:
+                self.items, self.woken = [], False
 
     def deliver(self):
         with self.lock:
             items, self.items, self.woken = self.items, [], False
         for box, item in items:
             box.put(item)
-
-
-INBOXES = weakref.WeakKeyDictionary()  # event loop -> its Inbox
 
 
 class Mailbox:
@@ -226,22 +227,29 @@ class Answer:
 
     def __init__(self, svc: Service, request: Request, reqs: list, box: Mailbox):
         self.svc, self.request, self.reqs, self.box, self.left = svc, request, reqs, box, len(reqs)
+        self.failed = None   # the error response, once there is one
+        self.done = False    # the whole answer went out
 
     async def next(self):
         """The pairs that came since the last call (waiting for at least one); [] once every request finished;
-        or an error response: 499 when the client left, 500 when the engine failed."""
-        while self.left:
+        or an error response (after the pairs that came before it): 499 when the client left, 500 when the
+        engine failed."""
+        while self.left and self.failed is None:
             items = await self.box.take(0.25)
             if not items:
                 if await self.request.is_disconnected():
-                    return refuse(self.svc, 499, "client closed the request")
+                    self.failed = refuse(self.svc, 499, "client closed the request")
                 continue
-            for _, ev in items:
+            for k, (_, ev) in enumerate(items):
                 if ev.finish_reason == "error":
-                    return refuse(self.svc, 500, f"generation failed: {ev.text}", kind="server_error")
+                    self.failed = refuse(self.svc, 500, f"generation failed: {ev.text}", kind="server_error")
+                    if k:
+                        return items[:k]
+                    break
                 self.left -= ev.finish_reason is not None
-            return items
-        return []
+            else:
+                return items
+        return self.failed or []
 
     def abort(self):
         """Stop what is still running (a client that left, an error): its slots free at the next step."""
@@ -253,8 +261,7 @@ class Answer:
 def submit(svc: Service, request: Request, prompts: list, samplings: list):
     """One engine request per choice, queued: an Answer, or an error response (503 beyond --max-waiting),
     before any byte of the answer is sent."""
-    loop, box = asyncio.get_running_loop(), Mailbox()
-    inbox = INBOXES.get(loop) or INBOXES.setdefault(loop, Inbox(loop))
+    box, inbox = Mailbox(), request.app.state.inbox
     reqs = []
     for c, s in enumerate(samplings):
         def sink(ev, c=c):
@@ -277,8 +284,7 @@ async def respond(svc: Service, request: Request, stream: bool, prompts: list, s
     if not isinstance(answer, Answer):
         return answer
     if stream:
-        return StreamingResponse(sse(svc, answer, choices), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache"})
+        return Stream(svc, answer, choices)
     try:
         while items := await answer.next():
             if not isinstance(items, list):
@@ -291,29 +297,43 @@ async def respond(svc: Service, request: Request, stream: bool, prompts: list, s
     return choices.response()
 
 
-async def sse(svc: Service, answer: Answer, choices: Choices):
-    """The server-sent events of a streamed answer: per choice a chunk of the text that came since the last one
-    (one token, or several when the client or the loop fell behind), [DONE] last (an error body if the engine
-    failed); a client that went away has its requests aborted."""
-    status = 200
-    try:
-        if choices.chat:
-            yield f"data: {json.dumps(choices.role_chunk())}\n\n"
-        while items := await answer.next():
-            if not isinstance(items, list):
-                status = items.status_code
-                yield f"data: {items.body.decode()}\n\n"
-                return
-            out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(items))
-            if out:
-                yield out
-        if choices.include_usage:
-            yield f"data: {json.dumps(choices.usage_chunk())}\n\n"
-        yield "data: [DONE]\n\n"
-    finally:
-        answer.abort()
-        if status == 200:
-            svc.metrics.requests.labels("200").inc()
+class Stream(StreamingResponse):
+    """The server-sent events of a streamed answer (sse). However the response ends (the whole answer, an error,
+    the client gone, even before the first chunk), what still runs is aborted and the request counted: 200 for
+    a whole answer; 499 for a client that left mid-stream (an error's own status was counted where it arose)."""
+
+    def __init__(self, svc: Service, answer: Answer, choices: Choices):
+        super().__init__(sse(answer, choices), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.svc, self.answer = svc, answer
+
+    async def __call__(self, scope, receive, send):
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            a = self.answer
+            a.abort()
+            if a.done:
+                self.svc.metrics.requests.labels("200").inc()
+            elif a.failed is None:
+                self.svc.metrics.requests.labels("499").inc()
+
+
+async def sse(answer: Answer, choices: Choices):
+    """Per choice a chunk of the text that came since the last one (one token, or several when the client or the
+    loop fell behind), [DONE] last (an error body instead if the engine failed)."""
+    if choices.chat:
+        yield f"data: {json.dumps(choices.role_chunk())}\n\n"
+    while items := await answer.next():
+        if not isinstance(items, list):
+            yield f"data: {items.body.decode()}\n\n"
+            return
+        out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(items))
+        if out:
+            yield out
+    if choices.include_usage:
+        yield f"data: {json.dumps(choices.usage_chunk())}\n\n"
+    yield "data: [DONE]\n\n"
+    answer.done = True
 
 
 # -- the app ----------------------------------------------------------------------------------------------
@@ -321,6 +341,7 @@ async def sse(svc: Service, answer: Answer, choices: Choices):
 async def lifespan(app: FastAPI):
     # Bind first, load in the background: /health answers 503 until the weights are in.
     svc = app.state.service
+    app.state.inbox = Inbox(asyncio.get_running_loop())
     threading.Thread(target=svc.load_or_exit, name="gpt2ffn-loader", daemon=True).start()
     yield
     if svc.loop is not None:  # after uvicorn has drained in-flight requests: stop the engine thread

@@ -158,11 +158,11 @@ class Service:
                          ignore_eos=body.ignore_eos, logprobs=token_lp, prompt_logprobs=echo and logprobs is not None)
                 for _ in prompts for j in range(best_of)]
 
-    def logprobs(self, ids: list, lps: list, tops: list, start: int = 0) -> dict:
+    def logprobs(self, ids: list, lps: list, tops: list, before: list = ()) -> dict:
         """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the top ones and the chosen
-        token), text_offset (of each token in the choice's text, whose first `start` characters came before)."""
-        d = self.tok.decode
-        offsets = [start + len(d(ids[:i])) for i in range(len(ids))]
+        token), text_offset (of each token in the choice's text, after the ids `before` that a stream sent)."""
+        d, before = self.tok.decode, list(before)
+        offsets = [len(d(before + ids[:i])) for i in range(len(ids))]
         tops_out = []
         for t, lp, top in zip(ids, lps, tops):
             if lp is None:
@@ -258,12 +258,13 @@ class Choices:
             by_choice.setdefault(c, []).append(ev)
         out = []
         for c, evs in by_choice.items():
-            before = len(self.texts[c]) + (len(self.echo[c // self.per_prompt]) if self.echo and not self.started[c]
-                                           else 0)
             text = "".join(self.collect(c, ev) for ev in evs)
             got = [ev for ev in evs if ev.id >= 0]
-            lp = (self.svc.logprobs([ev.id for ev in got], [ev.logprob for ev in got], [ev.top for ev in got],
-                                    before) if self.want_lp and got else None)
+            lp = None
+            if self.want_lp and got:  # offsets as the whole answer's: in the decoded ids shown before these
+                before = self.shown[c][:len(self.shown[c]) - len(got)]
+                lp = self.svc.logprobs([ev.id for ev in got], [ev.logprob for ev in got], [ev.top for ev in got],
+                                       before)
             finish = next((ev.finish_reason for ev in evs if ev.finish_reason), None)
             if not (text or lp or finish):
                 continue
