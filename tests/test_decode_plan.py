@@ -344,6 +344,40 @@ def test_prefill_in_one_call_equals_the_prefill_op_by_op(isa, kv, precision):
         kp._C.set_isa(old)
 
 
+@pytest.mark.parametrize("isa", native_isas())
+@pytest.mark.parametrize("precision,activations", FORMATS)
+def test_chunks_of_several_prompts_in_one_call_are_each_alone_bitwise(isa, precision, activations):
+    """GPT2.prefill_slots (StepPlan.prefill_many): chunks of three sequences in one call, one a second chunk after
+    a cached one, 20 rows in all (a block of 16 on AMX tiles where the CPU has them); each chunk's logits and
+    every key and value bitwise as that chunk through prefill_slot alone. Bad chunk lists are refused."""
+    m = quantize(randomize_(GPT2(SMALL), 0).eval().requires_grad_(False), precision, activations=activations)
+    g = torch.Generator().manual_seed(5)
+    head = torch.randint(0, 96, (7,), generator=g)
+    chunks = [(torch.randint(0, 96, (n,), generator=g), past, slot) for n, past, slot in ((5, 0, 0), (11, 0, 2),
+                                                                                          (4, 7, 1))]
+    old = kp._C.set_isa(isa)
+    try:
+        with torch.no_grad():
+            alone, together = KVCache(m.config, 3, m.kv_dtype), KVCache(m.config, 3, m.kv_dtype)
+            for cache in (alone, together):
+                m.prefill_slot(head, 0, cache.k, cache.v, 1)
+            one = torch.cat([m.prefill_slot(ids, past, alone.k, alone.v, slot) for ids, past, slot in chunks])
+            many = m.prefill_slots(torch.cat([c[0] for c in chunks]), [c[1] for c in chunks],
+                                   [c[2] for c in chunks], [len(c[0]) for c in chunks], together.k, together.v)
+            assert many.shape == (3, SMALL.vocab_size) and torch.equal(many, one)
+            for a, b in zip(alone.k + alone.v, together.k + together.v):
+                assert torch.equal(a, b)
+            ids = torch.cat([c[0] for c in chunks])
+            with pytest.raises(RuntimeError, match="two chunks share a cache slot"):
+                m.prefill_slots(ids, [0, 0, 7], [0, 1, 1], [5, 11, 4], together.k, together.v)
+            with pytest.raises(RuntimeError, match="add up to 19, not the 20 ids"):
+                m.prefill_slots(ids, [0, 0, 7], [0, 2, 1], [5, 10, 4], together.k, together.v)
+            with pytest.raises(RuntimeError, match=r"chunk 1: length 0"):
+                m.prefill_slots(ids, [0, 0, 7], [0, 2, 1], [5, 0, 15], together.k, together.v)
+    finally:
+        kp._C.set_isa(old)
+
+
 def test_prefill_refuses_what_does_not_fit():
     m = model_at("int8")
     cache = KVCache(m.config, 1, m.kv_dtype)

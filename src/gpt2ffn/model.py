@@ -306,6 +306,17 @@ class GPT2(nn.Module):
                                "(gpt2ffn.quantize on a CPU where gpt2ffn._C is built), eval() and no gradient")
         return self.__dict__["_plan"].prefill(ids, past, slot, k, v)
 
+    def prefill_slots(self, ids, pasts: list, slots: list, lengths: list, k, v):
+        """prefill_slot for chunks of several sequences in one native call: ids (T,) holds chunk c's lengths[c]
+        tokens (at positions pasts[c] .. of slot slots[c], one chunk a slot), one chunk after another -> each
+        chunk's last position's logits (chunks, vocab). Every weight is read once for all the chunks' rows (a
+        server admitting short prompts prefills them together), and each row's logits, keys and values are
+        bitwise those of its chunk alone."""
+        if not self.fused_decode():
+            raise Gpt2ffnError("prefill_slots needs every linear layer packed with the native decode route "
+                               "(gpt2ffn.quantize on a CPU where gpt2ffn._C is built), eval() and no gradient")
+        return self.__dict__["_plan"].prefill_many(ids, list(pasts), list(slots), list(lengths), k, v)
+
     def check_ids(self, ids, cache=None):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise InputError(f"ids must be an int64 tensor of token ids (B, T), got "

@@ -407,15 +407,47 @@ class StepPlan {
     const int64_t T = ids_in.numel();
     TORCH_CHECK(past >= 0, "past must be >= 0, got ", past);
     return forward(ids_in.to(at::kLong).contiguous(), torch::arange(past, past + T, torch::dtype(at::kLong)),
-                   torch::full({T}, slot, torch::dtype(at::kLong)), ks, vs, true);
+                   torch::full({T}, slot, torch::dtype(at::kLong)), ks, vs, true, {T});
+  }
+
+  // Chunks of several prompts as one call: ids (T,), chunk c's lengths[c] tokens (in order) at positions
+  // pasts[c] .. pasts[c] + lengths[c] - 1 of slot slots[c] (one chunk a slot), each token attending to its own
+  // slot's positions up to its own -> each chunk's last position's logits (chunks, vocab). The linear layers
+  // read every weight once for all the chunks' rows, and each row's sums are the same as alone.
+  torch::Tensor prefill_many(const torch::Tensor& ids_in, const std::vector<int64_t>& pasts,
+                             const std::vector<int64_t>& slots, const std::vector<int64_t>& lengths,
+                             const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs) const {
+    const int64_t n = static_cast<int64_t>(lengths.size());
+    TORCH_CHECK(n > 0 && pasts.size() == lengths.size() && slots.size() == lengths.size(),
+                "one past, one slot and one length per chunk, at least one chunk");
+    TORCH_CHECK(!ids_in.is_floating_point() && ids_in.dim() == 1, "ids must be a 1-D integer tensor");
+    std::vector<int64_t> ends(n), sorted(slots);
+    auto positions = torch::empty({ids_in.numel()}, torch::dtype(at::kLong));
+    auto row_slots = torch::empty({ids_in.numel()}, torch::dtype(at::kLong));
+    int64_t* pp = positions.data_ptr<int64_t>();
+    int64_t* sp = row_slots.data_ptr<int64_t>();
+    int64_t row = 0;
+    for (int64_t c = 0; c < n; c++) {
+      TORCH_CHECK(lengths[c] > 0 && pasts[c] >= 0, "chunk ", c, ": length ", lengths[c], " past ", pasts[c]);
+      TORCH_CHECK(row + lengths[c] <= ids_in.numel(), "the chunks' lengths add up to more than the ", ids_in.numel(),
+                  " ids");
+      for (int64_t t = 0; t < lengths[c]; t++, row++) pp[row] = pasts[c] + t, sp[row] = slots[c];
+      ends[c] = row;
+    }
+    TORCH_CHECK(row == ids_in.numel(), "the chunks' lengths add up to ", row, ", not the ", ids_in.numel(), " ids");
+    std::sort(sorted.begin(), sorted.end());
+    TORCH_CHECK(std::adjacent_find(sorted.begin(), sorted.end()) == sorted.end(), "two chunks share a cache slot");
+    return forward(ids_in.to(at::kLong).contiguous(), positions, row_slots, ks, vs, true, ends);
   }
 
  private:
-  // causal: the rows are one sequence's consecutive positions in one slot (prefill): every row's keys and values
-  // are written before any row attends, each head's queries attend as a block (attend_causal), and only the last
-  // row's logits are computed. Otherwise each row has its own slot (decode).
+  // causal: the rows are chunks of consecutive positions, each in one slot, chunk c ending before row ends[c]
+  // (prefill): every row's keys and values are written before any row attends, each (chunk, head)'s queries
+  // attend as a block (attend_causal), and only each chunk's last row's logits are computed. Otherwise each row
+  // has its own slot (decode).
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& positions, const torch::Tensor& slots,
-                        const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs, bool causal) const {
+                        const std::vector<torch::Tensor>& ks, const std::vector<torch::Tensor>& vs, bool causal,
+                        const std::vector<int64_t>& ends = {}) const {
     const Isa* isa = kIsa;
     TORCH_CHECK(isa->attend != nullptr, "gpt2ffn._C.StepPlan needs AVX2+FMA or AVX-512");
     TORCH_CHECK(head_.w.defined(), "StepPlan.run before set_head");
@@ -462,7 +494,17 @@ class StepPlan {
     const auto f32 = torch::dtype(at::kFloat);
     auto hbuf = torch::empty({B, d}, f32), qkv = torch::empty({B, ldq}, f32), att = torch::empty({B, d}, f32);
     auto ybuf = torch::empty({B, ldy}, f32), hid = torch::empty({B, ldh}, f32);
-    const int64_t R = causal ? 1 : B;  // rows of logits: the last position's in a prefill
+    const int64_t R = causal ? static_cast<int64_t>(ends.size()) : B;  // rows of logits: each chunk's last one
+    std::vector<int64_t> last(R), first(R);  // the rows the logits are of; a chunk's first row
+    for (int64_t r = 0; r < R; r++) last[r] = causal ? ends[r] - 1 : r, first[r] = causal ? (r ? ends[r - 1] : 0) : r;
+    int64_t longest = 0;  // keys a chunk's queries read, at most
+    for (int64_t r = 0; causal && r < R; r++) {
+      TORCH_CHECK(ends[r] > first[r] && ends[r] <= B, "chunk ", r, " has no rows");
+      for (int64_t b = first[r]; b < ends[r]; b++)
+        TORCH_CHECK(slot[b] == slot[first[r]] && pos[b] == pos[first[r]] + (b - first[r]),
+                    "chunk ", r, ": rows must be consecutive positions of one slot");
+      longest = std::max(longest, pos[last[r]] + 1);
+    }
     auto logits = torch::empty({R, head_layer_.nsuper * 64}, f32);
     auto xq = torch::empty({B, maxk}, torch::dtype(at::kChar)), xs = torch::empty({B, maxk}, f32);
     auto xsum = torch::empty({B, maxk}, torch::dtype(at::kInt));
@@ -492,15 +534,13 @@ class StepPlan {
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
       std::vector<float> scores(causal ? 0 : S + 16);  // attend pads to 16
-      const int64_t Lp = causal ? (pos[B - 1] + 1 + 63) / 64 * 64 : 0;
+      const int64_t Lp = (longest + 63) / 64 * 64;
       std::vector<float> kt(hd * Lp), probs(ATT_ROWS * Lp);  // attend_causal's K^T and scores
       int phase = 0;
-      // rows m0 .. rows - 1 of `in` (row stride d) normalized into hbuf rows 0 .., and quantized for `L` if it
-      // takes int8 activations
-      auto norm = [&](const float* in, const float* w, const float* bias, double eps, const StepLayer& L,
-                      int64_t m0 = 0) {
-        for (int64_t m = tid; m < B - m0; m += nt) {
-          rows.layer_norm(in + (m0 + m) * d, w, bias, eps, d, hp + m * d);
+      // the B rows of `in` (row stride d) normalized into hbuf, and quantized for `L` if it takes int8 activations
+      auto norm = [&](const float* in, const float* w, const float* bias, double eps, const StepLayer& L) {
+        for (int64_t m = tid; m < B; m += nt) {
+          rows.layer_norm(in + m * d, w, bias, eps, d, hp + m * d);
           if (L.int8x) {
             LinearArgs q = L.a;
             q.x = hp, q.ldx = d;
@@ -557,10 +597,11 @@ class StepPlan {
             put(vc[i] + at * kv_bytes, qp + b * ldq + 2 * d + h * hd);
           }
 #pragma omp barrier
-          for (int64_t h; (h = heads.fetch_add(1)) < H;) {
-            const int64_t base = (slot[0] * H + h) * S * hd;
-            isa->causal(CausalArgs{qp + h * hd, ldq, kc[i] + base * kv_bytes, vc[i] + base * kv_bytes, hd, hd, B,
-                                   pos[0], hd, scale, kt.data(), probs.data(), ap + h * hd, d, f16});
+          for (int64_t j; (j = heads.fetch_add(1)) < R * H;) {
+            const int64_t c = j / H, h = j % H, r0 = first[c], base = (slot[r0] * H + h) * S * hd;
+            isa->causal(CausalArgs{qp + r0 * ldq + h * hd, ldq, kc[i] + base * kv_bytes, vc[i] + base * kv_bytes,
+                                   hd, hd, ends[c] - r0, pos[r0], hd, scale, kt.data(), probs.data(),
+                                   ap + r0 * d + h * hd, d, f16});
           }
         } else {
           for (int64_t j; (j = heads.fetch_add(1)) < B * H;) {
@@ -586,7 +627,15 @@ class StepPlan {
 #pragma omp barrier
         project(L[3], hidp, ldh);
       }
-      norm(xp, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, head_layer_, B - R);
+      for (int64_t m = tid; m < R; m += nt) {  // the rows whose logits are asked for, normalized into hbuf 0..R-1
+        rows.layer_norm(xp + last[m] * d, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, d,
+                        hp + m * d);
+        if (head_layer_.int8x) {
+          LinearArgs q = head_layer_.a;
+          q.x = hp, q.ldx = d;
+          isa->quantize(q, xqp, xsp, xsump, m, m + 1);
+        }
+      }
 #pragma omp barrier
       gemv(head_layer_, hp, d, lp, head_layer_.nsuper * 64, nothing, R);
     }
@@ -668,7 +717,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("valid", &gpt2ffn::StepPlan::valid)
       .def("requires_grad", &gpt2ffn::StepPlan::requires_grad)
       .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>())
-      .def("prefill", &gpt2ffn::StepPlan::prefill, py::call_guard<py::gil_scoped_release>());
+      .def("prefill", &gpt2ffn::StepPlan::prefill, py::call_guard<py::gil_scoped_release>())
+      .def("prefill_many", &gpt2ffn::StepPlan::prefill_many, py::call_guard<py::gil_scoped_release>());
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_prefetch", &gpt2ffn::set_prefetch, "decode's prefetch distance in bytes for a format (0: none); "
         "returns the previous; a negative distance only reads it", py::arg("format"), py::arg("bytes") = -1);

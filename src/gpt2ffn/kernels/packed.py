@@ -344,3 +344,8 @@ class DecodePlan:
         into slot `slot` of every layer's k[i], v[i], each attending causally -> the last position's logits
         (1, vocab)."""
         return self.native.prefill(ids, past, slot, k, v)
+
+    def prefill_many(self, ids, pasts: list, slots: list, lengths: list, k, v):
+        """ids (T,): chunks of several sequences in order, chunk c's lengths[c] tokens at positions pasts[c] ..
+        in slot slots[c] (one chunk a slot) -> each chunk's last position's logits (chunks, vocab)."""
+        return self.native.prefill_many(ids, pasts, slots, lengths, k, v)

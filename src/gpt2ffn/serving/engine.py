@@ -227,8 +227,9 @@ class Engine:
     def prefill(self, rows: list) -> list:
         """Whole chunks (a prompt is cut at multiples of `chunk`, whatever else runs) up to `chunk` tokens in
         all, but at least one chunk, so a long prompt delays the running streams by one chunk at most. The
-        chunks run packed into one row (one forward), except echo's (all positions' logits) and in
-        batch-invariant mode (each chunk alone, so its sums cannot depend on the others)."""
+        chunks run together in one forward (the native step: each in its own slot, one call; else packed into
+        one row), except echo's (all positions' logits) and in batch-invariant mode (each chunk alone, so its
+        sums cannot depend on the others)."""
         plan, budget = [], self.chunk
         for r in rows:
             n = min(self.chunk, len(r.prompt) - r.computed)
@@ -236,11 +237,21 @@ class Engine:
                 break
             budget -= n
             plan.append((r, r.computed, n))
-        # the native step runs each chunk alone, in its sequence's slot (GPT2.prefill_slot)
-        alone = [p for p in plan if self.fused or self.batch_invariant or p[0].params.prompt_logprobs]
+        alone = [p for p in plan if self.batch_invariant or p[0].params.prompt_logprobs]
         packed = [p for p in plan if p not in alone]
         events = [ev for p in alone for ev in self.prefill_alone(*p)]
-        return events + (self.prefill_packed(packed) if packed else [])
+        if not packed:
+            return events
+        # the native step: every chunk in its sequence's slot, in one call (GPT2.prefill_slots)
+        return events + (self.prefill_slots(packed) if self.fused else self.prefill_packed(packed))
+
+    def prefill_slots(self, chunks: list) -> list:
+        """Chunks of several prompts in one native call, each in its sequence's slot: every weight read once for
+        all of them; each row's sums as its chunk's alone (tests/test_decode_plan.py)."""
+        ids = torch.tensor([t for r, s, n in chunks for t in r.prompt[s:s + n]])
+        logits = self.model.prefill_slots(ids, [s for _, s, _ in chunks], [r.blocks[0] for r, _, _ in chunks],
+                                          [n for _, _, n in chunks], self.cache.k, self.cache.v)
+        return self.prefilled(chunks, logits)
 
     def prefill_packed(self, chunks: list) -> list:
         """Chunks of several prompts as one row of sum(n) tokens; each token attends its own sequence only."""
@@ -259,6 +270,10 @@ class Engine:
                 (torch.tensor(key_pos, device=dev)[None] <= positions[0][:, None]))[None, None]  # (1, 1, T, K)
         last = list(itertools.accumulate(n for _, _, n in chunks))
         logits = self.forward(ids, positions, None, [e - 1 for e in last], mask, slots, keys)
+        return self.prefilled(chunks, logits)
+
+    def prefilled(self, chunks: list, logits) -> list:
+        """Chunks done, row i of logits chunk i's last position's: a prompt now whole emits its first token."""
         events = []
         for i, (r, _, n) in enumerate(chunks):
             r.computed += n
