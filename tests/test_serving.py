@@ -236,3 +236,29 @@ def test_stream_chunks_join_the_tokens_that_came_together():
     assert choices.texts == ["abcef", "ab"] and choices.gen == [[2, 4, 5], [3]]
     whole = choices.response()["choices"][0]["logprobs"]  # the same offsets as the whole answer's
     assert whole["text_offset"] == [0, 1, 2, 3, 4]
+
+
+def test_log_probs_asked_by_some_rows_are_each_rows_alone(model):
+    """A step computes the log-probs of the rows that ask (top 0, 2, 5) together, beside rows that do not ask:
+    each token's log-prob and top ones are those of the same request alone."""
+    ps, ks = prompts(6, seed=7), [None, 0, 2, 5, None, 2]
+
+    def events(eng, reqs):
+        out = {id(r): [] for r in reqs}
+        eng.add(*reqs)
+        while eng.has_work():
+            for ev in eng.step():
+                if ev.id >= 0:
+                    out[id(ev.request)].append((ev.id, ev.logprob, ev.top))
+        return [out[id(r)] for r in reqs]
+    reqs = [Request(p, Sampling(max_new_tokens=6, logprobs=k)) for p, k in zip(ps, ks)]
+    together = events(Engine(model, max_batch=8), reqs)
+    for p, k, got in zip(ps, ks, together):
+        (solo,) = events(Engine(model, max_batch=1), [Request(p, Sampling(max_new_tokens=6, logprobs=k))])
+        assert [t for t, _, _ in got] == [t for t, _, _ in solo]
+        for (_, lp, top), (_, lp1, top1) in zip(got, solo):
+            if k is None:
+                assert lp is None and top == ((), ())
+                continue
+            assert lp == pytest.approx(lp1, abs=1e-5) and len(top[0]) == k and list(top[0]) == list(top1[0])
+            assert list(top[1]) == pytest.approx(list(top1[1]), abs=1e-5)

@@ -313,7 +313,15 @@ class Engine:
         else:
             logits = self.step_logits(rows)
         picked = next_tokens(logits, rows, self.generator)
-        return [self.emit(r, logits, i, picked[i]) for i, r in enumerate(rows)]
+        asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+        lps = {}
+        if asked:  # the rows that report log-probs, in one log_softmax and one topk (of the most any asks)
+            top = max(rows[i].params.logprobs for i in asked)
+            chosen, tops = logprobs_of(logits[asked], [picked[i] for i in asked], top)
+            for i, lp, (ids, vals) in zip(asked, chosen, tops):
+                k = rows[i].params.logprobs
+                lps[i] = (lp, (ids[:k], vals[:k]))
+        return [self.emit(r, logits, i, picked[i], lps.get(i)) for i, r in enumerate(rows)]
 
     def step_logits(self, rows: list):
         """(B, vocab): the next-token logits of rows in their own slots or blocks (the native step, B forwards
@@ -339,7 +347,9 @@ class Engine:
     def close(self):
         """Called by the Loop thread when it ends (serving/tp.py releases the other ranks)."""
 
-    def emit(self, r: Request, logits, row: int, token: int | None = None) -> Token:
+    def emit(self, r: Request, logits, row: int, token: int | None = None, lp=None) -> Token:
+        """Row `row` of logits gave r its next token (picked here if None; its log-prob and top ones in lp when
+        the step computed them): append it, detokenize, finish r when it is done."""
         if token is None:
             token = next_tokens(logits[row:row + 1], [r], self.generator)[0]
         now = time.perf_counter()
@@ -347,7 +357,9 @@ class Engine:
         gap, r.last_token = (now - r.last_token if r.last_token else None), now
         r.output.append(token)
         ev = Token(r, token, gap=gap)
-        if r.params.logprobs is not None:
+        if lp is not None:
+            ev.logprob, ev.top = lp
+        elif r.params.logprobs is not None:
             (ev.logprob,), (ev.top,) = logprobs_of(logits[row:row + 1], [token], r.params.logprobs)
         s, early = r.params, len(r.output) <= r.params.min_tokens
         stopped = token == s.eos_token_id and not s.ignore_eos and not early
