@@ -95,12 +95,14 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
 template <int FMT>
 static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const bool stream = a.M <= 2 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
+  const bool few = a.M <= FEW_ROWS;
   for (int64_t sb = sb0; sb < sb1; sb++) {
     for (int64_t m = 0; m < a.M;) {
       const float* x = a.x + m * a.ldx;
       float* y = a.y + m * a.ldy;
       const int64_t r = a.M - m;
-      if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j); m += 3; }
+      if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0); m += 2; }
+      else if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j); m += 3; }
       else if (r >= 6) { tile<FMT, 6, 2>(a, x, y, sb, 0); tile<FMT, 6, 2>(a, x, y, sb, 2); m += 6; }
       else if (r >= 4) { tile<FMT, 4, 2>(a, x, y, sb, 0); tile<FMT, 4, 2>(a, x, y, sb, 2); m += 4; }
       else if (r == 3) { tile<FMT, 3, 2>(a, x, y, sb, 0); tile<FMT, 3, 2>(a, x, y, sb, 2); m += 3; }

@@ -109,7 +109,9 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 #ifdef GPT2FFN_QRUN8
   if (a.M > 1) return qrun8<FMT>(a, sb0, sb1);  // the 256-bit builds' prefill (qvec_avx2.h)
 #endif
-  const bool stream = a.M == 1 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
+  // decode: the weights come from memory once; fewer rows than a tile go row by row, the first prefetching
+  // (the wider tiles kept their speed here at 4-8 rows, unlike the float kernels': linear.h, FEW_ROWS)
+  const bool stream = a.M < QMR && prefetch_bytes[FMT] > 0;
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;
 #ifndef GPT2FFN_QRUN8  // (there M is 1 here)
@@ -118,7 +120,7 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 #endif
     for (; m < a.M; m++)
       for (int j0 = 0; j0 < 4; j0 += QNB1)
-        stream ? qtile<FMT, 1, QNB1, true>(a, m, sb, j0) : qtile<FMT, 1, QNB1>(a, m, sb, j0);
+        stream && m == 0 ? qtile<FMT, 1, QNB1, true>(a, m, sb, j0) : qtile<FMT, 1, QNB1>(a, m, sb, j0);
   }
 }
 
