@@ -403,9 +403,12 @@ def test_streaming_logprobs_and_echo(server):
                                                           "temperature": 0, "stream": True, "logprobs": 1,
                                                           "echo": True, "ignore_eos": True}).text.splitlines()
               if line.startswith("data: {")]
-    whole = post(server, prompt="Hello", max_tokens=6, temperature=0, echo=True, ignore_eos=True)
+    whole = post(server, prompt="Hello", max_tokens=6, temperature=0, echo=True, ignore_eos=True, logprobs=1)
     assert "".join(c["choices"][0]["text"] for c in chunks) == whole["choices"][0]["text"]
-    assert sum(len(c["choices"][0]["logprobs"]["tokens"]) for c in chunks if c["choices"][0]["logprobs"]) == 6
+    lps = [c["choices"][0]["logprobs"] for c in chunks if c["choices"][0]["logprobs"]]
+    for key in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):  # the prompt's first, as the whole's
+        assert sum((lp[key] for lp in lps), []) == whole["choices"][0]["logprobs"][key], key
+    assert len(whole["choices"][0]["logprobs"]["tokens"]) > 6
 
 
 def test_tokenize_detokenize(server, model_dir):

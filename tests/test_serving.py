@@ -204,9 +204,9 @@ def test_incremental_text_stream(seed):
 
 def test_stream_chunks_join_the_tokens_that_came_together():
     """A stream that fell behind sends, per choice, one chunk of every token that came since it last ran: the
-    texts joined, the log-probs listed together, text_offset as the whole answer counts it (in the decoded ids
-    before each token, the echoed prompt's included: a token whose text is still held back, as a possible stop
-    string, keeps its place), the finish reason of the last."""
+    texts joined, the log-probs listed together (the echoed prompt's first), text_offset as the whole answer counts
+    it (a token whose text is still held back, as a possible stop string, keeps its place), the finish reason of
+    the last."""
     from types import SimpleNamespace
 
     from gpt2ffn.serving.engine import Token
@@ -226,10 +226,11 @@ def test_stream_chunks_join_the_tokens_that_came_together():
     first = choices.chunks([tok(1, 0, 2, "c"), tok(2, 1, 3, ""), tok(3, 0, 4, "e")])
     assert [c["choices"][0]["index"] for c in first] == [0, 1]
     a, b = (c["choices"][0] for c in first)  # b: the echoed prompt, its token's own text still held back
-    assert a["text"] == "abce" and a["finish_reason"] is None
-    assert a["logprobs"]["tokens"] == ["c", "e"] and a["logprobs"]["token_logprobs"] == [-0.5, -1.5]
-    assert a["logprobs"]["text_offset"] == [2, 3]
-    assert b["text"] == "ab" and b["logprobs"]["text_offset"] == [2]
+    assert a["text"] == "abce" and a["finish_reason"] is None  # the echoed prompt's log-probs come first
+    assert a["logprobs"]["tokens"] == ["a", "b", "c", "e"]
+    assert a["logprobs"]["token_logprobs"] == [None, -1.0, -0.5, -1.5]
+    assert a["logprobs"]["text_offset"] == [0, 1, 2, 3]
+    assert b["text"] == "ab" and b["logprobs"]["text_offset"] == [0, 1, 2]
     (last,) = choices.chunks([tok(4, 0, 5, "f"), (0, Token(r[0], -1, finish_reason="length"))])
     assert last["choices"][0]["text"] == "f" and last["choices"][0]["finish_reason"] == "length"
     assert last["choices"][0]["logprobs"]["text_offset"] == [4]

@@ -194,6 +194,7 @@ class Choices:
         self.shown = [[] for _ in range(n)]        # ids in the logprobs object: (echoed prompt +) generated
         self.lps = [[] for _ in range(n)]
         self.tops = [[] for _ in range(n)]
+        self.streamed = [0] * n                    # entries of shown[c] a stream's chunks have carried
 
     def collect(self, c: int, ev) -> str:
         """Take one Token of choice c; return the text it adds (the echoed prompt first, when asked)."""
@@ -252,19 +253,19 @@ class Choices:
 
     def chunks(self, items: list) -> list:
         """The stream chunks for (choice, Token) pairs that arrived together: one per choice, in the order they
-        came, its tokens' text (and log-probs) joined; none for a choice whose tokens add nothing yet."""
+        came, its tokens' text and log-probs joined (the first also the echoed prompt's, as the whole answer
+        lists them); none for a choice whose tokens add nothing yet."""
         by_choice = {}
         for c, ev in items:
             by_choice.setdefault(c, []).append(ev)
         out = []
         for c, evs in by_choice.items():
             text = "".join(self.collect(c, ev) for ev in evs)
-            got = [ev for ev in evs if ev.id >= 0]
-            lp = None
-            if self.want_lp and got:  # offsets as the whole answer's: in the decoded ids shown before these
-                before = self.shown[c][:len(self.shown[c]) - len(got)]
-                lp = self.svc.logprobs([ev.id for ev in got], [ev.logprob for ev in got], [ev.top for ev in got],
-                                       before)
+            lp, done = None, self.streamed[c]
+            if self.want_lp and len(self.shown[c]) > done:  # offsets in the decoded ids shown before these
+                lp = self.svc.logprobs(self.shown[c][done:], self.lps[c][done:], self.tops[c][done:],
+                                       self.shown[c][:done])
+                self.streamed[c] = len(self.shown[c])
             finish = next((ev.finish_reason for ev in evs if ev.finish_reason), None)
             if not (text or lp or finish):
                 continue
