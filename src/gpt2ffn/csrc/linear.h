@@ -31,12 +31,13 @@ enum Format : int { F32 = 0, BF16 = 1, I8 = 2, I4 = 3, I8A8 = 4, I4A8 = 5 };
 // (gpt2ffn.kernels.packed.probe: _C.set_prefetch), which times the candidates on the model's own layers.
 extern int64_t prefetch_bytes[6];
 
-// The float kernels (linear_impl.h) take up to FEW_ROWS rows (a decode step of a few sequences) two at a time
-// through the whole super-block, as decode's own tiles: the first pair streams the weights from memory in order,
-// the next pairs find them in L2. The wider prefill tiles read a super-block in column halves, which the
-// hardware prefetcher follows badly when the weights come from memory (GPT-2 124M, a step of 4 rows: fp32 25.3 ->
-// 20.5 ms, bf16 16.8 -> 14.6; of 8: 29.4 -> 26.1 and 22.0 -> 19.2; Intel Xeon, 2 threads). The tiling never
-// changes an output's order of operations.
+// The fp32 and bf16 kernels (linear_impl.h) take up to FEW_ROWS rows (a decode step of a few sequences) two at a
+// time through the whole super-block, as decode's own tiles: the first pair streams the weights from memory in
+// order, the next pairs find them in L2. The wider prefill tiles read a super-block in column halves, which the
+// hardware prefetcher follows badly when the weights come from memory (GPT-2 124M, a step of 4 rows: fp32 25.4 ->
+// 19.8 ms, bf16 16.0 -> 15.0; of 8: 29.7 -> 25.2 and 21.2 -> 19.6; Intel Xeon, 2 threads). int8/int4 weights
+// with fp32 activations (int8's lm_head) widen every weight per pass, so they keep the wide tiles. The tiling
+// never changes an output's order of operations.
 constexpr int64_t FEW_ROWS = 8;
 enum Act : int { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 

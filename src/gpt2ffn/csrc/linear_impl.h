@@ -95,7 +95,7 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
 template <int FMT>
 static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const bool stream = a.M <= 2 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
-  const bool few = a.M <= FEW_ROWS;
+  const bool few = (FMT == F32 || FMT == BF16) && a.M <= FEW_ROWS;  // int8/int4 widen per pass: they keep the tiles
   for (int64_t sb = sb0; sb < sb1; sb++) {
     for (int64_t m = 0; m < a.M;) {
       const float* x = a.x + m * a.ldx;

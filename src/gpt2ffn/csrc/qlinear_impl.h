@@ -111,7 +111,11 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 #endif
   // decode: the weights come from memory once; fewer rows than a tile go row by row, the first prefetching
   // (the wider tiles kept their speed here at 4-8 rows, unlike the float kernels': linear.h, FEW_ROWS)
+#ifdef GPT2FFN_QRUN8
+  const bool stream = a.M == 1 && prefetch_bytes[FMT] > 0;
+#else
   const bool stream = a.M < QMR && prefetch_bytes[FMT] > 0;
+#endif
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;
 #ifndef GPT2FFN_QRUN8  // (there M is 1 here)
