@@ -42,12 +42,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(cmd: list, port: int, health="/health", timeout=300):
-    """Start a server process and wait until it answers 200 on its health endpoint. Its output goes to a
-    file: a pipe nobody reads fills up and stalls a server that logs every request (llama-server)."""
+def start(cmd: list, port: int, health="/health", timeout=300, env=None):
+    """Start a server process (in `env`, else this one's environment) and wait until it answers 200 on its health
+    endpoint. Its output goes to a file: a pipe nobody reads fills up and stalls a server that logs every request
+    (llama-server)."""
     import tempfile
     log = tempfile.NamedTemporaryFile("w+", prefix=Path(cmd[0]).name + "-", suffix=".log", delete=False)
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + timeout
     while time.time() < deadline:

@@ -88,7 +88,7 @@ def through_http(src: str, args, vocab: int) -> dict:
     cmd = [sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(args.clients), "--max-waiting", str(args.clients), "--threads", str(args.threads),
            "--device", args.device]
-    proc, _ = start_env(cmd, port, env)
+    proc, _ = start(cmd, port, env=env)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as r:
             model = json.load(r)["data"][0]["id"]
@@ -109,16 +109,6 @@ def through_http(src: str, args, vocab: int) -> dict:
 
 async def _all(port, ps, max_tokens, model):
     return await asyncio.gather(*(stream(port, p, max_tokens, model) for p in ps))
-
-
-def start_env(cmd, port, env):
-    old = os.environ.copy()
-    os.environ.update(env)
-    try:
-        return start(cmd, port)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
 
 
 def in_process(src: str, args) -> dict:
