@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gpt2ffn.serving.engine as engine_mod
 from gpt2ffn import GPT2, Config
@@ -24,6 +25,8 @@ from gpt2ffn.bench import cpu_info
 from gpt2ffn.model import random_weights_
 from gpt2ffn.serving.engine import Engine, Request
 from gpt2ffn.serving.sampling import Sampling, adjust, next_tokens, pick
+
+GENERATORS = {}  # request id -> its own torch.Generator, as the engine kept them before the batch sampler
 
 
 def per_row(logits, requests, generator=None):
@@ -35,8 +38,31 @@ def per_row(logits, requests, generator=None):
             out[i] = t
     for i, r in enumerate(requests):
         if out[i] is None:
-            out[i] = int(pick(adjust(logits[i], r.params, r.prompt, r.output)[None], r.params, r.generator)[0])
+            if r.id not in GENERATORS:
+                g = GENERATORS[r.id] = torch.Generator()
+                if r.params.seed is not None:
+                    g.manual_seed(r.params.seed)
+                else:
+                    g.seed()
+            out[i] = int(pick(adjust(logits[i], r.params, r.prompt, r.output)[None], r.params, GENERATORS[r.id])[0])
     return out
+
+
+class _Count(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def aten_calls(fn, *args) -> int:
+    """How many aten ops one call of fn runs: on a GPU, about how many kernels it launches."""
+    with _Count() as c:
+        fn(*args)
+    return c.n
 
 
 def samplings(n: int, vocab: int) -> list:
@@ -61,6 +87,7 @@ def main():
         r.output = torch.randint(0, V, (16,), generator=g).tolist()
     logits = torch.randn(B, V, generator=g)
     samplers = {"per-row loop (before)": per_row, "batch sampler": next_tokens}
+    ops = {name: aten_calls(fn, logits, reqs) for name, fn in samplers.items()}
     ms = {name: [] for name in samplers}
     for _ in range(args.rounds):
         for name, fn in samplers.items():
@@ -103,8 +130,11 @@ def main():
     result = {"machine": f"{cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}",
               "batch": B, "vocab": V,
               "sampler_ms_median": {k: statistics.median(v) for k, v in ms.items()},
+              "sampler_aten_ops": ops,
               "engine_step_ms_median": {k: statistics.median(v) for k, v in steps.items()},
               "greedy_step_ms_median": {k: statistics.median(v) for k, v in greedy.items()}}
+    for k, v in ops.items():
+        print(f"{'sampler_aten_ops':22s} {k:30s} {v:8d}")
     for what in ("sampler_ms_median", "engine_step_ms_median", "greedy_step_ms_median"):
         for k, v in result[what].items():
             print(f"{what:22s} {k:30s} {v:8.2f} ms")

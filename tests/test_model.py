@@ -114,6 +114,21 @@ def test_sampling_is_seeded_and_filters_work():
     assert len(spread[0]) == 20
 
 
+def test_a_repeated_prompt_draws_different_samples():
+    """A batch of one prompt, seeded (or HF-style generate with do_sample): each row its own sample, row i the
+    prompt alone with seed + i, as the server's n choices are drawn."""
+    cfg = CONFIGS[0]
+    _, ours = pair(cfg)
+    p = ids_of(5, cfg.vocab_size)[0].tolist()
+    s = dict(max_new_tokens=12, temperature=1.5)
+    rows = generate(ours, [p] * 3, Sampling(**s, seed=7))
+    assert len({tuple(r) for r in rows}) == 3
+    assert rows == [generate(ours, [p], Sampling(**s, seed=7 + i))[0] for i in range(3)]
+    torch.manual_seed(0)
+    out = ours.generate(torch.tensor([p] * 3), max_new_tokens=12, do_sample=True, temperature=1.5, top_k=None)
+    assert len({tuple(r) for r in out[:, 5:].tolist()}) == 3
+
+
 def test_eos_and_stop_strings():
     cfg = CONFIGS[0]
     _, ours = pair(cfg)

@@ -4,19 +4,27 @@ draws independent of its batch mates."""
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
-from gpt2ffn.serving.sampling import Sampling, adjust, adjust_batch, candidates, next_tokens, pick
+from gpt2ffn.serving.sampling import (
+    Sampling,
+    adjust,
+    adjust_batch,
+    candidates,
+    draw,
+    next_tokens,
+    pick,
+    seeded_uniforms,
+    uniforms,
+)
 
 V = 300
 
 
 def request(s: Sampling, prompt=(), output=()):
-    g = torch.Generator()
-    if s.seed is not None:
-        g.manual_seed(s.seed)
-    return SimpleNamespace(params=s, prompt=list(prompt), output=list(output), generator=g)
+    return SimpleNamespace(params=s, prompt=list(prompt), output=list(output))
 
 
 def mixed(n=24, seed=0):
@@ -137,12 +145,10 @@ def test_sampling_on_cuda_equals_cpu_where_it_must():
     """Greedy and adjusted-greedy rows pick the same ids on the GPU; a seeded row reproduces there."""
     reqs, logits = mixed()
     assert next_tokens(logits.cuda(), reqs) == next_tokens(logits, reqs)
-    me = [request(Sampling(temperature=1.0, top_k=20, seed=9))]
-    for r in me:
-        r.generator = torch.Generator(device="cuda").manual_seed(9)
+    me = [request(Sampling(temperature=1.0, top_k=20, seed=9), output=[1, 2])]
     first = next_tokens(logits[:1].cuda(), me)
-    me[0].generator.manual_seed(9)
     assert next_tokens(logits[:1].cuda(), me) == first
+    assert next_tokens(torch.cat([torch.randn(5, V), logits[:1]]).cuda(), mixed(5)[0] + me)[-1] == first[0]
 
 
 @pytest.mark.parametrize("kw", [dict(temperature=1.0, top_p=5e-324), dict(temperature=5e-324),
@@ -153,3 +159,37 @@ def test_extreme_but_legal_parameters_take_the_likeliest_token(kw):
     reqs = [request(Sampling(**kw)) for _ in range(5)]
     assert next_tokens(logits, reqs) == logits.argmax(-1).tolist()
     assert pick(logits, reqs[0].params, torch.Generator().manual_seed(0)).tolist() == logits.argmax(-1).tolist()
+
+
+def test_a_seeds_draws_are_a_function_of_seed_and_count():
+    """Draw k of seed s is the same number whatever else is drawn, in (0, 1], different for neighbouring seeds
+    and counts, and uniform (Kolmogorov-Smirnov over 100k draws of consecutive seeds and counts)."""
+    seeds, draws = [0, 1, 2, 2**64 - 1, 12345], [0, 0, 7, 3, 100]
+    u = seeded_uniforms(seeds, draws)
+    for i in range(len(seeds)):
+        assert seeded_uniforms([seeds[i]], [draws[i]])[0] == u[i]
+    assert len(set(u.tolist())) == len(u) and ((u > 0) & (u <= 1)).all()
+    n = 100_000
+    big = np.sort(np.concatenate([seeded_uniforms(np.arange(n // 2), np.zeros(n // 2, np.uint64)),
+                                  seeded_uniforms(np.full(n // 2, 7), np.arange(n // 2))]))
+    ks = np.abs(big - np.arange(1, n + 1) / n).max()
+    assert ks < 1.63 / n ** 0.5, ks        # the 1% critical value
+    # a request's draw follows its token count, not the call: the same count draws the same number again
+    r = request(Sampling(temperature=1.0, seed=5), output=[1, 2, 3])
+    assert uniforms([r])[0] == uniforms([request(Sampling(seed=1)), r])[1] == seeded_uniforms([5], [3])[0]
+    assert uniforms([request(Sampling(temperature=1.0, seed=-1))])[0] == seeded_uniforms([2**64 - 1], [0])[0]
+
+
+def test_a_draw_never_picks_a_dropped_token_even_at_the_ends_of_u():
+    """u = 1 takes the last token of non-zero weight, the smallest u the first; tokens at -inf (dropped by
+    top-k/top-p, or outside the vocabulary's likely part) are never drawn, wherever they sit."""
+    inf = float("-inf")
+    z = torch.tensor([[inf, 0.0, inf, -1.0, inf, inf], [0.0, inf, inf, inf, inf, inf], [-3.0, inf, 0.0, inf, -2.0, inf]])
+    last = torch.tensor([3, 0, 4])
+    first = torch.tensor([1, 0, 0])
+    assert torch.equal(draw(z, torch.ones(3, dtype=torch.float64)), last)
+    assert torch.equal(draw(z, torch.full((3,), 2.0 ** -53, dtype=torch.float64)), first)
+    u = torch.from_numpy(seeded_uniforms(np.arange(3000) % 7, np.arange(3000) // 7))
+    picked = draw(z.repeat(1000, 1), u).reshape(1000, 3)
+    for row in range(3):
+        assert set(picked[:, row].tolist()) <= set(torch.nonzero(~torch.isinf(z[row]))[:, 0].tolist())

@@ -4,6 +4,8 @@ Many prompts run through the serving engine's continuous batching (serving/engin
 own positions and its own blocks of the paged KV cache, so each gets the tokens it would get alone.
 """
 
+from dataclasses import replace
+
 import torch
 
 from .errors import Gpt2ffnError
@@ -32,9 +34,12 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
     """Yield, after each engine step that made tokens, the new token id per prompt (None: none this step).
 
     The prompts run through the serving engine (continuous batching), the one batching path of gpt2ffn;
-    each gets the tokens it would get alone. With decode, stop strings end a sequence."""
+    each gets the tokens it would get alone. A seeded Sampling gives prompt i the seed s.seed + i (as the
+    server's n choices take theirs), so a repeated prompt draws different samples, each the one it draws alone
+    with that seed. With decode, stop strings end a sequence."""
     engine = engine_for(model, prompts, s, decode, batch_invariant)
-    requests = [Request(list(p), s) for p in prompts]
+    requests = [Request(list(p), s if s.seed is None or not i else replace(s, seed=s.seed + i))
+                for i, p in enumerate(prompts)]
     row = {r.id: i for i, r in enumerate(requests)}
     engine.add(*requests)
     try:

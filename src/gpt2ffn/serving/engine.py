@@ -2,8 +2,9 @@
 chunks, then advances every running sequence by one token in one batched forward pass.
 
 The engine knows nothing of HTTP. The server and `gpt2ffn.generate` both call add() and step(); a
-`Loop` thread drives step() for the server. Each request has its own Sampling and its own generator, so
-what runs beside it does not change its tokens (temperature 0: the same argmax; seeded: the same draws).
+`Loop` thread drives step() for the server. Each request has its own Sampling, and a seeded one its own
+stream of draws (a function of its seed and its token count, sampling.uniforms), so what runs beside it does
+not change its tokens (temperature 0: the same argmax; seeded: the same draws).
 """
 
 import itertools
@@ -98,13 +99,6 @@ class Request:
     first_token: float | None = None
     last_token: float | None = None
 
-    def __post_init__(self):
-        self.generator = torch.Generator()
-        if self.params.seed is not None:
-            self.generator.manual_seed(self.params.seed)
-        else:
-            self.generator.seed()
-
 
 class Engine:
     """Continuous batching over a paged KV cache. max_batch: sequences decoded together; max_waiting:
@@ -149,7 +143,7 @@ class Engine:
         self.graph_capture = None  # (CUDA graphs captured at start-up, of how many shapes, seconds)
         if self.static is not None and self.static.use_graphs and graph_seconds > 0:
             self.graph_capture = self.static.capture(graph_seconds)
-        self.generator = torch.Generator(device=self.device)  # the draws of requests without a seed
+        self.generator = torch.Generator()  # the draws of requests without a seed (on the host, sampling.uniforms)
         self.generator.seed()
         self.waiting, self.running = deque(), []
         self.lock = threading.Lock()
@@ -172,8 +166,6 @@ class Engine:
         """Queue requests (all or none). Raises QueueFull beyond max_waiting, Gpt2ffnError on bad input."""
         for r in requests:
             self.check(r.prompt, r.params)
-            if r.params.seed is not None and r.generator.device != self.device:  # draws happen where the logits are
-                r.generator = torch.Generator(device=self.device).manual_seed(r.params.seed)
             if self.decode is not None:
                 r.text = TextStream(self.decode, r.params.stop)
         with self.lock:

@@ -91,10 +91,10 @@ def next_tokens(logits, requests, generator=None) -> list:
     at once on the logits' device: penalties, logit_bias and min_tokens as `adjust` does them (bitwise equal),
     temperature, top-k and top-p as `pick` keeps them, one draw per row, one device-to-host copy of the ids.
 
-    A draw is an exponential race over the row's candidates (argmax of p_i / q_i with q_i ~ Exp(1): an exact
-    sample of p, torch.multinomial's own method): a seeded request draws its q from its own generator, as many
-    as it has candidates, so its tokens do not depend on what runs beside it; the others share one draw from
-    `generator` (torch's default if None)."""
+    A draw is one uniform number per row, made on the host (`uniforms`: a seeded request's comes from its seed
+    and how many tokens it has drawn, so its tokens do not depend on what runs beside it; the others' from
+    `generator`, a CPU torch.Generator, torch's default if None), sent to the device in one copy and turned
+    into a token by inverting the row's cumulative distribution."""
     params = [r.params for r in requests]
     if all(s.plain_greedy for s in params):
         return logits.argmax(-1).tolist()
@@ -104,7 +104,9 @@ def next_tokens(logits, requests, generator=None) -> list:
     rows = [i for i, s in enumerate(params) if s.temperature > 0]
     if rows:
         temps = torch.tensor([params[i].temperature for i in rows], device=x.device)[:, None]
-        ids[rows] = sample(scale(x[rows], temps), [requests[i] for i in rows], generator)
+        drawing = [requests[i] for i in rows]
+        u = torch.from_numpy(uniforms(drawing, generator)).to(x.device, non_blocking=True)
+        ids[rows] = sample(scale(x[rows], temps), drawing, u)
     return ids.tolist()
 
 
@@ -114,21 +116,21 @@ def scale(x, temps):
     return (x - x.amax(-1, keepdim=True)) / temps.clamp_min(torch.finfo(torch.float32).tiny)
 
 
-def sample(x, requests: list, generator=None):
-    """(S, V) temperature-scaled logits -> (S,) ids, in three groups that cost differently: rows that keep the
-    whole vocabulary race over it; rows with top_k race over their top k (top_p then applied within them);
+def sample(x, requests: list, u):
+    """(S, V) temperature-scaled logits, (S,) uniforms (float64, in (0, 1]) -> (S,) ids, in three groups that cost differently: rows that keep the
+    whole vocabulary draw from it; rows with top_k draw from their top k (top_p then applied within them);
     rows with only top_p sort the vocabulary first."""
     out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     whole = [j for j, r in enumerate(requests) if r.params.top_k is None and not _top_p(r.params)]
     top_k = [j for j, r in enumerate(requests) if r.params.top_k is not None]
     only_p = [j for j, r in enumerate(requests) if r.params.top_k is None and _top_p(r.params)]
     if whole:
-        out[whole] = race(x[whole], [requests[j] for j in whole], generator)
+        out[whole] = draw(x[whole], u[whole])
     for group in (top_k, only_p):
         if group:
             reqs = [requests[j] for j in group]
             vals, idx = candidates(x[group], [r.params for r in reqs])
-            out[group] = idx.gather(1, race(vals, reqs, generator)[:, None])[:, 0]
+            out[group] = idx.gather(1, draw(vals, u[group])[:, None])[:, 0]
     return out
 
 
@@ -155,19 +157,47 @@ def candidates(x, params: list):
     return vals, idx
 
 
-def race(z, requests: list, generator=None):
-    """One sample per row of z (R, K) (logits, -inf where dropped): argmax of softmax(z) / q, q ~ Exp(1), from
-    the request's own generator (its first top_k or K values) when it is seeded, else from one shared draw."""
-    R, K = z.shape
-    q = torch.ones_like(z)
-    free = [j for j, r in enumerate(requests) if r.params.seed is None]
-    for j, r in enumerate(requests):
-        if r.params.seed is not None:
-            n = min(r.params.top_k or K, K)
-            q[j, :n].exponential_(generator=r.generator)
-    if free:
-        q[free] = torch.empty(len(free), K, device=z.device).exponential_(generator=generator)
-    return (z.softmax(-1) / q).argmax(-1)
+GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _mix64(x):
+    """SplitMix64's finalizer over a uint64 array (wrapping arithmetic)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def seeded_uniforms(seeds, draws):
+    """Draw number `draws[i]` (0, 1, ...) of the stream a seed names, for each row: SplitMix64 started from the
+    mixed seed, its (draws + 1)-th output, as a float64 in (0, 1]. A pure function of (seed, draw): no state to
+    keep, the same on every device and in any batch."""
+    with np.errstate(over="ignore"):
+        state = _mix64(np.array(seeds, dtype=np.uint64))
+        h = _mix64(state + (np.asarray(draws, dtype=np.uint64) + np.uint64(1)) * GOLDEN)
+    return ((h >> np.uint64(11)).astype(np.float64) + 1.0) * 2.0 ** -53
+
+
+def uniforms(requests: list, generator=None):
+    """One float64 in (0, 1] per request: seeded ones from (seed, tokens drawn so far) (`seeded_uniforms`), the
+    others from one call on `generator` (a CPU torch.Generator)."""
+    u = np.empty(len(requests))
+    seeded = [j for j, r in enumerate(requests) if r.params.seed is not None]
+    if seeded:
+        u[seeded] = seeded_uniforms([requests[j].params.seed % 2 ** 64 for j in seeded],
+                                    [len(requests[j].output) for j in seeded])
+    if len(seeded) < len(requests):
+        free = [j for j, r in enumerate(requests) if r.params.seed is None]
+        u[free] = 1.0 - torch.rand(len(free), dtype=torch.float64, generator=generator).numpy()
+    return u
+
+
+def draw(z, u):
+    """One sample per row of z (R, K) (logits less their row's max, -inf where dropped), given u (R,) in (0, 1]:
+    the first k whose cumulative weight sum(exp(z[:k+1])) reaches u x the row's total (inverse transform
+    sampling; the sums in float64, so a weight as small as 1e-16 of the total keeps its share). A token of
+    weight 0 is never drawn: its sum equals the one before it, which is reached first."""
+    c = z.exp().cumsum(-1, dtype=torch.float64)
+    return torch.searchsorted(c, (u * c[:, -1])[:, None])[:, 0].clamp_max_(z.shape[1] - 1)
 
 
 def history(r):
