@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import torch
 
+from gpt2ffn.kernels import packed
 from gpt2ffn.serving.sampling import (
     Sampling,
     adjust,
@@ -83,6 +84,7 @@ def reference_support(logits, s: Sampling):
         srt, order = x.sort(dim=-1, descending=True)
         cum = srt.softmax(-1).cumsum(-1)
         drop = cum - srt.softmax(-1) >= s.top_p
+        drop[:, 0] = False  # the likeliest token, however small top_p is
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return x[0]
 
@@ -193,3 +195,53 @@ def test_a_draw_never_picks_a_dropped_token_even_at_the_ends_of_u():
     picked = draw(z.repeat(1000, 1), u).reshape(1000, 3)
     for row in range(3):
         assert set(picked[:, row].tolist()) <= set(torch.nonzero(~torch.isinf(z[row]))[:, 0].tolist())
+
+
+@pytest.mark.skipif(packed._C is None, reason="gpt2ffn._C is not built")
+@pytest.mark.parametrize("V", [1, 2, 300, 50257])
+def test_native_top_p_keeps_the_nucleus(V):
+    """kernels.packed.top_p_ (weighted quickselect, no sort) keeps each row's nucleus: a prefix of its tokens in
+    descending order (ties in any order), the last kept one with less than top_p before it and the first dropped
+    one with at least top_p before it, in float64 up to 1e-6 (fp32's rounding of the weights; the sort-based
+    fp32 reference `candidates` cut 36 tokens early in a row here at top_p 0.999 over GPT-2's vocabulary, its
+    cumsum in fp32). Peaked and flat rows, ties, -inf entries, top_p from 5e-324 to 1."""
+    g = torch.Generator().manual_seed(V)
+    rows = [4 * torch.randn(V, generator=g), 0.3 * torch.randn(V, generator=g), 12 * torch.randn(V, generator=g),
+            torch.randint(0, 4, (V,), generator=g).float(),  # a few values, many ties
+            torch.where(torch.rand(V, generator=g) < 0.5, float("-inf"), torch.randn(V, generator=g))]
+    rows[-1][0] = 0.0
+    tops = [5e-324, 1e-6, 0.1, 0.5, 0.9, 0.95, 0.999, 1.0]
+    x = torch.stack([r for r in rows for _ in tops])
+    ps = tops * len(rows)
+    z = x - x.amax(-1, keepdim=True)
+    kept = z.clone()
+    assert packed.top_p_(kept, ps)
+    for i, p in enumerate(ps):
+        srt = z[i].sort(descending=True).values
+        n = int((~torch.isinf(kept[i])).sum())
+        assert torch.equal(kept[i][~torch.isinf(kept[i])].sort(descending=True).values, srt[:n]), (i, p)
+        prob = srt.double().softmax(-1)
+        before = prob.cumsum(-1) - prob
+        if p < 1e-300:
+            assert n == 1, (i, p)
+            continue
+        assert before[n - 1] < p + 1e-6, (i, p, n)
+        assert n == V or before[n] >= p - 1e-6 or prob[n] == 0, (i, p, n)
+    assert torch.equal(kept[~torch.isinf(kept)], z[~torch.isinf(kept)])  # the kept values are untouched
+    assert not packed.top_p_(z.double(), ps)  # other dtypes: not here
+    if V > 1:
+        assert not packed.top_p_(z[:, ::2], ps)  # nor other layouts
+
+
+def test_top_p_draws_are_an_exact_sample_of_the_nucleus():
+    """20000 draws of a 6-way distribution with top_p 0.8: only the nucleus, each at its renormalized share."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.0, -1.0, -2.0])
+    n = 20000
+    reqs = [request(Sampling(temperature=1.0, top_p=0.8, seed=i)) for i in range(n)]
+    ids = torch.tensor(next_tokens(logits.repeat(n, 1), reqs))
+    p = logits.softmax(-1)
+    keep = (p.cumsum(-1) - p) < 0.8
+    q = torch.where(keep, p, 0) / p[keep].sum()
+    freq = torch.bincount(ids, minlength=6).float() / n
+    assert (freq[~keep] == 0).all()
+    assert ((freq - q).abs() <= 4.5 * (q * (1 - q) / n).sqrt()).all(), (freq, q)

@@ -122,6 +122,16 @@ def causal_attention(q, k, v):
     return _C.causal_attention(q, k, v)
 
 
+def top_p_(x, top_p: list) -> bool:
+    """Nucleus filtering of the rows of x (R, V), logits less their row's max, in place: each row keeps its
+    likeliest tokens while those before weigh < its top_p, the rest go to -inf (csrc/ops.cpp: weighted
+    quickselect, no sort). False, x untouched, where gpt2ffn._C is not built or x is not fp32 on the CPU."""
+    if _C is None or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
+        return False
+    _C.top_p_(x, x.exp(), torch.tensor(top_p, dtype=torch.float64))
+    return True
+
+
 def ffn(x2, p1: Packed, p2: Packed, act: str):
     """c_proj(act(c_fc(x2))) in one native call: no Python between the two layers."""
     return _C.ffn(x2, *native_args((p1, p2)), act)

@@ -7,6 +7,7 @@ import numpy as np
 import torch
 
 from ..errors import Gpt2ffnError
+from ..kernels.packed import top_p_
 
 
 @dataclass
@@ -119,13 +120,19 @@ def scale(x, temps):
 def sample(x, requests: list, u):
     """(S, V) temperature-scaled logits, (S,) uniforms (float64, in (0, 1]) -> (S,) ids, in three groups that cost differently: rows that keep the
     whole vocabulary draw from it; rows with top_k draw from their top k (top_p then applied within them);
-    rows with only top_p sort the vocabulary first."""
+    rows with only top_p sort the vocabulary first (on the CPU, kernels.packed.top_p_ drops the same tokens
+    with no sort)."""
     out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
     whole = [j for j, r in enumerate(requests) if r.params.top_k is None and not _top_p(r.params)]
     top_k = [j for j, r in enumerate(requests) if r.params.top_k is not None]
     only_p = [j for j, r in enumerate(requests) if r.params.top_k is None and _top_p(r.params)]
     if whole:
         out[whole] = draw(x[whole], u[whole])
+    if only_p:
+        z = x[only_p]
+        if top_p_(z, [requests[j].params.top_p for j in only_p]):  # on the CPU, in place, with no sort
+            out[only_p] = draw(z, u[only_p])
+            only_p = []
     for group in (top_k, only_p):
         if group:
             reqs = [requests[j] for j in group]
