@@ -82,8 +82,8 @@ def reference_support(logits, s: Sampling):
         x = x.masked_fill(x < kth, float("-inf"))
     if s.top_p is not None and s.top_p < 1:
         srt, order = x.sort(dim=-1, descending=True)
-        cum = srt.softmax(-1).cumsum(-1)
-        drop = cum - srt.softmax(-1) >= s.top_p
+        prob = srt.double().softmax(-1)
+        drop = prob.cumsum(-1) - prob >= s.top_p
         drop[:, 0] = False  # the likeliest token, however small top_p is
         x = x.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return x[0]
@@ -203,8 +203,8 @@ def test_native_top_p_keeps_the_nucleus(V):
     """kernels.packed.top_p_ (weighted quickselect, no sort) keeps each row's nucleus: a prefix of its tokens in
     descending order (ties in any order), the last kept one with less than top_p before it and the first dropped
     one with at least top_p before it, in float64 up to 1e-6 (fp32's rounding of the weights; the sort-based
-    fp32 reference `candidates` cut 36 tokens early in a row here at top_p 0.999 over GPT-2's vocabulary, its
-    cumsum in fp32). Peaked and flat rows, ties, -inf entries, top_p from 5e-324 to 1."""
+    sort-based path `candidates` cut 36 tokens early in a row here at top_p 0.999 over GPT-2's vocabulary when
+    its cumsum was fp32; now it sums in float64 too). Peaked and flat rows, ties, -inf entries, top_p from 5e-324 to 1."""
     g = torch.Generator().manual_seed(V)
     rows = [4 * torch.randn(V, generator=g), 0.3 * torch.randn(V, generator=g), 12 * torch.randn(V, generator=g),
             torch.randint(0, 4, (V,), generator=g).float(),  # a few values, many ties

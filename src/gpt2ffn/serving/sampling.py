@@ -63,8 +63,8 @@ def pick(logits, s: Sampling, generator):
         logits = logits.masked_fill(logits < kth, float("-inf"))
     if s.top_p is not None and s.top_p < 1:
         sorted_logits, order = logits.sort(dim=-1, descending=True)
-        cum = sorted_logits.softmax(-1).cumsum(-1)
-        drop = cum - sorted_logits.softmax(-1) >= s.top_p  # keep the smallest prefix reaching top_p
+        prob = sorted_logits.double().softmax(-1)          # in float64: fp32's cumsum cuts early near top_p 1
+        drop = prob.cumsum(-1) - prob >= s.top_p           # keep the smallest prefix reaching top_p
         drop[:, 0] = False                                 # and the likeliest token, however small top_p is
         logits = logits.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
     return torch.multinomial(logits.softmax(-1), 1, generator=generator)[:, 0]
@@ -156,10 +156,11 @@ def candidates(x, params: list):
         kth = vals.gather(1, torch.tensor([min(k or K, K) for k in ks], device=x.device)[:, None] - 1)
         vals = vals.masked_fill(vals < kth, float("-inf"))
     if any(_top_p(s) for s in params):
-        top_p = torch.tensor([s.top_p if _top_p(s) else 2.0 for s in params], device=x.device)[:, None]
-        prob = vals.softmax(-1)
-        drop = prob.cumsum(-1) - prob >= top_p    # the smallest prefix reaching top_p
-        drop[:, 0] = False                         # and the likeliest token, however small top_p is (5e-324 is 0 in fp32)
+        top_p = torch.tensor([s.top_p if _top_p(s) else 2.0 for s in params], dtype=torch.float64,
+                             device=x.device)[:, None]
+        prob = vals.double().softmax(-1)           # in float64: fp32's cumsum cut 36 tokens early at top_p 0.999
+        drop = prob.cumsum(-1) - prob >= top_p     # the smallest prefix reaching top_p
+        drop[:, 0] = False                         # and the likeliest token, however small top_p is
         vals = vals.masked_fill(drop, float("-inf"))
     return vals, idx
 
