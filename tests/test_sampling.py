@@ -245,3 +245,19 @@ def test_top_p_draws_are_an_exact_sample_of_the_nucleus():
     freq = torch.bincount(ids, minlength=6).float() / n
     assert (freq[~keep] == 0).all()
     assert ((freq - q).abs() <= 4.5 * (q * (1 - q) / n).sqrt()).all(), (freq, q)
+
+
+def test_the_callers_logits_are_left_as_they_were():
+    """The engine reads the same logits again for log-probs: penalties, bias, temperature and top-p work on
+    copies, whether the batch needs adjusting or not, fp32 or bf16, whole or a row's view."""
+    reqs, logits = mixed(12)
+    reqs += [request(Sampling(temperature=0.8, top_p=0.9, seed=1)), request(Sampling(temperature=1.0, top_k=4))]
+    logits = torch.cat([logits, torch.randn(2, V)])
+    for batch in (reqs, reqs[-2:]):
+        for x in (logits[-len(batch):].clone(), logits[-len(batch):].bfloat16()):
+            before = x.clone()
+            next_tokens(x, batch)
+            assert torch.equal(x, before)
+    full = logits.clone()
+    next_tokens(logits[1:2], [reqs[1]])  # a row's view, as Engine.emit passes it
+    assert torch.equal(logits, full)

@@ -56,8 +56,8 @@ def pick(logits, s: Sampling, generator):
     """(B, V) logits -> (B,) next ids, after temperature, top-k and top-p: the plain reference of one Sampling
     for every row (torch.multinomial); the engine samples a batch of Samplings with next_tokens."""
     if s.temperature == 0:
-        return logits.argmax(-1)
-    logits = scale(logits.float(), torch.tensor([[s.temperature]], device=logits.device))
+        return greedy(logits)
+    logits = scale_(logits.float().clone(), torch.tensor([[s.temperature]], device=logits.device))
     if s.top_k is not None:
         kth = torch.topk(logits, min(s.top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -98,46 +98,72 @@ def next_tokens(logits, requests, generator=None) -> list:
     into a token by inverting the row's cumulative distribution."""
     params = [r.params for r in requests]
     if all(s.plain_greedy for s in params):
-        return logits.argmax(-1).tolist()
-    x = logits.float().clone()
+        return greedy(logits).tolist()
+    x = logits.float()
+    if x.data_ptr() == logits.data_ptr() and any(_adjusts(s) for s in params):
+        x = x.clone()                                      # adjust_batch writes in place; the caller keeps logits
     adjust_batch(x, requests)
-    ids = x.argmax(-1)                                                        # greedy rows keep these
     rows = [i for i, s in enumerate(params) if s.temperature > 0]
+    if len(rows) == len(params):
+        ids = torch.empty(len(params), dtype=torch.long, device=x.device)
+    elif not rows:
+        ids = greedy(x)
+    else:
+        ids = torch.empty(len(params), dtype=torch.long, device=x.device)
+        kept = [i for i, s in enumerate(params) if s.temperature == 0]
+        ids[kept] = greedy(x[kept])
     if rows:
-        temps = torch.tensor([params[i].temperature for i in rows], device=x.device)[:, None]
         drawing = [requests[i] for i in rows]
         u = torch.from_numpy(uniforms(drawing, generator)).to(x.device, non_blocking=True)
-        ids[rows] = sample(scale(x[rows], temps), drawing, u)
+        ids[rows] = sample(x, rows, drawing, u)
     return ids.tolist()
 
 
-def scale(x, temps):
-    """(R, V) logits / (R, 1) temperatures, max first subtracted: a temperature as small as 5e-324 (0 in fp32,
-    clamped to fp32's smallest normal) leaves the argmax at 0 and the rest at -inf, never inf or nan."""
-    return (x - x.amax(-1, keepdim=True)) / temps.clamp_min(torch.finfo(torch.float32).tiny)
+def greedy(x):
+    """Each row's first largest index: argmax, as x.max(-1) finds it, 2.6-2.9x faster than argmax on the CPU
+    (256 rows of GPT-2's vocabulary 8.3 -> 2.9 ms, Intel Xeon, 2 threads; the same index, ties and NaN too)."""
+    return x.max(-1).indices
 
 
-def sample(x, requests: list, u):
-    """(S, V) temperature-scaled logits, (S,) uniforms (float64, in (0, 1]) -> (S,) ids, in three groups that cost differently: rows that keep the
-    whole vocabulary draw from it; rows with top_k draw from their top k (top_p then applied within them);
-    rows with only top_p sort the vocabulary first (on the CPU, kernels.packed.top_p_ drops the same tokens
-    with no sort)."""
-    out = torch.empty(x.shape[0], dtype=torch.long, device=x.device)
+def _adjusts(s: Sampling) -> bool:
+    """Whether adjust_batch changes this row's logits."""
+    return bool(s.repetition_penalty != 1 or s.presence_penalty or s.frequency_penalty or s.logit_bias
+                or (s.min_tokens and s.eos_token_id is not None))
+
+
+def scale_(x, temps):
+    """(R, V) logits / (R, 1) temperatures in place, max first subtracted: a temperature as small as 5e-324 (0 in
+    fp32, clamped to fp32's smallest normal) leaves the argmax at 0 and the rest at -inf, never inf or nan."""
+    return x.sub_(x.amax(-1, keepdim=True)).div_(temps.clamp_min(torch.finfo(torch.float32).tiny))
+
+
+def sample(x, rows: list, requests: list, u):
+    """Rows `rows` of the (B, V) logits x, drawn for `requests` (one each) with u (float64, in (0, 1], one each)
+    -> their ids, in three groups that cost differently, each gathered from x once and scaled by its
+    temperatures in place: rows that keep the whole vocabulary draw from it; rows with top_k draw from their top
+    k (top_p then applied within them); rows with only top_p sort the vocabulary first (on the CPU,
+    kernels.packed.top_p_ drops the same tokens with no sort)."""
+    out = torch.empty(len(rows), dtype=torch.long, device=x.device)
     whole = [j for j, r in enumerate(requests) if r.params.top_k is None and not _top_p(r.params)]
     top_k = [j for j, r in enumerate(requests) if r.params.top_k is not None]
     only_p = [j for j, r in enumerate(requests) if r.params.top_k is None and _top_p(r.params)]
+    temps = torch.tensor([r.params.temperature for r in requests], device=x.device)[:, None]
+
+    def scaled(group):
+        return scale_(x[[rows[j] for j in group]], temps[group])
+
     if whole:
-        out[whole] = draw(x[whole], u[whole])
+        out[whole] = draw(scaled(whole), u[whole])
     if only_p:
-        z = x[only_p]
+        z = scaled(only_p)
         if top_p_(z, [requests[j].params.top_p for j in only_p]):  # on the CPU, in place, with no sort
             out[only_p] = draw(z, u[only_p])
-            only_p = []
-    for group in (top_k, only_p):
-        if group:
-            reqs = [requests[j] for j in group]
-            vals, idx = candidates(x[group], [r.params for r in reqs])
-            out[group] = idx.gather(1, draw(vals, u[group])[:, None])[:, 0]
+        else:
+            vals, idx = candidates(z, [requests[j].params for j in only_p])
+            out[only_p] = idx.gather(1, draw(vals, u[only_p])[:, None])[:, 0]
+    if top_k:
+        vals, idx = candidates(scaled(top_k), [requests[j].params for j in top_k])
+        out[top_k] = idx.gather(1, draw(vals, u[top_k])[:, None])[:, 0]
     return out
 
 
@@ -204,7 +230,7 @@ def draw(z, u):
     the first k whose cumulative weight sum(exp(z[:k+1])) reaches u x the row's total (inverse transform
     sampling; the sums in float64, so a weight as small as 1e-16 of the total keeps its share). A token of
     weight 0 is never drawn: its sum equals the one before it, which is reached first."""
-    c = z.exp().cumsum(-1, dtype=torch.float64)
+    c = z.double().exp_().cumsum_(-1)
     return torch.searchsorted(c, (u * c[:, -1])[:, None])[:, 0].clamp_max_(z.shape[1] - 1)
 
 
