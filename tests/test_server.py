@@ -207,6 +207,21 @@ def test_oversized_body_is_413(server):
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
+def test_a_chunked_body_is_held_to_the_same_limit(server):
+    """No Content-Length (Transfer-Encoding: chunked): over the limit 413 after reading just past it; under it
+    the body arrives whole, in however many chunks it was sent."""
+    def chunks(total, size=64 << 10):
+        for i in range(0, total, size):
+            yield b"x" * min(size, total - i)
+
+    r = httpx.post(server.url + "/v1/completions", content=chunks(64 << 20), headers={"Content-Type": "application/json"})
+    assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    body = json.dumps({"model": server.model, "prompt": "dog", "max_tokens": 3}).encode()
+    r = httpx.post(server.url + "/v1/completions", content=(body[i:i + 7] for i in range(0, len(body), 7)),
+                   headers={"Content-Type": "application/json"})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 3, r.text
+
+
 def test_concurrent_clients_and_metrics(server):
     results = []
 

@@ -362,16 +362,47 @@ def authorized(header: str | None, digests: list) -> bool:
     return match and scheme.lower() == "bearer"
 
 
+def replay(body: bytes, receive):
+    """An ASGI receive that gives `body` whole once, then whatever `receive` gives (the client's disconnect)."""
+    sent = False
+
+    async def again():
+        nonlocal sent
+        if sent:
+            return await receive()
+        sent = True
+        return {"type": "http.request", "body": body, "more_body": False}
+    return again
+
+
 class Gate:
     """Before a body is read: 401 without a valid API key (when the server has keys) on any path but the open
-    ones, then 413 for a body over the limit. Plain ASGI, so an answer's body passes through untouched
+    ones, then 413 for a body over the limit (by its Content-Length, or, sent chunked, read here up to the
+    limit and handed on whole). Plain ASGI, so an answer's body passes through untouched
     (Starlette's BaseHTTPMiddleware relays each streamed chunk through a memory stream and two task switches)."""
 
     def __init__(self, app):
         self.app = app
 
     async def __call__(self, scope, receive, send):
-        refused = self.check(Request(scope)) if scope["type"] == "http" else None
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        request = Request(scope)
+        refused = self.check(request)
+        if refused is None and "content-length" not in request.headers:  # chunked: counted as it arrives
+            body, limit = bytearray(), request.app.state.max_body
+            while True:
+                message = await receive()
+                if message["type"] != "http.request":
+                    return  # the client left before its body was whole: no one to answer
+                body += message.get("body", b"")
+                if len(body) > limit:
+                    refused = error(413, f"request body (chunked) exceeds the limit of {limit} bytes",
+                                    code="request_too_large")
+                    break
+                if not message.get("more_body", False):
+                    receive = replay(bytes(body), receive)
+                    break
         await (refused or self.app)(scope, receive, send)
 
     @staticmethod
