@@ -86,3 +86,42 @@ def test_activations_flag(capsys):
     assert len(err) == 1 and "int8 activations need int8 or int4 weights, not fp32" in err[0], err
     assert main(["generate", "Hi", "--model", "random:tiny", "--dtype", "bfloat16", "--activations", "int8"]) == 2
     assert "applies to packed int8/int4 weights on the CPU" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def no_tokenizer(tmp_path_factory):
+    """A tiny random HF checkpoint with no tokenizer files (save_pretrained of the model alone)."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("no_tokenizer")
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=64, bos_token_id=0,
+                               eos_token_id=0)).save_pretrained(d)
+    return d
+
+
+def test_a_checkpoint_without_a_tokenizer_generates_from_ids(no_tokenizer, tmp_path, capsys):
+    """Text needs the tokenizer: a one-line error, named before any weight is read (a directory with only a
+    config says tokenizer, not weights); --ids streams the new ids, the ones the Python API gives."""
+    from gpt2ffn.generate import Sampling, generate, load
+    assert main(["generate", "--model", str(no_tokenizer), "Hello"]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer in" in err and "--ids" in err and err.count("\n") == 1
+    (tmp_path / "config.json").write_text((no_tokenizer / "config.json").read_text())
+    assert main(["generate", "--model", str(tmp_path), "Hello"]) == 2
+    assert "no tokenizer in" in capsys.readouterr().err
+    assert main(["generate", "--model", str(no_tokenizer), "--ids", "1,2,3", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    model, tok, _ = load(str(no_tokenizer), need_tokenizer=False)
+    assert tok is None
+    assert out == ",".join(map(str, [1, 2, 3] + generate(model, [[1, 2, 3]], Sampling(max_new_tokens=6))[0]))
+    for argv, message in ((["Hello", "--ids", "1,2"], "give a prompt or --ids"), ([], "give a prompt or --ids"),
+                          (["--ids", "1,2", "--stop", "x"], "--stop needs the checkpoint's tokenizer"),
+                          (["--ids", "1,2,999"], "token ids must be in [0, 300)")):
+        assert main(["generate", "--model", str(no_tokenizer), *argv]) == 2
+        captured = capsys.readouterr()
+        assert message in captured.err and captured.out == "", (argv, captured)
+    (tmp_path / "model.safetensors").symlink_to(no_tokenizer / "model.safetensors")
+    (tmp_path / "tokenizer.json").write_text("{not json")  # files that are there but broken: an error either way
+    with pytest.raises(Exception, match="not a valid tokenizer file"):
+        load(str(tmp_path), need_tokenizer=False)

@@ -185,25 +185,34 @@ def cmd_generate(args):
 
     from .generate import Sampling, TextStream, engine_for, load, stream
     rank = _join(args.tp, args.command)
+    if (args.prompt is None) == (args.ids is None):
+        raise UsageError("gpt2ffn generate: give a prompt or --ids (token ids, e.g. --ids 15496,11,616), not both")
     model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device, tp=args.tp,
-                            activations=_activations(args.activations), kv_dtype=_dtype(args.kv_cache_dtype))
+                            activations=_activations(args.activations), kv_dtype=_dtype(args.kv_cache_dtype),
+                            need_tokenizer=args.ids is None)
+    if tok is None and args.stop:
+        raise UsageError("gpt2ffn generate: --stop needs the checkpoint's tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+    decode = tok.decode if tok is not None else None
     s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
-    ids = tok.encode(args.prompt)
+    ids = tok.encode(args.prompt) if args.ids is None else args.ids
     if rank != 0:  # --tp: the other ranks run rank 0's forward passes on their shards
-        engine_for(model, [ids], s, tok.decode).follow()
+        engine_for(model, [ids], s, decode).follow()
         return _leave(args.tp)
-    print(args.prompt, end="", flush=True)
-    text, new, t0 = TextStream(tok.decode, args.stop), [], time.perf_counter()
-    steps = stream(model, [ids], s, tok.decode)
+    # with a tokenizer the text streams; without one (--ids) the new ids do, comma-separated as --ids takes them
+    shown = args.prompt if args.ids is None else decode(ids) if decode else ",".join(map(str, ids))
+    text, new, t0 = TextStream(decode, args.stop) if decode else None, [], time.perf_counter()
+    steps = stream(model, [ids], s, decode)
     for step in steps:
+        if not new:  # after the first step: a prompt the engine refuses is only named, not echoed
+            print(shown, end="", flush=True)
         new.append(step[0])
-        delta, stopped = text.push(step[0])
+        delta, stopped = text.push(step[0]) if text else (f",{step[0]}", False)
         print(delta, end="", flush=True)
         if stopped:
             break
     steps.close()  # --tp: releases the other ranks
-    print(text.finish(), end="")
+    print(shown if not new else "", text.finish() if text else "", sep="", end="")
     dt = time.perf_counter() - t0
     tp = f", tensor-parallel over {args.tp} ranks" if args.tp > 1 else ""
     print(f"\n[{name}: {len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s{tp}]",
@@ -258,7 +267,7 @@ def _activations(name):
 def _activations_arg(p):
     p.add_argument("--activations", choices=["auto", "fp32", "int8"], default="auto",
                    help="int8: integer dot products on activations quantized per group (int8/int4 weights); "
-                   "auto: int8 for int4 on a VNNI CPU, else fp32 (README, \"Integer dot products\")")
+                   "auto: int8 for int8/int4 weights, fp32 for fp32/bf16 (README, \"Integer dot products\")")
 
 
 def _kv_dtype_arg(p):
@@ -337,7 +346,9 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_gelu_effect)
 
     p = sub.add_parser("generate", help="generate text with gpt2ffn's GPT-2 (KV cache), streamed")
-    p.add_argument("prompt")
+    p.add_argument("prompt", nargs="?", help="text, encoded with the checkpoint's tokenizer")
+    p.add_argument("--ids", type=_ids, help="the prompt as token ids instead, e.g. 15496,11,616: a checkpoint "
+                   "without a tokenizer then streams the new ids")
     p.add_argument("--model", help="HF checkpoint directory or random:<preset>[:seed]; default: "
                    "openai-community/gpt2 from the local HF cache")
     p.add_argument("--max-new-tokens", type=int, default=50)

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import torch
 
-from .errors import Gpt2ffnError
+from .errors import CheckpointError, Gpt2ffnError
 from .model import load_model, parse_random
 from .parallel import make_mesh, parallelize
 from .precision import check_activations, check_precision
-from .tokenizer import ByteTokenizer, load_tokenizer
+from .tokenizer import ByteTokenizer, has_tokenizer_files, load_tokenizer
 
 
 def hf_cache_gpt2():
@@ -53,8 +53,10 @@ def default_dtype(device: str) -> torch.dtype:
 
 
 def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "cpu", tp: int = 1,
-         activations: str | None = None, kv_dtype=None):
+         activations: str | None = None, kv_dtype=None, need_tokenizer: bool = True):
     """(GPT2, tokenizer, name) for a checkpoint directory, `random:<preset>[:seed]`, or None: the HF cache.
+    A directory without tokenizer files is an error before any weight is read, unless need_tokenizer is False
+    (token ids in and out): then the tokenizer is None.
 
     device: 'cpu' (default), 'cuda[:N]' or 'auto'; dtype: every tensor's (default: default_dtype(device)).
     precision: the linear layers' weights on the CPU, 'fp32' (default), 'bf16', 'int8' or 'int4'
@@ -95,12 +97,24 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
             raise Gpt2ffnError(f"activations={activations!r} applies to packed int8/int4 weights on the CPU, not to "
                                f"this model (device {device}, dtype {dtype}, tp {tp})")
         check_activations(precision, activations)
+    tok = ByteTokenizer() if spec.startswith("random:") else _tokenizer(spec, need_tokenizer)
     model = load_model(spec, dtype, precision, activations)
     model.kv_dtype = kv_dtype
     if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
         model = model.to(device)
     if tp > 1:
         model = parallelize(model, make_mesh(tp))
-    if spec.startswith("random:"):
-        return model, ByteTokenizer(), parse_random(spec)[2]
-    return model, load_tokenizer(spec), Path(spec).name
+    return model, tok, parse_random(spec)[2] if spec.startswith("random:") else Path(spec).name
+
+
+def _tokenizer(spec: str, need: bool):
+    """The checkpoint's tokenizer; None where it has none and none is needed (a directory that is not there is
+    load_model's error to name)."""
+    if not Path(spec).is_dir():
+        return None
+    try:
+        return load_tokenizer(spec)
+    except CheckpointError:
+        if need or has_tokenizer_files(spec):  # files that are there but broken are an error either way
+            raise
+        return None

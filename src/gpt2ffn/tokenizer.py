@@ -56,6 +56,12 @@ class HFTokenizer:
         return self.tok.decode(list(ids))
 
 
+def has_tokenizer_files(directory) -> bool:
+    """Whether `directory` holds a tokenizer load_tokenizer reads: tokenizer.json, or vocab.json + merges.txt."""
+    d = Path(directory)
+    return (d / "tokenizer.json").is_file() or ((d / "vocab.json").is_file() and (d / "merges.txt").is_file())
+
+
 def load_tokenizer(directory):
     """From `tokenizer.json`, or from `vocab.json` + `merges.txt` (GPT-2's files)."""
     directory = Path(directory)
