@@ -16,9 +16,11 @@
 #                    and 256 streaming clients (tokens/s, TTFT and latency p50/p99, errors), 8 client processes
 #   overhead: serve-overhead-cuda.json, overhead.txt   benchmarks/serve_overhead.py: 256 streaming clients against
 #                    the same 256 requests in process (issue 18's >= 0.7 target), CPU us per token of the event
-#                    loop and the engine thread (a third call: `bash benchmarks/gpu_round.sh overhead`)
+#                    loop and the engine thread (a third call: `bash benchmarks/gpu_round.sh overhead sampling`)
+#   sampling: sampling-host-cuda.json, sampling.txt   benchmarks/sampling_host.py --device cuda: the batch sampler
+#                    against the per-row loop at batch 256 (GPT-2's vocabulary), aten ops per call, engine steps
 set -u
-[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead}..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead,sampling}..." >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
@@ -39,6 +41,8 @@ for part in "$@"; do
             > "$OUT/load.txt" 2>&1 ;;
     overhead) timeout 400 python3 benchmarks/serve_overhead.py --model random:gpt2 --device cuda --clients 256 \
                 --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" > "$OUT/overhead.txt" 2>&1 ;;
+    sampling) timeout 150 python3 benchmarks/sampling_host.py --device cuda --rounds 5 \
+                --out "$OUT/sampling-host-cuda.json" > "$OUT/sampling.txt" 2>&1 ;;
     *) echo "unknown part $part" >&2 ;;
   esac
 done

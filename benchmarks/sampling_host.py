@@ -3,7 +3,8 @@
 step with the static decode (serving/static.py: rows in slots 0..B-1, no block table, no gather; CUDA's
 default, where it is replayed as a CUDA graph) against the paged one, interleaved.
 
-    python benchmarks/sampling_host.py [--batch 256] [--vocab 50257] [--rounds 7] [--out benchmarks/results/sampling-host.json]
+    python benchmarks/sampling_host.py [--batch 256] [--vocab 50257] [--rounds 7] [--device cpu|cuda]
+                                       [--out benchmarks/results/sampling-host.json]
 
 The model is tiny (d=64, 1 layer, GPT-2's vocabulary), so a step is what the host does around the weights:
 sampling, scheduling, bookkeeping. The requests mix what a server sees: a quarter greedy, a quarter
@@ -39,7 +40,7 @@ def per_row(logits, requests, generator=None):
     for i, r in enumerate(requests):
         if out[i] is None:
             if r.id not in GENERATORS:
-                g = GENERATORS[r.id] = torch.Generator()
+                g = GENERATORS[r.id] = torch.Generator(device=logits.device)
                 if r.params.seed is not None:
                     g.manual_seed(r.params.seed)
                 else:
@@ -78,6 +79,7 @@ def main():
     p.add_argument("--batch", type=int, default=256)
     p.add_argument("--vocab", type=int, default=50257)
     p.add_argument("--rounds", type=int, default=7)
+    p.add_argument("--device", default="cpu", help="where the logits and the tiny model are: cpu or cuda")
     p.add_argument("--out", default="benchmarks/results/sampling-host.json")
     args = p.parse_args()
     B, V = args.batch, args.vocab
@@ -85,7 +87,7 @@ def main():
     reqs = [Request(torch.randint(0, V, (22,), generator=g).tolist(), s) for s in samplings(B, V)]
     for r in reqs:
         r.output = torch.randint(0, V, (16,), generator=g).tolist()
-    logits = torch.randn(B, V, generator=g)
+    logits = torch.randn(B, V, generator=g).to(args.device)
     samplers = {"per-row loop (before)": per_row, "batch sampler": next_tokens}
     ops = {name: aten_calls(fn, logits, reqs) for name, fn in samplers.items()}
     ms = {name: [] for name in samplers}
@@ -96,7 +98,7 @@ def main():
             ms[name].append(1e3 * (time.perf_counter() - t0))
 
     cfg = Config(n_embd=64, n_layer=1, n_head=4, n_positions=128, vocab_size=V)
-    model = random_weights_(GPT2(cfg), 0).eval()
+    model = random_weights_(GPT2(cfg), 0).eval().to(args.device)
     engines = {name: (fn, False) for name, fn in samplers.items()}
     engines["batch sampler, static decode"] = (next_tokens, True)
     steps = {name: [] for name in engines}
@@ -127,7 +129,9 @@ def main():
                 t0 = time.perf_counter()
                 eng.step()
                 greedy[name].append(1e3 * (time.perf_counter() - t0))
-    result = {"machine": f"{cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+    gpu = f", {torch.cuda.get_device_name()}" if torch.device(args.device).type == "cuda" else ""
+    result = {"machine": f"{cpu_info()['cpu']}, {torch.get_num_threads()} threads{gpu}, torch {torch.__version__}",
+              "device": args.device,
               "batch": B, "vocab": V,
               "sampler_ms_median": {k: statistics.median(v) for k, v in ms.items()},
               "sampler_aten_ops": ops,
