@@ -85,4 +85,4 @@ def load_tokenizer(directory):
         tok.decoder = decoders.ByteLevel()
         return HFTokenizer(tok)
     raise CheckpointError(f"no tokenizer in {directory}: need tokenizer.json, or vocab.json + merges.txt "
-                          "(or pass token ids with --ids)")
+                          "(gpt2ffn generate and extract take the prompt as token ids with --ids instead; serve needs them)")
