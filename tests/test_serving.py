@@ -263,3 +263,36 @@ def test_log_probs_asked_by_some_rows_are_each_rows_alone(model):
                 continue
             assert lp == pytest.approx(lp1, abs=1e-5) and len(top[0]) == k and list(top[0]) == list(top1[0])
             assert list(top[1]) == pytest.approx(list(top1[1]), abs=1e-5)
+
+
+def test_text_offsets_from_anchors_equal_every_prefix_decoded():
+    """serving.service.Offsets: with a byte-level tokenizer (GPT-2's kind, and the random presets' bytes) the
+    offsets counted from anchors equal len(decode(ids[:i])) for every i, over text whose characters span tokens
+    (CJK, emoji, lone continuation bytes), whole or in chunks of any size; a tokenizer not known to be additive
+    decodes every prefix."""
+    import random
+    from types import SimpleNamespace
+
+    from tokenizers import ByteLevelBPETokenizer
+
+    from gpt2ffn.serving.service import Offsets
+    from gpt2ffn.tokenizer import ByteTokenizer, HFTokenizer
+    text = "naïve café 東京タワー 🙂🚀 ok " * 8
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text, "the cat sat on the mat " * 10], vocab_size=300, min_frequency=1)
+    toks = [ByteTokenizer(), HFTokenizer(bpe._tokenizer)]
+    assert all(t.additive for t in toks)
+    rng = random.Random(0)
+    for tok in toks:
+        ids = tok.encode(text)
+        for trial in range(4):
+            seq = ids if trial == 0 else [rng.choice(ids) for _ in range(300)]  # shuffled: half characters too
+            want = [len(tok.decode(seq[:i])) for i in range(len(seq))]
+            assert Offsets(tok).of(seq) == want
+            o, got, i = Offsets(tok), [], 0
+            while i < len(seq):  # a stream: the ids arrive a few at a time
+                i = min(len(seq), i + rng.randint(1, 9))
+                got += o.of(seq[:i], len(got))
+            assert got == want, (type(tok).__name__, trial)
+    plain = SimpleNamespace(decode=lambda ids: "".join("ab"[i % 2] * (i % 3) for i in ids))  # no `additive`
+    assert Offsets(plain).of([1, 2, 3, 4]) == [0, 1, 3, 3]

@@ -25,6 +25,8 @@ def bytes_to_unicode() -> dict:
 class ByteTokenizer:
     """Each UTF-8 byte is one token: GPT-2's single-byte token for it. Ids >= 256 decode as [id]."""
 
+    additive = True  # decode(a + b) == decode(a) + decode(b) when decode(a) ends a character (serving.service.Offsets)
+
     def __init__(self):
         self.byte_to_id = {b: i for i, b in enumerate(bytes_to_unicode())}
         self.id_to_byte = {i: b for b, i in self.byte_to_id.items()}
@@ -48,6 +50,9 @@ class HFTokenizer:
 
     def __init__(self, tok):
         self.tok = tok
+        from tokenizers import decoders
+        # byte-level (GPT-2's): the tokens' bytes, then UTF-8, so decoding is additive where a character ends
+        self.additive = isinstance(tok.decoder, decoders.ByteLevel)
 
     def encode(self, text: str) -> list:
         return self.tok.encode(text).ids

@@ -158,11 +158,10 @@ class Service:
                          ignore_eos=body.ignore_eos, logprobs=token_lp, prompt_logprobs=echo and logprobs is not None)
                 for _ in prompts for j in range(best_of)]
 
-    def logprobs(self, ids: list, lps: list, tops: list, before: list = ()) -> dict:
+    def logprobs(self, ids: list, lps: list, tops: list, offsets: list) -> dict:
         """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the top ones and the chosen
-        token), text_offset (of each token in the choice's text, after the ids `before` that a stream sent)."""
-        d, before = self.tok.decode, list(before)
-        offsets = [len(d(before + ids[:i])) for i in range(len(ids))]
+        token), text_offset (`offsets`, from an Offsets of the choice)."""
+        d = self.tok.decode
         tops_out = []
         for t, lp, top in zip(ids, lps, tops):
             if lp is None:
@@ -173,7 +172,34 @@ class Service:
                 entry.setdefault(d([i]), v)
             tops_out.append(entry)
         return {"tokens": [d([t]) for t in ids], "token_logprobs": list(lps), "top_logprobs": tops_out,
-                "text_offset": offsets}
+                "text_offset": list(offsets)}
+
+
+class Offsets:
+    """The text_offset of each token a choice shows: len(decode(ids[:i])), where its text starts in the choice's
+    text. A tokenizer whose decoding is additive where a character ends (`additive`: byte-level, the tokens'
+    bytes then UTF-8) decodes only the tokens since the last such place (an anchor, moved every WINDOW tokens
+    to one whose text does not end in U+FFFD, half a character): O(WINDOW) a token, where decoding every
+    prefix is O(n) a token and O(n^2) an answer. Any other tokenizer decodes the prefixes."""
+
+    WINDOW = 16
+
+    def __init__(self, tok):
+        self.decode, self.additive = tok.decode, getattr(tok, "additive", False)
+        self.anchor, self.base = 0, 0  # decode(ids[:anchor]) is base characters long and ends a character
+
+    def of(self, ids: list, start: int = 0) -> list:
+        """The offsets of ids[start:], ids the choice's shown ids so far (calls in order: start >= the last's)."""
+        out = []
+        for i in range(start, len(ids)):
+            if not self.additive:
+                out.append(len(self.decode(ids[:i])))
+                continue
+            window = self.decode(ids[self.anchor:i])
+            out.append(self.base + len(window))
+            if i - self.anchor >= self.WINDOW and not window.endswith("\ufffd"):
+                self.anchor, self.base = i, self.base + len(window)
+        return out
 
 
 class Choices:
@@ -195,6 +221,7 @@ class Choices:
         self.lps = [[] for _ in range(n)]
         self.tops = [[] for _ in range(n)]
         self.streamed = [0] * n                    # entries of shown[c] a stream's chunks have carried
+        self.offsets = [Offsets(svc.tok) for _ in range(n)] if self.want_lp else None  # a stream's text_offsets
 
     def collect(self, c: int, ev) -> str:
         """Take one Token of choice c; return the text it adds (the echoed prompt first, when asked)."""
@@ -243,7 +270,8 @@ class Choices:
                         "finish_reason": self.finish[c]} for i, c in enumerate(self.kept())]
             return self.head("chat.completion", choices, self.usage())
         choices = [{"index": i, "text": self.texts[c], "finish_reason": self.finish[c],
-                    "logprobs": self.svc.logprobs(self.shown[c], self.lps[c], self.tops[c]) if self.want_lp else None}
+                    "logprobs": self.svc.logprobs(self.shown[c], self.lps[c], self.tops[c],
+                                                  Offsets(self.svc.tok).of(self.shown[c])) if self.want_lp else None}
                    for i, c in enumerate(self.kept())]
         return self.head("text_completion", choices, self.usage())
 
@@ -264,7 +292,7 @@ class Choices:
             lp, done = None, self.streamed[c]
             if self.want_lp and len(self.shown[c]) > done:  # offsets in the decoded ids shown before these
                 lp = self.svc.logprobs(self.shown[c][done:], self.lps[c][done:], self.tops[c][done:],
-                                       self.shown[c][:done])
+                                       self.offsets[c].of(self.shown[c], done))
                 self.streamed[c] = len(self.shown[c])
             finish = next((ev.finish_reason for ev in evs if ev.finish_reason), None)
             if not (text or lp or finish):
