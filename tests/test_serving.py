@@ -296,3 +296,20 @@ def test_text_offsets_from_anchors_equal_every_prefix_decoded():
             assert got == want, (type(tok).__name__, trial)
     plain = SimpleNamespace(decode=lambda ids: "".join("ab"[i % 2] * (i % 3) for i in ids))  # no `additive`
     assert Offsets(plain).of([1, 2, 3, 4]) == [0, 1, 3, 3]
+
+
+def test_every_route_that_reads_the_model_is_503_while_it_loads():
+    """Before the model has loaded (the HTTP server is up first): 503 in OpenAI's shape with Retry-After, never a
+    500 (/v1/models answered a null id) or a misleading 400 (/tokenize)."""
+    from fastapi.testclient import TestClient
+
+    from gpt2ffn.serving.http import create_app
+    from gpt2ffn.serving.service import Service
+    client = TestClient(create_app(Service("random:tiny")), raise_server_exceptions=False)  # no lifespan: no load
+    for method, path, body in (("get", "/health", None), ("get", "/v1/models", None),
+                               ("post", "/tokenize", {"prompt": "hi"}), ("post", "/detokenize", {"tokens": [1]}),
+                               ("post", "/v1/completions", {"model": "m", "prompt": "hi"})):
+        r = client.request(method, path, json=body)
+        assert r.status_code == 503, (path, r.status_code, r.text)
+        assert r.json()["error"]["type"] == "unavailable", path
+        assert path == "/health" or r.headers["retry-after"] == "5", path

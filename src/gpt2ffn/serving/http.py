@@ -76,10 +76,17 @@ def refuse(svc: Service, status: int, message: str, **kw) -> JSONResponse:
     return error(status, message, **kw)
 
 
+def loading(svc: Service):
+    """503 (with Retry-After) while the model loads, else None: every route that reads the model asks first."""
+    if not svc.ready.is_set():
+        return error(503, "the model is still loading", kind="unavailable", headers={"Retry-After": "5"})
+    return None
+
+
 def unready(svc: Service, model: str):
     """503 while loading, 404 for another model's name, else None."""
     if not svc.ready.is_set():
-        return error(503, "the model is still loading", kind="unavailable", headers={"Retry-After": "5"})
+        return loading(svc)
     if model != svc.name:
         return refuse(svc, 404, f"model {model!r} does not exist; this server has {svc.name!r}",
                       param="model", code="model_not_found")
@@ -103,8 +110,10 @@ async def metrics(svc: ServiceDep):
     return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
-@router.get("/v1/models", response_model=ModelList)
+@router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def models(svc: ServiceDep):
+    if not svc.ready.is_set():  # its name and context are known once it has loaded
+        return loading(svc)
     return {"object": "list", "data": [{"id": svc.name, "object": "model", "created": 0, "owned_by": "gpt2ffn",
                                         "max_model_len": svc.max_len}]}
 
@@ -112,7 +121,9 @@ async def models(svc: ServiceDep):
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
 async def tokenize(body: TokenizeRequest, svc: ServiceDep):
     text = body.prompt if body.prompt is not None else body.content
-    if text is None or not svc.ready.is_set():
+    if not svc.ready.is_set():
+        return loading(svc)
+    if text is None:
         return refuse(svc, 400, "prompt: a string to tokenize is required", param="prompt")
     ids = svc.tok.encode(text)
     return {"tokens": ids, "count": len(ids), "max_model_len": svc.max_len}
@@ -120,6 +131,8 @@ async def tokenize(body: TokenizeRequest, svc: ServiceDep):
 
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, svc: ServiceDep):
+    if not svc.ready.is_set():
+        return loading(svc)
     V = svc.model.config.vocab_size
     if any(not 0 <= t < V for t in body.tokens):
         return refuse(svc, 400, f"tokens: ids must be in [0, {V})", param="tokens")
