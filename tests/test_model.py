@@ -362,3 +362,31 @@ def test_generate_method_sampling_follows_torch_seed_and_checks_mask():
     assert torch.equal(a, b) and not torch.equal(a, c) and torch.equal(a[:, :5], ids)
     with pytest.raises(InputError, match=r"attention_mask row 0 is \[1, 1, 1, 1, 0\]; generate takes left padding"):
         ours.generate(ids, attention_mask=torch.tensor([[1, 1, 1, 1, 0]]))
+
+
+def test_generate_method_takes_hfs_pad_token_id_num_return_sequences_and_repetition_penalty():
+    """HF's common generate arguments: pad_token_id pads the rows that stop early; num_return_sequences gives
+    each prompt's samples together (B * n rows, left padding kept), and greedy refuses it as HF does;
+    repetition_penalty equals HF's."""
+    cfg = CONFIGS[0]
+    hf, ours = pair(cfg, seed=2)
+    ids = ids_of(6, cfg.vocab_size, seed=8, batch=2)
+    free = ours.generate(ids, max_new_tokens=16)
+    eos = int(free[0, 6 + 3])
+    got = ours.generate(ids, max_new_tokens=16, eos_token_id=eos, pad_token_id=7)
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=16, do_sample=False, eos_token_id=eos, pad_token_id=7)
+    assert torch.equal(got, expected) and got[0, 6 + 4:].tolist() == [7] * 12
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=16, do_sample=False, repetition_penalty=1.3, pad_token_id=0)
+    assert torch.equal(ours.generate(ids, max_new_tokens=16, repetition_penalty=1.3), expected)
+    mask = torch.ones_like(ids)
+    mask[1, :2] = 0
+    torch.manual_seed(0)
+    out = ours.generate(ids, max_new_tokens=10, do_sample=True, num_return_sequences=3, attention_mask=mask, top_k=None,
+                        temperature=2.0)
+    assert out.shape == (6, 6 + 10)
+    assert all(torch.equal(out[i, :6], ids[i // 3]) for i in range(6))  # prompt-major, each prompt's rows together
+    assert len({tuple(r) for r in out[:3, 6:].tolist()}) == 3             # its samples differ
+    with pytest.raises(Gpt2ffnError, match="needs do_sample=True"):
+        ours.generate(ids, num_return_sequences=2)

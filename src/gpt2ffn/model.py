@@ -333,27 +333,39 @@ class GPT2(nn.Module):
 
     @torch.no_grad()
     def generate(self, input_ids, max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0,
-                 eos_token_id=None, attention_mask=None):
-        """HF-style generate: (B, T) LongTensor -> (B, T + new) LongTensor of prompt + new ids.
+                 eos_token_id=None, attention_mask=None, pad_token_id=None, num_return_sequences=1,
+                 repetition_penalty=1.0):
+        """HF-style generate: (B, T) LongTensor -> (B * num_return_sequences, T + new) LongTensor of prompt + new ids.
 
         Defaults as HF's GenerationConfig: greedy unless do_sample (then temperature, top_k=50, top_p; seeded
         from torch's global RNG, so torch.manual_seed reproduces a run); eos_token_id None means the config's.
         A batch is left-padded with attention_mask (1 real, 0 padding); a row that ends early is padded
-        with eos_token_id, as HF pads with GPT-2's pad = eos. A thin layer over gpt2ffn.generate.generate."""
+        with pad_token_id (None: eos_token_id, GPT-2's pad). num_return_sequences samples per prompt, each
+        prompt's rows together (as HF; greedy has one answer, so more is an error, as in HF);
+        repetition_penalty as HF's (1.0: none). A thin layer over gpt2ffn.generate.generate."""
         # The one upward import of the model layer (import-linter's contract ignores it by name): HF's API puts
         # generate on the model, and generation is the serving engine's job.
         from .generate import Sampling, generate
         self.check_ids(input_ids)
-        rows = input_ids.tolist()
-        prompts = rows if attention_mask is None else unpad(rows, attention_mask, input_ids.shape)
+        if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
+            raise Gpt2ffnError(f"num_return_sequences must be an int >= 1, got {num_return_sequences!r}")
+        if num_return_sequences > 1 and not do_sample:
+            raise Gpt2ffnError(f"num_return_sequences={num_return_sequences} needs do_sample=True: greedy decoding "
+                               "has one answer per prompt (as HF's generate says)")
+        given = input_ids.tolist()
+        real = given if attention_mask is None else unpad(given, attention_mask, input_ids.shape)
+        rows = [r for r in given for _ in range(num_return_sequences)]
+        prompts = [p for p in real for _ in range(num_return_sequences)]
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        pad = eos if pad_token_id is None else pad_token_id
         seed = int(torch.randint(2**62, (1,))) if do_sample else None
         new = generate(self, prompts, Sampling(max_new_tokens=max_new_tokens,
                                                temperature=temperature if do_sample else 0.0,
                                                top_k=top_k if do_sample else None,
-                                               top_p=top_p if do_sample else None, seed=seed, eos_token_id=eos))
+                                               top_p=top_p if do_sample else None, seed=seed, eos_token_id=eos,
+                                               repetition_penalty=repetition_penalty))
         width = max(len(n) for n in new)
-        out = [row + n + [eos] * (width - len(n)) for row, n in zip(rows, new)]
+        out = [row + n + [pad] * (width - len(n)) for row, n in zip(rows, new)]
         return torch.tensor(out, dtype=torch.long, device=input_ids.device)
 
     @classmethod
