@@ -6,7 +6,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import CheckpointError, Gpt2ffnError
+from .errors import Gpt2ffnError
 from .model import load_model, parse_random
 from .parallel import make_mesh, parallelize
 from .precision import check_activations, check_precision
@@ -108,13 +108,8 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
 
 
 def _tokenizer(spec: str, need: bool):
-    """The checkpoint's tokenizer; None where it has none and none is needed (a directory that is not there is
-    load_model's error to name)."""
-    if not Path(spec).is_dir():
+    """The checkpoint's tokenizer; None where it has none and none is needed (files that are there but broken
+    are an error either way; a directory that is not there is load_model's error to name)."""
+    if not Path(spec).is_dir() or not (need or has_tokenizer_files(spec)):
         return None
-    try:
-        return load_tokenizer(spec)
-    except CheckpointError:
-        if need or has_tokenizer_files(spec):  # files that are there but broken are an error either way
-            raise
-        return None
+    return load_tokenizer(spec)

@@ -76,17 +76,15 @@ def refuse(svc: Service, status: int, message: str, **kw) -> JSONResponse:
     return error(status, message, **kw)
 
 
-def loading(svc: Service):
-    """503 (with Retry-After) while the model loads, else None: every route that reads the model asks first."""
-    if not svc.ready.is_set():
-        return error(503, "the model is still loading", kind="unavailable", headers={"Retry-After": "5"})
-    return None
+def loading():
+    """The 503 (with Retry-After) of every route that reads the model while it loads."""
+    return error(503, "the model is still loading", kind="unavailable", headers={"Retry-After": "5"})
 
 
 def unready(svc: Service, model: str):
     """503 while loading, 404 for another model's name, else None."""
     if not svc.ready.is_set():
-        return loading(svc)
+        return loading()
     if model != svc.name:
         return refuse(svc, 404, f"model {model!r} does not exist; this server has {svc.name!r}",
                       param="model", code="model_not_found")
@@ -113,7 +111,7 @@ async def metrics(svc: ServiceDep):
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
 async def models(svc: ServiceDep):
     if not svc.ready.is_set():  # its name and context are known once it has loaded
-        return loading(svc)
+        return loading()
     return {"object": "list", "data": [{"id": svc.name, "object": "model", "created": 0, "owned_by": "gpt2ffn",
                                         "max_model_len": svc.max_len}]}
 
@@ -122,7 +120,7 @@ async def models(svc: ServiceDep):
 async def tokenize(body: TokenizeRequest, svc: ServiceDep):
     text = body.prompt if body.prompt is not None else body.content
     if not svc.ready.is_set():
-        return loading(svc)
+        return loading()
     if text is None:
         return refuse(svc, 400, "prompt: a string to tokenize is required", param="prompt")
     ids = svc.tok.encode(text)
@@ -132,7 +130,7 @@ async def tokenize(body: TokenizeRequest, svc: ServiceDep):
 @router.post("/detokenize", response_model=DetokenizeResponse, responses=ERRORS)
 async def detokenize(body: DetokenizeRequest, svc: ServiceDep):
     if not svc.ready.is_set():
-        return loading(svc)
+        return loading()
     V = svc.model.config.vocab_size
     if any(not 0 <= t < V for t in body.tokens):
         return refuse(svc, 400, f"tokens: ids must be in [0, {V})", param="tokens")

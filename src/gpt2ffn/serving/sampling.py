@@ -104,18 +104,15 @@ def next_tokens(logits, requests, generator=None) -> list:
         x = x.clone()                                      # adjust_batch writes in place; the caller keeps logits
     adjust_batch(x, requests)
     rows = [i for i, s in enumerate(params) if s.temperature > 0]
-    if len(rows) == len(params):
-        ids = torch.empty(len(params), dtype=torch.long, device=x.device)
-    elif not rows:
-        ids = greedy(x)
-    else:
-        ids = torch.empty(len(params), dtype=torch.long, device=x.device)
+    if not rows:
+        return greedy(x).tolist()
+    ids = torch.empty(len(params), dtype=torch.long, device=x.device)
+    if len(rows) < len(params):  # the greedy rows: argmax of their own logits only
         kept = [i for i, s in enumerate(params) if s.temperature == 0]
         ids[kept] = greedy(x[kept])
-    if rows:
-        drawing = [requests[i] for i in rows]
-        u = torch.from_numpy(uniforms(drawing, generator)).to(x.device, non_blocking=True)
-        ids[rows] = sample(x, rows, drawing, u)
+    drawing = [requests[i] for i in rows]
+    u = torch.from_numpy(uniforms(drawing, generator)).to(x.device, non_blocking=True)
+    ids[rows] = sample(x, rows, drawing, u)
     return ids.tolist()
 
 
