@@ -52,10 +52,12 @@ struct LinearArgs {
   int64_t ldy;
   int format;
   int act;              // applied to x @ W + b as it is stored: ACT_NONE, ACT_GELU_TANH or ACT_RELU
-  // I8A8 / I4A8: x quantized per (row, group): int8 values (M, K) row stride K, the scale d and the sum of q
+  // I8A8 / I4A8: x quantized per (row, group): int8 values in tiles of 8 rows (M rounded up; each build lays a
+  // tile out as its quantize_rows writes it: qlinear_impl.h, xword), the scale d and the sum of q
   const int8_t* xq;
   const float* xscale;  // (M, K / group)
   const int32_t* xsum;  // (M, K / group)
+  int64_t nsuper;       // super-blocks in w (the 256-bit builds' prefill prefetches the next one's weights)
 };
 
 }  // namespace gpt2ffn

@@ -187,6 +187,7 @@ static LinearArgs layer_args(int64_t K, const torch::Tensor& w, const c10::optio
   a.K = K;
   a.w = w.data_ptr();
   a.ldy = nsuper * 64;
+  a.nsuper = nsuper;
   a.format = static_cast<int>(format);
   return a;
 }
@@ -214,14 +215,15 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   torch::Tensor xq, xs, xsum;
   if (int8x) {  // x to int8 per (row, group) first, then the integer kernels
     const int64_t ng = K / group;
-    xq = torch::empty({M, K}, x.options().dtype(at::kChar));
+    xq = torch::empty({(M + 7) / 8 * 8, K}, x.options().dtype(at::kChar));  // whole tiles (linear.h)
     xs = torch::empty({M, ng}, x.options());
     xsum = torch::empty({M, ng}, x.options().dtype(at::kInt));
     a.xq = xq.data_ptr<int8_t>();
     a.xscale = xs.data_ptr<float>();
     a.xsum = xsum.data_ptr<int32_t>();
-    at::parallel_for(0, M, 16, [&](int64_t m0, int64_t m1) {
-      isa->quantize(a, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), m0, m1);
+    at::parallel_for(0, (M + 7) / 8, 2, [&](int64_t t0, int64_t t1) {  // by tiles: no line written by two threads
+      isa->quantize(a, xq.data_ptr<int8_t>(), xs.data_ptr<float>(), xsum.data_ptr<int32_t>(), t0 * 8,
+                    std::min(M, t1 * 8));
     });
     fn = isa->qrange;
   }
@@ -507,7 +509,8 @@ class StepPlan {
       longest = std::max(longest, pos[last[r]] + 1);
     }
     auto logits = torch::empty({R, head_layer_.nsuper * 64}, f32);
-    auto xq = torch::empty({B, maxk}, torch::dtype(at::kChar)), xs = torch::empty({B, maxk}, f32);
+    // int8 activations in whole tiles of 8 rows (linear.h), each tile quantized by one thread
+    auto xq = torch::empty({(B + 7) / 8 * 8, maxk}, torch::dtype(at::kChar)), xs = torch::empty({B, maxk}, f32);
     auto xsum = torch::empty({B, maxk}, torch::dtype(at::kInt));
     float *xp = x.data_ptr<float>(), *hp = hbuf.data_ptr<float>(), *qp = qkv.data_ptr<float>();
     float *ap = att.data_ptr<float>(), *yp = ybuf.data_ptr<float>(), *hidp = hid.data_ptr<float>();
@@ -540,12 +543,13 @@ class StepPlan {
       int phase = 0;
       // the B rows of `in` (row stride d) normalized into hbuf, and quantized for `L` if it takes int8 activations
       auto norm = [&](const float* in, const float* w, const float* bias, double eps, const StepLayer& L) {
-        for (int64_t m = tid; m < B; m += nt) {
-          rows.layer_norm(in + m * d, w, bias, eps, d, hp + m * d);
+        for (int64_t m0 = tid * 8; m0 < B; m0 += 8 * nt) {  // by tiles of 8 rows, as xq holds them
+          const int64_t m1 = std::min(B, m0 + 8);
+          for (int64_t m = m0; m < m1; m++) rows.layer_norm(in + m * d, w, bias, eps, d, hp + m * d);
           if (L.int8x) {
             LinearArgs q = L.a;
             q.x = hp, q.ldx = d;
-            isa->quantize(q, xqp, xsp, xsump, m, m + 1);
+            isa->quantize(q, xqp, xsp, xsump, m0, m1);
           }
         }
       };
@@ -553,7 +557,7 @@ class StepPlan {
         if (!L.int8x) return;
         LinearArgs q = L.a;
         q.x = in, q.ldx = ldin;
-        for (int64_t m = tid; m < B; m += nt) isa->quantize(q, xqp, xsp, xsump, m, m + 1);
+        for (int64_t m0 = tid * 8; m0 < B; m0 += 8 * nt) isa->quantize(q, xqp, xsp, xsump, m0, std::min(B, m0 + 8));
       };
       // y = act(in @ W + b) by runs of super-blocks; then post(c0, c1) on the run's outputs c0..c1 of every row
       auto gemv = [&](const StepLayer& L, const float* in, int64_t ldin, float* out, int64_t ldout, auto&& post,
@@ -628,13 +632,15 @@ class StepPlan {
 #pragma omp barrier
         project(L[3], hidp, ldh);
       }
-      for (int64_t m = tid; m < R; m += nt) {  // the rows whose logits are asked for, normalized into hbuf 0..R-1
-        rows.layer_norm(xp + last[m] * d, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, d,
-                        hp + m * d);
+      for (int64_t m0 = tid * 8; m0 < R; m0 += 8 * nt) {  // the rows whose logits are asked for, into hbuf 0..R-1
+        const int64_t m1 = std::min(R, m0 + 8);
+        for (int64_t m = m0; m < m1; m++)
+          rows.layer_norm(xp + last[m] * d, lnf_w_.data_ptr<float>(), lnf_b_.data_ptr<float>(), lnf_eps_, d,
+                          hp + m * d);
         if (head_layer_.int8x) {
           LinearArgs q = head_layer_.a;
           q.x = hp, q.ldx = d;
-          isa->quantize(q, xqp, xsp, xsump, m, m + 1);
+          isa->quantize(q, xqp, xsp, xsump, m0, m1);
         }
       }
 #pragma omp barrier

@@ -13,6 +13,7 @@
 #pragma once
 #include <cmath>
 #include <cstring>
+#include <vector>
 
 #include "act_impl.h"
 #include "linear.h"
@@ -21,15 +22,28 @@ namespace gpt2ffn {
 namespace ISA {
 
 constexpr int64_t SUPER = 64;  // lanes per super-block: 4 blocks of 16
+#ifndef GPT2FFN_QRUN8
+constexpr int64_t XR = 1;  // int8 activations row by row (the 256-bit builds interleave 8: qvec_avx2.h)
+#endif
 
-// Rows m0..m1 of x -> xq (int8, row stride K), xscale and xsum per (row, group): d = max|x| / 127,
+// Where row m's int8 activations k..k + 3 (k % 4 == 0) lie in xq: tiles of XR rows, each tile's rows
+// interleaved 4 bytes (one weight word's k) at a time, (m / XR, k / 4, m % XR, k % 4); XR = 1 is row-major
+// (M, K). xq holds whole tiles: M rounded up to 8 rows (linear.h).
+static inline const int8_t* xword(const int8_t* xq, int64_t K, int64_t m, int64_t k) {
+  return xq + (m / XR) * XR * K + k * XR + (m % XR) * 4;  // k * XR: (k / 4) * 4 * XR with no signed division
+}
+
+// Rows m0..m1 of x -> xq (int8, laid out as xword says), xscale and xsum per (row, group): d = max|x| / 127,
 // q = round-half-even(x * (1 / d)), the same fp32 operations as gpt2ffn.kernels.formats.quantize_activations.
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1) {
   const int64_t K = a.K, G = a.group, ng = K / G;
-  for (int64_t m = m0; m < m1; m++)
+  thread_local std::vector<int8_t> row;  // XR > 1: a row before its words go to their places
+  if (XR > 1) row.resize(K);
+  for (int64_t m = m0; m < m1; m++) {
+    int8_t* qrow = XR > 1 ? row.data() : xq + m * K;
     for (int64_t g = 0; g < ng; g++) {
       const float* x = a.x + m * a.ldx + g * G;
-      int8_t* q = xq + m * K + g * G;
+      int8_t* q = qrow + g * G;
       if (G % 16 == 0) {  // the same operations, 16 at a time
         quantize_group16(x, q, G, xs[m * ng + g], xsum[m * ng + g]);
         continue;
@@ -46,6 +60,9 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
       xs[m * ng + g] = d;
       xsum[m * ng + g] = s;
     }
+    if (XR > 1)
+      for (int64_t k = 0; k < K; k += 4) std::memcpy(const_cast<int8_t*>(xword(xq, K, m, k)), qrow + k, 4);
+  }
 }
 
 // PF: the one-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead (linear.h).
@@ -75,7 +92,8 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
         for (int j = 0; j < NB; j++) wload_i4(wk + j * 64, lo[j], hi[j]);
         for (int m = 0; m < MR; m++) {
           int32_t x4[2];
-          std::memcpy(x4, a.xq + (m0 + m) * K + k, 8);
+          std::memcpy(&x4[0], xword(a.xq, K, m0 + m, k), 4);
+          std::memcpy(&x4[1], xword(a.xq, K, m0 + m, k + 4), 4);
           for (int j = 0; j < NB; j++) part[m][j] = dot_i4(part[m][j], lo[j], hi[j], x4[0], x4[1]);
         }
       } else {
@@ -83,7 +101,7 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
         for (int j = 0; j < NB; j++) w[j] = wload_i8(wk + j * 64);
         for (int m = 0; m < MR; m++) {
           int32_t x4;
-          std::memcpy(&x4, a.xq + (m0 + m) * K + k, 4);
+          std::memcpy(&x4, xword(a.xq, K, m0 + m, k), 4);
           for (int j = 0; j < NB; j++) part[m][j] = dot_i8(part[m][j], w[j], x4);
         }
       }

@@ -17,6 +17,7 @@ using namespace gpt2ffn::avx2;
 struct VI { __m256i lo, hi; };
 struct W { __m256i lo, hi; };
 constexpr int QNB1 = 2;  // decode's blocks of 16 lanes (prefill: qrun8 below)
+constexpr int64_t XR = 8;  // rows a tile of int8 activations interleaves (qlinear_impl.h: xword)
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
 static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
   const __m256i m = _mm256_set1_epi8(15), a = load32(p), b = load32(p + 32);
@@ -112,31 +113,48 @@ static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
 }
 #endif
 
+// The int8 activations of these builds lie in tiles of XR = 8 rows interleaved word by word (qlinear_impl.h:
+// xword): a tile's step of 4 k (I4A8: two steps) is 32 consecutive bytes, row m's word at byte 4m, so one
+// pointer walks every row (8 row pointers took the general registers the loop needs).
+//
 // GCC's partial redundancy elimination hoisted every row's broadcast above the first product, 8 live copies
 // that pushed the sums to the stack; without it each row's chain runs in order in 4 registers.
+//
+// The weights of super-block sb + 1 come into L2 while sb's are computed: the tiles over sb's rows (tile t of
+// nt) share its lines out, the registers of lanes v = 0, 2, 4, 6 (a 64-byte line holds two) each prefetching
+// the lines they read, one super-block on, for groups t, t + nt, ... (outside the inner loop: a prefetch
+// there slowed it). A prefill's weights came from memory as the first tile read them.
 template <int FMT, int MR>
-__attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a, int64_t m0, int64_t sb, int v) {
+__attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a, int64_t m0, int64_t sb, int v,
+                                                             int t, int nt) {
   constexpr int STEP = FMT == I4A8 ? 8 : 4;
   constexpr int32_t OFF = FMT == I4A8 ? 8 : I8_OFFSET;
-  const int64_t K = a.K, G = a.group, ng = K / G;
-  const uint8_t* w = static_cast<const uint8_t*>(a.w) + sb * (K / STEP) * 256 + v * 32;
-  const uint8_t* x = reinterpret_cast<const uint8_t*>(a.xq) + m0 * K;
+  const int64_t K = a.K, G = a.group, ng = K / G, next = (K / STEP) * 256;
+  const uint8_t* w = static_cast<const uint8_t*>(a.w) + sb * next + v * 32;
+  int until = v % 2 == 0 && sb + 1 < a.nsuper ? t + 1 : -1;  // groups to the next prefetch (-1: none)
+  const uint8_t* x = reinterpret_cast<const uint8_t*>(a.xq) + (m0 / XR) * XR * K + (m0 % XR) * 4;
   __m256 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; g++) {
+    if (--until == 0) {  // this group's lines of super-block sb + 1
+      const char* p = reinterpret_cast<const char*>(w + next + g * (G / STEP) * 256);
+      for (int64_t i = 0; i < G / STEP; i++) _mm_prefetch(p + i * 256, _MM_HINT_T1);
+      until = nt;
+    }
     __m256i part[MR];
     for (int m = 0; m < MR; m++) part[m] = _mm256_set1_epi32(-OFF * a.xsum[(m0 + m) * ng + g]);
     if constexpr (FMT == I4A8) {
       const __m256i mask = _mm256_set1_epi8(15);
 #ifdef GPT2FFN_AVXVNNI
       const uint8_t* wp = w + g * (G / 8) * 256;
-      for (int64_t k = g * G; k < (g + 1) * G; k += 8, wp += 256) {
+      const uint8_t* xw = x + g * (G / 4) * 4 * XR;
+      for (int64_t k = g * G; k < (g + 1) * G; k += 8, wp += 256, xw += 8 * XR) {
         const __m256i b = load32(wp);
         const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
         for (int m = 0; m < MR; m++) {
-          const uint8_t* xm = x + m * K + k;
+          const uint8_t* xm = xw + 4 * m;
           part[m] = dot4(dot4(part[m], lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm))), hi,
-                         _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4)));
+                         _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4 * XR)));
         }
       }
 #else
@@ -146,13 +164,14 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
         __m256i p16[MR];
         for (int m = 0; m < MR; m++) p16[m] = _mm256_setzero_si256();
         const uint8_t* wp = w + (k0 / 8) * 256;
-        for (int64_t k = k0; k < std::min(k0 + 32, (g + 1) * G); k += 8, wp += 256) {
+        const uint8_t* xw = x + (k0 / 4) * 4 * XR;
+        for (int64_t k = k0; k < std::min(k0 + 32, (g + 1) * G); k += 8, wp += 256, xw += 8 * XR) {
           const __m256i b = load32(wp);
           const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
           for (int m = 0; m < MR; m++) {
-            const uint8_t* xm = x + m * K + k;
+            const uint8_t* xm = xw + 4 * m;
             const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm)));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4)));
+            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4 * XR)));
             p16[m] = _mm256_add_epi16(p16[m], _mm256_add_epi16(pl, ph));
           }
         }
@@ -163,9 +182,10 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
       // pointers stepped, not (k / 4) * 256 recomputed: a signed division's 7 scalar instructions a step
       // took ports the vector instructions need
       const uint8_t* wp = w + g * (G / 4) * 256;
-      for (int64_t k = g * G; k < (g + 1) * G; k += 4, wp += 256) {
+      const uint8_t* xw = x + g * (G / 4) * 4 * XR;
+      for (int64_t k = g * G; k < (g + 1) * G; k += 4, wp += 256, xw += 4 * XR) {
         const Q8 q = q8load(wp);
-        for (int m = 0; m < MR; m++) part[m] = q8dot(part[m], q, x + m * K + k);
+        for (int m = 0; m < MR; m++) part[m] = q8dot(part[m], q, xw + 4 * m);
       }
     }
     // acc += float(sum_k q_k x_k) * (d * scale), as qtile
@@ -186,13 +206,15 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
 // Rows in tiles of 8 (then 4, 2, 1), each over the super-block's 8 registers of lanes.
 template <int FMT>
 static void qrun8(const LinearArgs& a, int64_t sb0, int64_t sb1) {
+  const int nt = static_cast<int>(a.M / 8 + (a.M % 8 >= 4) + (a.M % 4 >= 2) + (a.M % 2));  // tiles a super-block
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;
-    for (; m + 8 <= a.M; m += 8)
-      for (int v = 0; v < 8; v++) qtile8<FMT, 8>(a, m, sb, v);
-    if (m + 4 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 4>(a, m, sb, v); m += 4; }
-    if (m + 2 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 2>(a, m, sb, v); m += 2; }
-    if (m < a.M) for (int v = 0; v < 8; v++) qtile8<FMT, 1>(a, m, sb, v);
+    int t = 0;
+    for (; m + 8 <= a.M; m += 8, t++)
+      for (int v = 0; v < 8; v++) qtile8<FMT, 8>(a, m, sb, v, t, nt);
+    if (m + 4 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 4>(a, m, sb, v, t, nt); m += 4, t++; }
+    if (m + 2 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 2>(a, m, sb, v, t, nt); m += 2, t++; }
+    if (m < a.M) for (int v = 0; v < 8; v++) qtile8<FMT, 1>(a, m, sb, v, t, nt);
   }
 }
 #define GPT2FFN_QRUN8 1
