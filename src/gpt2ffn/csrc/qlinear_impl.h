@@ -65,14 +65,18 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
   }
 }
 
-// PF: the one-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead (linear.h).
+// PF: the one-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead (linear.h). Prefill's tiles
+// (tile t of the nt over a super-block's rows) prefetch their blocks' lines of super-block sb + 1 into L2 for
+// groups t, t + nt, ..., as the 256-bit builds' qtile8 does.
 template <int FMT, int MR, int NB, bool PF = false>
-static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
+static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0, int t = 0, int nt = 0) {
   constexpr int STEP = FMT == I4A8 ? 8 : 4;  // k per 4-byte word
   const char* pf = PF ? static_cast<const char*>(a.w) + prefetch_bytes[FMT] : nullptr;
   constexpr int32_t OFF = FMT == I4A8 ? 8 : I8_OFFSET;
   const int64_t K = a.K, G = a.group, ng = K / G;
   const uint8_t* wsb = static_cast<const uint8_t*>(a.w) + sb * (K / STEP) * SUPER * 4;
+  const int64_t next = (K / STEP) * SUPER * 4;  // bytes a super-block
+  int until = nt > 0 && sb + 1 < a.nsuper ? t + 1 : -1;  // groups to the next prefetch (-1: none)
   V acc[MR][NB];
   for (int m = 0; m < MR; m++)
     for (int j = 0; j < NB; j++) acc[m][j] = vzero();
@@ -84,6 +88,12 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0) {
       for (int j = 0; j < NB; j++) part[m][j] = start;
     }
     const uint8_t* wk = wsb + g * (G / STEP) * SUPER * 4 + j0 * 64;  // stepped: no signed k / STEP per step
+    if (--until == 0) {
+      for (int64_t i = 0; i < G / STEP; i++)
+        for (int j = 0; j < NB; j++)
+          _mm_prefetch(reinterpret_cast<const char*>(wk + next + i * SUPER * 4 + j * 64), _MM_HINT_T1);
+      until = nt;
+    }
     for (int64_t k = g * G; k < (g + 1) * G; k += STEP, wk += SUPER * 4) {
       if constexpr (PF)
         for (int j = 0; j < NB; j++) _mm_prefetch(pf + (wk - static_cast<const uint8_t*>(a.w)) + j * 64, _MM_HINT_T0);
@@ -134,11 +144,14 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 #else
   const bool stream = a.M < QMR && prefetch_bytes[FMT] > 0;
 #endif
+#ifndef GPT2FFN_QRUN8
+  const int nt = static_cast<int>(a.M / QMR);  // prefill's tiles a super-block (the rows left over do not prefetch)
+#endif
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;
 #ifndef GPT2FFN_QRUN8  // (there M is 1 here)
-    for (; m + QMR <= a.M; m += QMR)
-      for (int j0 = 0; j0 < 4; j0 += QNB) qtile<FMT, QMR, QNB>(a, m, sb, j0);
+    for (int t = 0; m + QMR <= a.M; m += QMR, t++)
+      for (int j0 = 0; j0 < 4; j0 += QNB) qtile<FMT, QMR, QNB>(a, m, sb, j0, t, nt);
 #endif
     for (; m < a.M; m++)
       for (int j0 = 0; j0 < 4; j0 += QNB1)
