@@ -91,7 +91,9 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
 // last 3-5 rows 3 x 1. A 6 x 2 tile's 24 accumulators spilled (measured on AMD EPYC Zen 4 with the AVX2 build,
 // 128 rows, 3 x 1 instead: fp32 0.90x, int8 0.88x, bf16 0.92x the time; int4, whose nibble pairs need two
 // vectors a lane, 1.15x, so it keeps the wide tiles); 6 x 1 then took GPT-2 124M's prefill of 128 tokens
-// from 167.4 to 145.6 ms in fp32 and 178.6 to 141.1 ms in bf16 (Intel Xeon, GPT2FFN_ISA=avx2). One or two rows keep the whole super-block per
+// from 167.4 to 145.6 ms in fp32 and 178.6 to 141.1 ms in bf16 (Intel Xeon, GPT2FFN_ISA=avx2). AVX-512's 32
+// registers hold 6 rows x the whole super-block (24 zmm of sums; int4 needs two vectors a lane and keeps 6 x 2
+// twice): the same prefill in its build, fp32 91.1 -> 86.4 ms, bf16 94.8 -> 89.0. One or two rows keep the whole super-block per
 // pass: halves of it read 2 x 128 of every 256 bytes and slowed decode (bf16 1.9x). The tiling never changes
 // an output's order of operations.
 template <int FMT>
@@ -106,6 +108,7 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
       if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0); m += 2; }
       else if (VREGS < 32 && FMT != I4 && r >= 6) { for (int j = 0; j < 4; j++) tile<FMT, 6, 1>(a, x, y, sb, j); m += 6; }
       else if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j); m += 3; }
+      else if (FMT != I4 && r >= 6) { tile<FMT, 6, 4>(a, x, y, sb, 0); m += 6; }
       else if (r >= 6) { tile<FMT, 6, 2>(a, x, y, sb, 0); tile<FMT, 6, 2>(a, x, y, sb, 2); m += 6; }
       else if (r >= 4) { tile<FMT, 4, 2>(a, x, y, sb, 0); tile<FMT, 4, 2>(a, x, y, sb, 2); m += 4; }
       else if (r == 3) { tile<FMT, 3, 2>(a, x, y, sb, 0); tile<FMT, 3, 2>(a, x, y, sb, 2); m += 3; }
