@@ -93,9 +93,9 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
 // vectors a lane, 1.15x, so it keeps the wide tiles); 6 x 1 then took GPT-2 124M's prefill of 128 tokens
 // from 167.4 to 145.6 ms in fp32 and 178.6 to 141.1 ms in bf16 (Intel Xeon, GPT2FFN_ISA=avx2). AVX-512's 32
 // registers hold 6 rows x the whole super-block (24 zmm of sums; int4 needs two vectors a lane and keeps 6 x 2
-// twice): the same prefill in its build, fp32 91.1 -> 86.4 ms, bf16 94.8 -> 89.0. One or two rows keep the whole super-block per
-// pass: halves of it read 2 x 128 of every 256 bytes and slowed decode (bf16 1.9x). The tiling never changes
-// an output's order of operations.
+// twice): the same prefill in its build, fp32 91.1 -> 86.4 ms, bf16 94.8 -> 89.0. One or two rows keep the
+// whole super-block per pass: halves of it read 2 x 128 of every 256 bytes and slowed decode (bf16 1.9x).
+// The tiling never changes an output's order of operations.
 template <int FMT>
 static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const bool stream = a.M <= 2 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
