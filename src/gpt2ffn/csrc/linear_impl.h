@@ -23,9 +23,12 @@ static inline void prefetch_row(const void* row, int64_t bytes, int64_t pf) {
   for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
 }
 
-// PF: the one- and two-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead.
+// PF: the one- and two-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead. ahead: prefill's
+// first tile over a super-block, which meets its weights in memory, prefetches the next chunk's rows into L2
+// as it starts a chunk (the whole next super-block, as the integer kernels prefetch, crowded L2 out here:
+// fp32's is 768 KB at K = 3072; slower).
 template <int FMT, int MR, int NB, bool PF = false>
-static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t sb, int j0) {
+static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t sb, int j0, bool ahead = false) {
   const int64_t K = a.K, ldx = a.ldx;
   constexpr bool quantized = FMT == I8 || FMT == I4;
   constexpr int64_t esize = FMT == F32 ? 4 : FMT == BF16 ? 2 : 1;
@@ -38,6 +41,12 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
     for (int j = 0; j < NB; j++) acc[m][j] = vzero();
   for (int64_t k0 = 0; k0 < K; k0 += C) {
     const int64_t k1 = k0 + C < K ? k0 + C : K;
+    if (ahead) {  // the next chunk's rows of the tile's lanes into L2
+      const int64_t r0 = FMT == I4 ? k1 / 2 : k1, r1 = FMT == I4 ? (k1 + C) / 2 : k1 + C;
+      const char* base = static_cast<const char*>(a.w) + (sb * rows * SUPER + j0 * 16) * esize;
+      for (int64_t r = r0; r < r1 && r < rows; r++)
+        for (int64_t b = 0; b < NB * 16 * esize; b += 64) _mm_prefetch(base + r * SUPER * esize + b, _MM_HINT_T1);
+    }
     for (int m = 0; m < MR; m++)
       for (int j = 0; j < NB; j++) part[m][j] = vzero();
     if constexpr (FMT == I4) {
@@ -105,13 +114,14 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
       const float* x = a.x + m * a.ldx;
       float* y = a.y + m * a.ldy;
       const int64_t r = a.M - m;
-      if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0); m += 2; }
-      else if (VREGS < 32 && FMT != I4 && r >= 6) { for (int j = 0; j < 4; j++) tile<FMT, 6, 1>(a, x, y, sb, j); m += 6; }
-      else if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j); m += 3; }
-      else if (FMT != I4 && r >= 6) { tile<FMT, 6, 4>(a, x, y, sb, 0); m += 6; }
-      else if (r >= 6) { tile<FMT, 6, 2>(a, x, y, sb, 0); tile<FMT, 6, 2>(a, x, y, sb, 2); m += 6; }
-      else if (r >= 4) { tile<FMT, 4, 2>(a, x, y, sb, 0); tile<FMT, 4, 2>(a, x, y, sb, 2); m += 4; }
-      else if (r == 3) { tile<FMT, 3, 2>(a, x, y, sb, 0); tile<FMT, 3, 2>(a, x, y, sb, 2); m += 3; }
+      const bool ahead = m == 0 && a.M > 2;  // prefill's first tile over a super-block reads it from memory
+      if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, ahead); m += 2; }
+      else if (VREGS < 32 && FMT != I4 && r >= 6) { for (int j = 0; j < 4; j++) tile<FMT, 6, 1>(a, x, y, sb, j, ahead); m += 6; }
+      else if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j, ahead); m += 3; }
+      else if (FMT != I4 && r >= 6) { tile<FMT, 6, 4>(a, x, y, sb, 0, ahead); m += 6; }
+      else if (r >= 6) { tile<FMT, 6, 2>(a, x, y, sb, 0, ahead); tile<FMT, 6, 2>(a, x, y, sb, 2, ahead); m += 6; }
+      else if (r >= 4) { tile<FMT, 4, 2>(a, x, y, sb, 0, ahead); tile<FMT, 4, 2>(a, x, y, sb, 2, ahead); m += 4; }
+      else if (r == 3) { tile<FMT, 3, 2>(a, x, y, sb, 0, ahead); tile<FMT, 3, 2>(a, x, y, sb, 2, ahead); m += 3; }
       else if (r == 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0); m += 2; }
       else { stream ? tile<FMT, 1, 4, true>(a, x, y, sb, 0) : tile<FMT, 1, 4>(a, x, y, sb, 0); m += 1; }
     }
