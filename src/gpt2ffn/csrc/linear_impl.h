@@ -114,7 +114,8 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
       const float* x = a.x + m * a.ldx;
       float* y = a.y + m * a.ldy;
       const int64_t r = a.M - m;
-      const bool ahead = m == 0 && a.M > 2;  // prefill's first tile over a super-block reads it from memory
+      // prefill's first tile over a super-block reads it from memory (a decode step of a few rows keeps its way)
+      const bool ahead = m == 0 && a.M > 2 && !few;
       if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, ahead); m += 2; }
       else if (VREGS < 32 && FMT != I4 && r >= 6) { for (int j = 0; j < 4; j++) tile<FMT, 6, 1>(a, x, y, sb, j, ahead); m += 6; }
       else if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j, ahead); m += 3; }
