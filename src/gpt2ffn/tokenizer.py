@@ -89,5 +89,11 @@ def load_tokenizer(directory):
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
         tok.decoder = decoders.ByteLevel()
         return HFTokenizer(tok)
-    raise CheckpointError(f"no tokenizer in {directory}: need tokenizer.json, or vocab.json + merges.txt "
-                          "(gpt2ffn generate and extract take the prompt as token ids with --ids instead; serve needs them)")
+    raise no_tokenizer(directory)
+
+
+def no_tokenizer(directory) -> CheckpointError:
+    """The error for a checkpoint directory with no tokenizer files."""
+    return CheckpointError(f"no tokenizer in {directory}: need tokenizer.json, or vocab.json + merges.txt "
+                           "(gpt2ffn generate and extract take the prompt as token ids with --ids instead; serve "
+                           "needs them)")
