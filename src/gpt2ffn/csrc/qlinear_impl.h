@@ -38,7 +38,7 @@ static inline const int8_t* xword(const int8_t* xq, int64_t K, int64_t m, int64_
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1) {
   const int64_t K = a.K, G = a.group, ng = K / G;
   thread_local std::vector<int8_t> row;  // XR > 1: a row before its words go to their places
-  if (XR > 1) row.resize(K);
+  if constexpr (XR > 1) row.resize(K);
   for (int64_t m = m0; m < m1; m++) {
     int8_t* qrow = XR > 1 ? row.data() : xq + m * K;
     for (int64_t g = 0; g < ng; g++) {
@@ -143,8 +143,6 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const bool stream = a.M == 1 && prefetch_bytes[FMT] > 0;
 #else
   const bool stream = a.M < QMR && prefetch_bytes[FMT] > 0;
-#endif
-#ifndef GPT2FFN_QRUN8
   const int nt = static_cast<int>(a.M / QMR);  // prefill's tiles a super-block (the rows left over do not prefetch)
 #endif
   for (int64_t sb = sb0; sb < sb1; sb++) {

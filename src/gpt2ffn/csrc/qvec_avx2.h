@@ -132,7 +132,7 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
   const int64_t K = a.K, G = a.group, ng = K / G, next = (K / STEP) * 256;
   const uint8_t* w = static_cast<const uint8_t*>(a.w) + sb * next + v * 32;
   int until = v % 2 == 0 && sb + 1 < a.nsuper ? t + 1 : -1;  // groups to the next prefetch (-1: none)
-  const uint8_t* x = reinterpret_cast<const uint8_t*>(a.xq) + (m0 / XR) * XR * K + (m0 % XR) * 4;
+  const uint8_t* x = reinterpret_cast<const uint8_t*>(a.xq) + (m0 / XR) * XR * K + (m0 % XR) * 4;  // xword(m0, 0)
   __m256 acc[MR];
   for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
   for (int64_t g = 0; g < ng; g++) {
