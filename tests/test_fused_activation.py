@@ -56,7 +56,8 @@ def test_fused_gelu_is_gelu_of_the_same_sums(isa, precision, activations):
 @pytest.mark.parametrize("M", [5, 17, 23])
 def test_every_build_gives_the_same_bits(precision, M):
     """fp32 activations: the row counts take every tile (AVX2: 6 x 1 and 3 x 1 lane blocks, then 2 and 1 rows;
-    AVX-512: 6 x 2, 4 x 2, 3 x 2; fp32 and bf16 below FEW_ROWS: 2 x 4), none of which changes an order of sums."""
+    AVX-512: 6 x 4 (int4: 6 x 2), 4 x 2, 3 x 2; fp32 and bf16 below FEW_ROWS: 2 x 4), none of which changes an
+    order of sums."""
     g = torch.Generator().manual_seed(4)
     p = Packed(torch.randn(192, 320, generator=g) * 0.1, torch.randn(320, generator=g), precision, None, "fp32")
     x = 3 * torch.randn(M, 192, generator=g)
