@@ -33,6 +33,7 @@ def mixed(n=24, seed=0):
     g = torch.Generator().manual_seed(seed)
     kinds = [dict(), dict(repetition_penalty=1.3), dict(presence_penalty=0.7), dict(frequency_penalty=0.4),
              dict(logit_bias={5: 3.0, 17: -100.0}), dict(min_tokens=9, eos_token_id=3),
+             dict(min_tokens=6, stop_token_ids=[8, 11]), dict(min_tokens=5, eos_token_id=3, stop_token_ids=[3, 9]),
              dict(repetition_penalty=0.8, presence_penalty=-0.5, frequency_penalty=1.1, logit_bias={3: 2.5},
                   min_tokens=4, eos_token_id=3)]
     reqs = []

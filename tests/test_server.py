@@ -435,6 +435,57 @@ def test_tokenize_detokenize(server, model_dir):
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
 
 
+def stream_chunks(server, **body) -> list:
+    """The chunks of a streamed completion, as dicts."""
+    with httpx.stream("POST", server.url + "/v1/completions", json={"model": server.model, "stream": True, **body},
+                      timeout=120) as r:
+        assert r.status_code == 200
+        return [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+
+
+def test_return_token_ids_and_tokens_as_ids(server, client, model_dir):
+    """vLLM's return_token_ids: each choice's prompt ids and generated ids, the ones its text is made of (a
+    stream: the generated ids chunk by chunk, the prompt's in a choice's first); without it no such keys.
+    return_tokens_as_token_ids names logprobs' tokens 'token_id:N'."""
+    _, tok, _ = load(str(model_dir))
+    plain = post(server, prompt="the quick", max_tokens=8, temperature=0)["choices"][0]
+    assert "token_ids" not in plain and "prompt_token_ids" not in plain
+    r = post(server, prompt=["the quick", "Hello"], max_tokens=8, temperature=0, ignore_eos=True,
+             return_token_ids=True)
+    for choice, prompt in zip(r["choices"], ["the quick", "Hello"]):
+        assert choice["prompt_token_ids"] == tok.encode(prompt) and len(choice["token_ids"]) == 8
+        assert tok.decode(choice["token_ids"]) == choice["text"]
+    chunks = stream_chunks(server, prompt="the quick", max_tokens=8, temperature=0, ignore_eos=True,
+                           return_token_ids=True)
+    firsts = [c["choices"][0] for c in chunks if "prompt_token_ids" in c["choices"][0]]
+    assert len(firsts) == 1 and firsts[0]["prompt_token_ids"] == tok.encode("the quick")
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == r["choices"][0]["token_ids"]
+    lp = post(server, prompt="the quick", max_tokens=4, temperature=0, ignore_eos=True, logprobs=2,
+              return_tokens_as_token_ids=True, return_token_ids=True)["choices"][0]
+    assert lp["logprobs"]["tokens"] == [f"token_id:{t}" for t in lp["token_ids"]]
+    assert all(k.startswith("token_id:") for top in lp["logprobs"]["top_logprobs"] for k in top)
+    # the openai package hands the extra fields through
+    got = client.completions.create(model=server.model, prompt="the quick", max_tokens=8, temperature=0,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    assert got.choices[0].token_ids == r["choices"][0]["token_ids"]
+
+
+def test_stop_token_ids(server):
+    """vLLM's stop_token_ids: the answer ends at the first such id, which it keeps; min_tokens holds it off."""
+    free = post(server, prompt="the quick", max_tokens=20, temperature=0, ignore_eos=True,
+                return_token_ids=True)["choices"][0]["token_ids"]
+    i = next(i for i in range(2, len(free)) if free[i] not in free[:i])
+    cut = post(server, prompt="the quick", max_tokens=20, temperature=0, ignore_eos=True, return_token_ids=True,
+               stop_token_ids=[free[i]])["choices"][0]
+    assert cut["token_ids"] == free[:i + 1] and cut["finish_reason"] == "stop"
+    held = post(server, prompt="the quick", max_tokens=20, temperature=0, ignore_eos=True, return_token_ids=True,
+                stop_token_ids=[free[i]], min_tokens=i + 2)["choices"][0]
+    assert free[i] not in held["token_ids"][:i + 2]
+    bad = httpx.post(server.url + "/v1/completions", json={"model": server.model, "prompt": "a",
+                                                           "stop_token_ids": [99999]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "stop_token_ids"
+
+
 def test_chat_with_template(client, server, model_dir):
     _, tok, _ = load(str(model_dir))
     messages = [{"role": "user", "content": "the quick brown fox"}]
@@ -801,3 +852,48 @@ def test_max_model_len_beyond_the_context_is_refused(model_dir):
     # the KV cache holds max_batch sequences of --max-model-len positions, not of the model's whole context
     assert svc.engine.max_len == 40 and svc.engine.cache.num_blocks * svc.engine.cache.block_size == 4 * 40
     svc.loop.stop()
+
+
+@pytest.fixture(scope="module")
+def ids_server(model_dir, tmp_path_factory):
+    """--skip-tokenizer-init on a checkpoint with no tokenizer files (the model's alone)."""
+    d = tmp_path_factory.mktemp("no_tokenizer") / "tiny-gpt2-ids"
+    d.mkdir()
+    for name in ("config.json", "model.safetensors"):
+        (d / name).symlink_to(model_dir / name)
+    s = Server(d, "--skip-tokenizer-init")
+    yield s
+    s.stop()
+
+
+def test_a_checkpoint_without_a_tokenizer_is_served_in_token_ids(ids_server, model_dir, capsys):
+    """Without the flag: one line naming it, exit 2. With it (vLLM's --skip-tokenizer-init): token ids in,
+    token ids out (text empty), greedy equal to the Python API's, streamed alike; what needs text is a 400."""
+    from gpt2ffn.cli import main
+    assert main(["serve", "--model", str(ids_server.proc.args[5]), "--port", str(free_port())]) == 2
+    err = capsys.readouterr().err
+    assert "no tokenizer in" in err and "--skip-tokenizer-init" in err and err.count("\n") == 1
+    model, _, _ = load(str(model_dir))
+    prompt = [5, 17, 42, 9]
+    expected = generate(model, [prompt], Sampling(max_new_tokens=10, eos_token_id=model.config.eos_token_id))[0]
+    r = post(ids_server, prompt=prompt, max_tokens=10, temperature=0, logprobs=1)
+    choice = r["choices"][0]
+    assert choice["token_ids"] == expected and choice["prompt_token_ids"] == prompt and choice["text"] == ""
+    assert choice["logprobs"]["tokens"] == [f"token_id:{t}" for t in expected]
+    assert choice["logprobs"]["text_offset"] == [0] * len(expected)
+    assert r["usage"]["completion_tokens"] == len(expected)
+    chunks = stream_chunks(ids_server, prompt=prompt, max_tokens=10, temperature=0)
+    assert sum((c["choices"][0]["token_ids"] for c in chunks), []) == expected
+    assert chunks[0]["choices"][0]["prompt_token_ids"] == prompt and chunks[-1]["choices"][0]["finish_reason"]
+    two = post(ids_server, prompt=[prompt, [7, 8]], max_tokens=3, temperature=0, echo=True)["choices"]
+    assert [c["prompt_token_ids"] for c in two] == [prompt, [7, 8]] and two[0]["token_ids"] == expected[:3]
+    for path, body, param in (("/v1/completions", {"prompt": "Hello"}, "prompt"),
+                              ("/v1/completions", {"prompt": [1, 2], "stop": ["x"]}, "stop"),
+                              ("/tokenize", {"prompt": "Hello"}, "prompt"),
+                              ("/detokenize", {"tokens": [1, 2]}, "tokens")):
+        bad = httpx.post(ids_server.url + path, json={"model": ids_server.model, **body})
+        assert bad.status_code == 400, (path, bad.text)
+        err = bad.json()["error"]
+        assert err["param"] == param and err["code"] == "no_tokenizer" and "tokenizer" in err["message"], err
+    assert main(["serve", "--model", "random:tiny", "--skip-tokenizer-init", "--chat-template", __file__]) == 2
+    assert "not with --skip-tokenizer-init" in capsys.readouterr().err

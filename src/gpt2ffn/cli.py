@@ -256,7 +256,7 @@ def cmd_serve(args):
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
           max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
           kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds,
-          cuda_graphs=not args.no_cuda_graphs)
+          cuda_graphs=not args.no_cuda_graphs, skip_tokenizer=args.skip_tokenizer_init)
     return _leave(args.tp)
 
 
@@ -401,6 +401,9 @@ def build_parser() -> Parser:
     p.add_argument("--max-model-len", type=int, metavar="TOKENS", help="longest prompt + max_tokens a request "
                    "may ask for (default: the model's context); the KV cache is sized by it")
     p.add_argument("--max-n", type=int, default=16, help="largest n and best_of per request (default 16)")
+    p.add_argument("--skip-tokenizer-init", action="store_true", help="vLLM's: read no tokenizer (a checkpoint "
+                   "may have none): prompts are token ids, each choice carries token_ids and empty text, stops are "
+                   "stop_token_ids")
     p.add_argument("--limit-concurrency", type=int, metavar="N", help="uvicorn's: beyond N connections or "
                    "requests at once, 503 at once (default: no limit; --max-waiting still applies)")
     p.set_defaults(func=cmd_serve)

@@ -96,4 +96,4 @@ def no_tokenizer(directory) -> CheckpointError:
     """The error for a checkpoint directory with no tokenizer files."""
     return CheckpointError(f"no tokenizer in {directory}: need tokenizer.json, or vocab.json + merges.txt "
                            "(gpt2ffn generate and extract take the prompt as token ids with --ids instead; serve "
-                           "needs them)")
+                           "with --skip-tokenizer-init takes and gives token ids)")

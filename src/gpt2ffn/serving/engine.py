@@ -354,7 +354,7 @@ class Engine:
         elif r.params.logprobs is not None:
             (ev.logprob,), (ev.top,) = logprobs_of(logits[row:row + 1], [token], r.params.logprobs)
         s, early = r.params, len(r.output) <= r.params.min_tokens
-        stopped = token == s.eos_token_id and not s.ignore_eos and not early
+        stopped = (token == s.eos_token_id and not s.ignore_eos or token in s.stop_token_ids) and not early
         if r.text is not None and token != s.eos_token_id:
             ev.text, hit = r.text.push(token)
             stopped = stopped or (hit and not early)

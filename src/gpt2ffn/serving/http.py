@@ -33,6 +33,8 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from ..errors import Gpt2ffnError
 from ..loading import resolve_device
+from ..tokenizer import has_tokenizer_files
+from ..tokenizer import no_tokenizer as no_tokenizer_files
 from .engine import QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
@@ -81,6 +83,11 @@ def loading():
     return error(503, "the model is still loading", kind="unavailable", headers={"Retry-After": "5"})
 
 
+def no_tokenizer(svc: Service, param: str) -> JSONResponse:
+    return refuse(svc, 400, f"{param}: this server has no tokenizer (--skip-tokenizer-init): it takes and gives "
+                            "token ids only", param=param, code="no_tokenizer")
+
+
 def unready(svc: Service, model: str):
     """503 while loading, 404 for another model's name, else None."""
     if not svc.ready.is_set():
@@ -123,6 +130,8 @@ async def tokenize(body: TokenizeRequest, svc: ServiceDep):
         return loading()
     if text is None:
         return refuse(svc, 400, "prompt: a string to tokenize is required", param="prompt")
+    if svc.tok is None:
+        return no_tokenizer(svc, "prompt")
     ids = svc.tok.encode(text)
     return {"tokens": ids, "count": len(ids), "max_model_len": svc.max_len}
 
@@ -134,11 +143,13 @@ async def detokenize(body: DetokenizeRequest, svc: ServiceDep):
     V = svc.model.config.vocab_size
     if any(not 0 <= t < V for t in body.tokens):
         return refuse(svc, 400, f"tokens: ids must be in [0, {V})", param="tokens")
+    if svc.tok is None:
+        return no_tokenizer(svc, "tokens")
     text = svc.tok.decode(body.tokens)
     return {"prompt": text, "content": text}
 
 
-@router.post("/v1/completions", response_model=Completion, responses=ERRORS)
+@router.post("/v1/completions", response_model=Completion, response_model_exclude_unset=True, responses=ERRORS)
 async def completions(body: CompletionRequest, request: Request, svc: ServiceDep):
     """A completion of each prompt (n each); with stream: true, server-sent events of text_completion chunks."""
     bad = unready(svc, body.model)
@@ -150,11 +161,12 @@ async def completions(body: CompletionRequest, request: Request, svc: ServiceDep
                                  body.logprobs, body.echo)
     except BadRequest as e:
         return refuse(svc, e.status, str(e), param=e.param, code=e.code)
-    echo = [svc.tok.decode(p) for p in prompts] if body.echo else None
+    echo = [svc.tok.decode(p) if svc.tok else "" for p in prompts] if body.echo else None
     return await respond(svc, request, body.stream, prompts, samplings, Choices(svc, body, prompts, samplings, echo))
 
 
-@router.post("/v1/chat/completions", response_model=ChatCompletion, responses=ERRORS)
+@router.post("/v1/chat/completions", response_model=ChatCompletion, response_model_exclude_unset=True,
+             responses=ERRORS)
 async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
     """Chat through --chat-template (GPT-2 has none of its own); streamed as chat.completion.chunk events."""
     if svc.template is None:
@@ -512,14 +524,21 @@ def busy_in_openai_shape(svc: Service):
 def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=256, batch_invariant=False,
           precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
           rank=0, api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
-          max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True):
+          max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
+          skip_tokenizer=False):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
-    tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes."""
+    tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes.
+    skip_tokenizer (vLLM's --skip-tokenizer-init): no tokenizer is read; prompts are token ids, and each choice
+    carries its token_ids (its text is empty)."""
     import uvicorn
     if model_spec and not model_spec.startswith("random:") and not Path(model_spec).is_dir():
         raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
     if chat_template and not Path(chat_template).is_file():
         raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
+    if model_spec and Path(model_spec).is_dir() and not skip_tokenizer and not has_tokenizer_files(model_spec):
+        raise no_tokenizer_files(model_spec)  # before the port is bound, not from the loading thread
+    if chat_template and skip_tokenizer:
+        raise Gpt2ffnError("--chat-template renders text, which needs the tokenizer: not with --skip-tokenizer-init")
     device = resolve_device(device)  # a missing GPU is one line and exit 2 here, before anything starts
     if kv_fraction is not None and not 0 < kv_fraction <= 1:
         raise Gpt2ffnError(f"--kv-cache-fraction must be in (0, 1], got {kv_fraction!r}")
@@ -533,7 +552,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     api_keys = check_keys(api_keys)
     check_tls(ssl_certfile, ssl_keyfile)
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
-                  dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs)
+                  dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,
+                  skip_tokenizer)
     if rank != 0:
         svc.load()
         svc.engine.follow()  # returns when rank 0's engine thread stops

@@ -21,6 +21,8 @@ class SamplingFields(BaseModel):
     top_k: int = Field(-1, ge=-1, description="-1 or 0: off (vLLM, llama-server)")
     seed: int | None = Field(None, ge=0, le=2**63 - 1)
     stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = Field(None, max_length=16, description="vLLM's: token ids that end a "
+                                             "choice as a stop string does (the id stays in the answer)")
     stream: bool = False
     stream_options: dict | None = None
     n: int = Field(1, ge=1, le=128, description="choices per prompt (the server caps it: --max-n, default 16)")
@@ -32,12 +34,18 @@ class SamplingFields(BaseModel):
     min_tokens: int = Field(0, ge=0, le=4096)
     cache_prompt: bool | None = Field(None, description="llama-server's; accepted (there is no prompt cache)")
     user: str | None = None
+    return_token_ids: bool | None = Field(None, description="vLLM's: each choice also carries prompt_token_ids "
+                                          "and token_ids (a stream: token_ids per chunk, prompt_token_ids in a "
+                                          "choice's first); default: only when the server has no tokenizer")
 
 
 class CompletionRequest(SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="a string, a list of strings, a list of token ids, or a list of token-id lists")
     logprobs: int | None = Field(None, ge=0, le=5)
+    return_tokens_as_token_ids: bool | None = Field(None, description="vLLM's: logprobs name each token "
+                                                    "'token_id:N', not its text; default: only when the server "
+                                                    "has no tokenizer")
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128, description="candidates generated per prompt; the n of "
                                 "highest cumulative log-prob come back (not streamed; capped by --max-n)")
@@ -100,6 +108,8 @@ class CompletionChoice(BaseModel):
     text: str
     logprobs: Logprobs | None = None
     finish_reason: str | None = Field(None, description="stop, length or abort")
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated ids")
 
 
 class Completion(BaseModel):
@@ -120,6 +130,7 @@ class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
     finish_reason: str | None = None
+    token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated ids")
 
 
 class ChatCompletion(BaseModel):
@@ -129,6 +140,7 @@ class ChatCompletion(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage | None = None
+    prompt_token_ids: list[int] | None = Field(None, description="with return_token_ids")
 
 
 class ModelCard(BaseModel):

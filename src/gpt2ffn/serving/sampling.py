@@ -22,11 +22,12 @@ class Sampling:
     seed: int | None = None
     eos_token_id: int | None = None
     stop: list = field(default_factory=list)    # stop strings (need a decode function)
+    stop_token_ids: list = field(default_factory=list)  # ids that stop as a stop string does (kept in the output)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict = field(default_factory=dict)  # token id -> added to its logit
-    min_tokens: int = 0                         # EOS and stop strings are held off until this many tokens
+    min_tokens: int = 0                         # EOS and stops are held off until this many tokens
     ignore_eos: bool = False                    # EOS is a token like any other
     logprobs: int | None = None                 # report the chosen token's log-prob and this many top ones
     prompt_logprobs: bool = False               # also the log-prob of every prompt token (OpenAI's echo)
@@ -44,6 +45,12 @@ class Sampling:
             raise Gpt2ffnError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.min_tokens < 0:
             raise Gpt2ffnError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+
+    @property
+    def held(self) -> list:
+        """The ids min_tokens holds off: EOS and stop_token_ids."""
+        eos = [] if self.eos_token_id is None else [self.eos_token_id]
+        return eos + [t for t in self.stop_token_ids if t not in eos]
 
     @property
     def plain_greedy(self) -> bool:
@@ -82,8 +89,9 @@ def adjust(logits, s: Sampling, prompt: list, output: list):
         logits[ids] -= s.frequency_penalty * counts.float() + s.presence_penalty
     for t, bias in s.logit_bias.items():
         logits[int(t)] += bias
-    if len(output) < s.min_tokens and s.eos_token_id is not None:
-        logits[s.eos_token_id] = float("-inf")
+    if len(output) < s.min_tokens:
+        for t in s.held:
+            logits[t] = float("-inf")
     return logits
 
 
@@ -125,7 +133,7 @@ def greedy(x):
 def _adjusts(s: Sampling) -> bool:
     """Whether adjust_batch changes this row's logits."""
     return bool(s.repetition_penalty != 1 or s.presence_penalty or s.frequency_penalty or s.logit_bias
-                or (s.min_tokens and s.eos_token_id is not None))
+                or (s.min_tokens and s.held))
 
 
 def scale_(x, temps):
@@ -280,8 +288,7 @@ def adjust_batch(x, requests):
         x.index_put_((torch.tensor([i for i, _, _ in bias], device=dev),
                       torch.tensor([t for _, t, _ in bias], device=dev)),
                      torch.tensor([b for _, _, b in bias], device=dev), accumulate=True)
-    held = [(i, r.params.eos_token_id) for i, r in enumerate(requests)
-            if len(r.output) < r.params.min_tokens and r.params.eos_token_id is not None]
+    held = [(i, t) for i, r in enumerate(requests) if len(r.output) < r.params.min_tokens for t in r.params.held]
     if held:
         x[torch.tensor([i for i, _ in held], device=dev), torch.tensor([t for _, t in held], device=dev)] = float("-inf")
 

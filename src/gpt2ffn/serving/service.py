@@ -35,13 +35,15 @@ class Service:
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
                  chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, max_model_len=None,
-                 max_n=16, tp=1, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True):
+                 max_n=16, tp=1, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
+                 skip_tokenizer=False):
         self.model_spec, self.tp, self.max_batch, self.max_waiting = model_spec, tp, max_batch, max_waiting
         self.device, self.dtype, self.kv_fraction, self.activations = device, dtype, kv_fraction, activations
         self.kv_dtype, self.graph_seconds, self.cuda_graphs = kv_dtype, graph_seconds, cuda_graphs
         self.threads, self.max_model_len, self.max_n = threads, max_model_len, max_n
         self.max_len = None  # prompt + max_tokens a request may reach: --max-model-len, or the model's context
         self.batch_invariant, self.precision = batch_invariant, precision
+        self.skip_tokenizer = skip_tokenizer  # token ids in and out (vLLM's --skip-tokenizer-init): tok is None
         self.template = None
         if chat_template:
             import jinja2.sandbox
@@ -57,14 +59,17 @@ class Service:
             import torch
             torch.set_num_threads(self.threads)
         self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device, self.tp,
-                                               self.activations, self.kv_dtype)
+                                               self.activations, self.kv_dtype,
+                                               need_tokenizer=not self.skip_tokenizer)
+        if self.skip_tokenizer:
+            self.tok = None
         context = self.model.config.n_positions
         if self.max_model_len is not None and not 0 < self.max_model_len <= context:
             raise Gpt2ffnError(f"--max-model-len {self.max_model_len} is outside [1, {context}], the model's "
                                "context (n_positions)")
         self.max_len = self.max_model_len or context
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
-        self.engine = make_engine(self.model, self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
+        self.engine = make_engine(self.model, self.tok and self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
                                   max_len=self.max_len, batch_invariant=self.batch_invariant, metrics=self.metrics,
                                   kv_fraction=self.kv_fraction, graph_seconds=self.graph_seconds,
                                   cuda_graphs=self.cuda_graphs)
@@ -81,7 +86,8 @@ class Service:
             print(f"gpt2ffn: {self.name} loaded on {self.engine.device} ({self.model.transformer.wte.weight.dtype}), "
                   f"ready (max batch {self.max_batch}, max waiting {self.max_waiting}, KV cache "
                   f"{cache.num_blocks * cache.block_size} positions, max model len {self.max_len}, max n {self.max_n}"
-                  f"{', batch-invariant' if self.batch_invariant else ''})", flush=True)
+                  f"{', batch-invariant' if self.batch_invariant else ''}"
+                  f"{', no tokenizer: token ids in and out' if self.tok is None else ''})", flush=True)
             if self.engine.graph_capture is not None:
                 (done, shapes, seconds), static = self.engine.graph_capture, self.engine.static
                 failed = static.capture_error and f"; a capture failed, that shape runs eagerly: {static.capture_error}"
@@ -104,6 +110,9 @@ class Service:
             prompt = [prompt]
         out = []
         for p in prompt:
+            if isinstance(p, str) and self.tok is None:
+                raise BadRequest("prompt: this server has no tokenizer (--skip-tokenizer-init): send token ids, "
+                                 "a list of ints or a list of such lists", "prompt", code="no_tokenizer")
             ids = (self.tok.encode(p) or [cfg.eos_token_id]) if isinstance(p, str) else list(p)
             if not ids:
                 raise BadRequest("prompt: a token-id list must not be empty", "prompt")
@@ -119,6 +128,12 @@ class Service:
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise BadRequest("stop must be up to 4 non-empty strings", "stop")
+        if stop and self.tok is None:
+            raise BadRequest("stop: strings need a tokenizer and this server has none (--skip-tokenizer-init); "
+                             "stop_token_ids takes ids", "stop", code="no_tokenizer")
+        stop_ids = list(body.stop_token_ids or [])
+        if any(not 0 <= t < cfg.vocab_size for t in stop_ids):
+            raise BadRequest(f"stop_token_ids: ids must be in [0, {cfg.vocab_size})", "stop_token_ids")
         best_of = getattr(body, "best_of", None) or body.n
         for name, value in (("n", body.n), ("best_of", best_of)):
             if value > self.max_n:
@@ -153,15 +168,17 @@ class Service:
         return [Sampling(max_new_tokens=max_tokens, temperature=body.temperature,
                          top_k=body.top_k if body.top_k > 0 else None, top_p=body.top_p if body.top_p < 1 else None,
                          seed=None if body.seed is None else body.seed + j, eos_token_id=cfg.eos_token_id, stop=stop,
+                         stop_token_ids=stop_ids,
                          presence_penalty=body.presence_penalty, frequency_penalty=body.frequency_penalty,
                          repetition_penalty=body.repetition_penalty, logit_bias=bias, min_tokens=body.min_tokens,
                          ignore_eos=body.ignore_eos, logprobs=token_lp, prompt_logprobs=echo and logprobs is not None)
                 for _ in prompts for j in range(best_of)]
 
-    def logprobs(self, ids: list, lps: list, tops: list, offsets: list) -> dict:
+    def logprobs(self, ids: list, lps: list, tops: list, offsets: list, as_ids: bool = False) -> dict:
         """OpenAI's legacy logprobs object: tokens, token_logprobs, top_logprobs (the top ones and the chosen
-        token), text_offset (`offsets`, from an Offsets of the choice)."""
-        d = self.tok.decode
+        token), text_offset (`offsets`, from an Offsets of the choice). as_ids (and with no tokenizer): each
+        token named 'token_id:N', as vLLM's return_tokens_as_token_ids."""
+        d = (lambda t: f"token_id:{t[0]}") if as_ids or self.tok is None else self.tok.decode
         tops_out = []
         for t, lp, top in zip(ids, lps, tops):
             if lp is None:
@@ -185,7 +202,10 @@ class Offsets:
     WINDOW = 16
 
     def __init__(self, tok):
-        self.decode, self.additive = tok.decode, getattr(tok, "additive", False)
+        if tok is None:  # no tokenizer: every text is empty, so every token starts at 0
+            self.decode, self.additive = (lambda ids: ""), True
+        else:
+            self.decode, self.additive = tok.decode, getattr(tok, "additive", False)
         self.anchor, self.base = 0, 0  # decode(ids[:anchor]) is base characters long and ends a character
 
     def of(self, ids: list, start: int = 0) -> list:
@@ -214,6 +234,12 @@ class Choices:
         self.cumulative = [0.0] * n                # sum of the generated tokens' log-probs (ranks best_of)
         self.prompt_tokens = sum(len(prompts[c // self.per_prompt]) for c in range(n))
         self.want_lp = not chat and body.logprobs is not None
+        no_tok = svc.tok is None
+        self.want_ids = no_tok if body.return_token_ids is None else body.return_token_ids
+        self.lp_ids = not chat and (no_tok if body.return_tokens_as_token_ids is None else body.return_tokens_as_token_ids)
+        self.prompts = [prompts[c // self.per_prompt] for c in range(n)]
+        self.sent_ids = [0] * n                    # generated ids a stream's chunks have carried
+        self.id_chunks = [False] * n               # whether a chunk of choice c has gone out (with return_token_ids)
         self.include_usage = bool((body.stream_options or {}).get("include_usage"))
         self.texts, self.finish, self.started = [""] * n, [None] * n, [False] * n
         self.gen = [[] for _ in range(n)]          # generated ids
@@ -267,13 +293,25 @@ class Choices:
         """The whole answer: a completion or a chat completion, with usage."""
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": self.texts[c]},
-                        "finish_reason": self.finish[c]} for i, c in enumerate(self.kept())]
-            return self.head("chat.completion", choices, self.usage())
+                        "finish_reason": self.finish[c], **self.ids(c, prompt=False)}
+                       for i, c in enumerate(self.kept())]
+            return {**self.head("chat.completion", choices, self.usage()), **self.prompt_ids()}
         choices = [{"index": i, "text": self.texts[c], "finish_reason": self.finish[c],
                     "logprobs": self.svc.logprobs(self.shown[c], self.lps[c], self.tops[c],
-                                                  Offsets(self.svc.tok).of(self.shown[c])) if self.want_lp else None}
+                                                  Offsets(self.svc.tok).of(self.shown[c]), self.lp_ids)
+                    if self.want_lp else None, **self.ids(c)}
                    for i, c in enumerate(self.kept())]
         return self.head("text_completion", choices, self.usage())
+
+    def ids(self, c: int, start: int = 0, prompt: bool = True) -> dict:
+        """With return_token_ids: choice c's generated ids from `start` (and its prompt's ids), else nothing."""
+        if not self.want_ids:
+            return {}
+        return {**({"prompt_token_ids": self.prompts[c]} if prompt else {}), "token_ids": self.gen[c][start:]}
+
+    def prompt_ids(self) -> dict:
+        """A chat answer's prompt_token_ids (the rendered conversation's), with return_token_ids."""
+        return {"prompt_token_ids": self.prompts[0]} if self.want_ids else {}
 
     @property
     def chunk_object(self) -> str:
@@ -292,23 +330,27 @@ class Choices:
             lp, done = None, self.streamed[c]
             if self.want_lp and len(self.shown[c]) > done:  # offsets in the decoded ids shown before these
                 lp = self.svc.logprobs(self.shown[c][done:], self.lps[c][done:], self.tops[c][done:],
-                                       self.offsets[c].of(self.shown[c], done))
+                                       self.offsets[c].of(self.shown[c], done), self.lp_ids)
                 self.streamed[c] = len(self.shown[c])
             finish = next((ev.finish_reason for ev in evs if ev.finish_reason), None)
-            if not (text or lp or finish):
+            sent, new_ids = self.sent_ids[c], self.want_ids and len(self.gen[c]) > self.sent_ids[c]
+            if not (text or lp or finish or new_ids):
                 continue
+            # with return_token_ids: the ids since the last chunk; a completion's first also its prompt's
+            ids = self.ids(c, sent, prompt=not self.chat and not self.id_chunks[c])
+            self.sent_ids[c], self.id_chunks[c] = len(self.gen[c]), True
             if self.chat:
                 delta = {"index": c, "delta": {"content": text} if text or not finish else {},
-                         "finish_reason": finish}
+                         "finish_reason": finish, **ids}
             else:
-                delta = {"index": c, "text": text, "logprobs": lp, "finish_reason": finish}
+                delta = {"index": c, "text": text, "logprobs": lp, "finish_reason": finish, **ids}
             out.append(self.head(self.chunk_object, [delta]))
         return out
 
     def role_chunk(self) -> dict:
         """A chat stream's first chunk: each choice's role."""
-        return self.head(self.chunk_object, [{"index": c, "delta": {"role": "assistant"}, "finish_reason": None}
-                                             for c in range(self.n)])
+        return {**self.head(self.chunk_object, [{"index": c, "delta": {"role": "assistant"}, "finish_reason": None}
+                                                for c in range(self.n)]), **self.prompt_ids()}
 
     def usage_chunk(self) -> dict:
         return self.head(self.chunk_object, [], self.usage())
