@@ -125,3 +125,17 @@ def test_a_checkpoint_without_a_tokenizer_generates_from_ids(no_tokenizer, tmp_p
     (tmp_path / "tokenizer.json").write_text("{not json")  # files that are there but broken: an error either way
     with pytest.raises(Exception, match="not a valid tokenizer file"):
         load(str(tmp_path), need_tokenizer=False)
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "-1"], ["--tokens", "0,8"], ["--dims", "x"], ["--dims", ""]])
+def test_bench_sizes_must_be_positive(capsys, argv):
+    assert main(["bench", *argv]) == 2
+    err = capsys.readouterr().err
+    assert "expected comma-separated positive ints" in err and err.count("\n") == 1
+
+
+def test_bench_accuracy_fits_a_small_context():
+    """One context window of the model's own (128 positions here), the prompt and greedy run cut to fit."""
+    from gpt2ffn.bench import bench_accuracy
+    r = bench_accuracy("random:tiny", ("int8",), log=lambda *a: None)
+    assert r["positions"] == 128 and 0 <= r["precisions"]["int8"]["mean_kld"] < 1e-2

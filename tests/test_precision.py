@@ -154,6 +154,27 @@ def test_bad_requests_name_the_thing():
         quantize(torch.nn.Linear(4, 4), "int8")
 
 
+def test_widths_int8_words_cannot_hold_take_fp32_activations_by_default():
+    """n_embd 36 (legal: 6 heads of 6): int4's int8 activations need inputs % 8. Not asked for, those layers
+    take fp32 activations (inputs 144 and int8's lm_head keep int8 ones) and compute what the numpy
+    reference of their own packing says, at int4's tolerance; asked for, it is the error naming the width."""
+    cfg = Config(n_embd=36, n_layer=2, n_head=6, vocab_size=333, n_positions=64)
+    model = quantize(randomize_(GPT2(cfg), 0).eval(), "int4")
+    layers = [m for m in model.modules() if getattr(m, "packed", None) is not None]
+    for m in layers:
+        want = "fp32" if m.packed.K == 36 and m.packed.precision == "int4" else "int8"
+        assert m.packed.activations == want, (m.packed.K, m.packed.precision)
+        x = torch.randn(5, m.packed.K, generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            got = kp.linear(x, m.packed, None, m.bias, m.packed.route["prefill"])
+        assert rel(got.numpy(), kp.reference(x, m.packed, None, m.bias)) <= PRECISION_TOLERANCES["int4"]["kernel"]
+    assert {m.packed.activations for m in layers} == {"fp32", "int8"}
+    assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape == (1, 7)
+    with pytest.raises(ConfigError, match=r"int4 with int8 activations needs a number of inputs per layer "
+                                          r"divisible by 8; this layer has 36"):
+        quantize(randomize_(GPT2(cfg), 0).eval(), "int4", activations="int8")
+
+
 def test_torch_fallback_when_native_is_missing(monkeypatch):
     monkeypatch.setattr(kp, "_C", None)
     assert kp.routes("int8", "cpu")[0] == "torch"

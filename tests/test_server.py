@@ -828,6 +828,8 @@ def test_loopback_and_authorized():
 
 @pytest.mark.parametrize("argv, message", [
     (["--limit-concurrency", "1"], "--limit-concurrency must be in [2, inf], got 1"),
+    (["--port", "99999"], "gpt2ffn serve: argument --port: a TCP port is an int in [0, 65535], got '99999'"),
+    (["--port", "-5"], "gpt2ffn serve: argument --port: a TCP port is an int in [0, 65535], got '-5'"),
     (["--max-n", "0"], "--max-n must be in [1, 128], got 0"),
     (["--max-model-len", "0"], "--max-model-len must be in [1, inf], got 0"),
     (["--api-key", ""], "--api-key: a key must be non-empty"),

@@ -640,17 +640,21 @@ def greedy_ids(model, prompt: list, new_tokens: int) -> list:
     return generate(model, [prompt], Sampling(max_new_tokens=new_tokens))[0]
 
 
-def bench_accuracy(spec: str = "random:gpt2", precisions=("fp32", "bf16", "int8", "int4"), positions: int = 1024,
+def bench_accuracy(spec: str = "random:gpt2", precisions=("fp32", "bf16", "int8", "int4"), positions: int | None = None,
                    prompt_tokens: int = 128, new_tokens: int = 64, log=print) -> dict:
     """Each precision's next-token distributions against fp32 (plain torch modules, HF's numerics within
-    1e-5) over `positions` positions of a fixed token sequence (seeded random ids, one context window),
-    and its greedy tokens over `new_tokens` after a `prompt_tokens` prompt. The reference's greedy path is
+    1e-5) over `positions` positions of a fixed token sequence (seeded random ids; default one context
+    window, n_positions: 1024 for GPT-2), and its greedy tokens over `new_tokens` after a `prompt_tokens`
+    prompt (both cut to fit a smaller context: half of it each at most). The reference's greedy path is
     reported too: a model whose path is one repeated token would make agreement meaningless."""
     from .model import load_model
     ref_model = load_model(spec, precision=None)
     cfg = ref_model.config
+    positions = positions or cfg.n_positions
     if positions > cfg.n_positions:
         raise Gpt2ffnError(f"{positions} positions exceed the context of {cfg.n_positions}")
+    prompt_tokens = min(prompt_tokens, cfg.n_positions // 2)
+    new_tokens = min(new_tokens, cfg.n_positions - prompt_tokens)
     ids = torch.randint(0, cfg.vocab_size, (1, positions), generator=torch.Generator().manual_seed(0))
     prompt = ids[0, :prompt_tokens].tolist()
     with torch.no_grad():

@@ -76,6 +76,27 @@ def _ids(text):
         raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 15496,11,616, got {text!r}") from None
 
 
+def _counts(text):
+    """Comma-separated positive ints (--dims, --tokens)."""
+    try:
+        out = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        out = []
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints like 1,64,2048, got {text!r}")
+    return out
+
+
+def _port(text):
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port is an int in [0, 65535], got {text!r}")
+    return port
+
+
 def _tol(text):
     key, _, value = text.partition("=")
     try:
@@ -370,7 +391,7 @@ def build_parser() -> Parser:
     p.add_argument("--model", help="HF checkpoint directory or random:<preset>[:seed]; default: "
                    "openai-community/gpt2 from the local HF cache")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-batch", type=int, help="sequences decoded together (default 64; the paged KV cache "
                    "takes up to a quarter of free memory, at most 2 GiB)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the running batch; "
@@ -410,8 +431,8 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")
     p.add_argument("--quick", action="store_true", help="a small grid (d=768; tokens 1, 64, 512)")
-    p.add_argument("--dims", type=_ids, help="n_embd values, e.g. 768,1600 (default 768,1024,1280,1600)")
-    p.add_argument("--tokens", type=_ids, help="token counts, e.g. 1,64,2048 (default 1,8,64,512,2048)")
+    p.add_argument("--dims", type=_counts, help="n_embd values, e.g. 768,1600 (default 768,1024,1280,1600)")
+    p.add_argument("--tokens", type=_counts, help="token counts, e.g. 1,64,2048 (default 1,8,64,512,2048)")
     p.add_argument("--repeats", type=int, default=15, help="timed runs per point after warm-up (>= 10)")
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")

@@ -28,6 +28,7 @@ from .kernels.formats import (  # noqa: F401  (PRECISIONS, ACTIVATIONS: public h
     PRECISIONS,
     check_activations,
     check_precision,
+    group_for,
     packing_arena,
     release_freed_memory,
 )
@@ -40,8 +41,9 @@ def packable(module) -> list:
     return [m for m in module.modules() if callable(getattr(m, "pack", None)) and hasattr(m, "weight_kn")]
 
 
-def pack_layer(m, precision: str, group, activations: str, once: bool):
-    """Pack one layer for quantize()."""
+def pack_layer(m, precision: str, group, activations: str, once: bool, auto: bool = False):
+    """Pack one layer for quantize(). auto (activations not asked for): a layer whose inputs no int8 word
+    layout divides (int4: K % 8, int8: K % 4, as n_embd 7 or 36) takes fp32 activations, not an error."""
     if m.dropped and not once:
         m.restore_weight()
     m.hold_once = once  # then pack() lets the fp32 weight go at once: the peak is one layer over the model
@@ -55,7 +57,13 @@ def pack_layer(m, precision: str, group, activations: str, once: bool):
     # positions, mean KLD vs fp32 2.22e-3 -> 2.12e-3 (q8_0: 2.20e-3) for ~0.1 ms a decode token, and
     # prefill runs it on one row; int4's error is its weights' (0.2863 -> 0.2862), so it stays int8 there
     head_act = "fp32" if precision == "int8" and m.keeps_int8 else activations
-    m.pack("int8" if head8 else precision, None if head8 else group, head_act)
+    fmt, g = ("int8", None) if head8 else (precision, group)
+    if auto and head_act == "int8":
+        try:
+            group_for(m.weight_kn().shape[0], fmt, g, "int8")
+        except ConfigError:
+            head_act = "fp32"
+    m.pack(fmt, g, head_act)
 
 
 def quantize(module, precision: str, group: int | None = None, keep_fp32: bool = False,
@@ -74,8 +82,10 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
     chosen precision.
 
     activations ('fp32' or, for int8 / int4, 'int8': integer dot products on activations quantized per
-    group, kernels/formats.py): None takes kernels.packed.default_activations(precision)."""
+    group, kernels/formats.py): None takes kernels.packed.default_activations(precision), and fp32 ones in a
+    layer whose width the int8 layout cannot hold (int4: inputs % 8, int8: % 4); asked for, that is an error."""
     check_precision(precision)
+    auto = activations is None
     activations = check_activations(precision, activations or default_activations(precision))
     if group is not None and precision not in GROUP:
         raise ConfigError(f"group applies to int8 and int4, not {precision}")
@@ -92,7 +102,7 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
         module.eval()
     with packing_arena():  # the packed weights side by side on huge pages (kernels/formats.py: on_huge_pages)
         for m in layers:
-            pack_layer(m, precision, group, activations, once)
+            pack_layer(m, precision, group, activations, once, auto)
     choice = probe([(m.packed, None if m.dropped else m.weight_kn(), m.bias) for m in layers], precision, device,
                    only=PACKED_ROUTES if once else None)
     for m in layers:
