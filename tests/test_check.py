@@ -440,6 +440,81 @@ def test_python_api_takes_classes_instances_and_functions(golden):
     assert report.as_dict()["rows"][0]["name"] == "after c_fc (1st linear)"
 
 
+# picoGPT ("GPT in 60 lines of NumPy", Jay Mody): the FFN as a function given its weights, as written there.
+PICO = """
+import numpy as np
+
+
+def gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))
+
+
+def linear(x, w, b):  # [m, in], [in, out], [out] -> [m, out]
+    return x @ w + b
+
+
+def ffn(x, c_fc, c_proj):  # [n_seq, n_embd] -> [n_seq, n_embd]
+    # project up
+    a = gelu(linear(x, **c_fc))  # [n_seq, n_embd] -> [n_seq, 4*n_embd]
+
+    # project back down
+    x = linear(a, **c_proj)  # [n_seq, 4*n_embd] -> [n_seq, n_embd]
+
+    return x
+
+
+def ffn_exact(x, c_fc, c_proj):
+    h = linear(x, **c_fc)
+    return linear(0.5 * h * (1 + np.vectorize(math.erf)(h / np.sqrt(2))), **c_proj)
+
+
+def ffn_no_biases(x, c_fc, c_proj):
+    return gelu(x @ c_fc["w"]) @ c_proj["w"]
+
+
+def ffn_torch(x, w1, b1, w2, b2):  # F.linear: weights [out, in]
+    return F.linear(F.gelu(F.linear(x, w1, b1), approximate="tanh"), w2, b2)
+
+
+def ffn_six(x, a, b, c, d, e):
+    return x
+
+
+def ffn_keyerror(x, c_fc, c_proj):
+    return x @ c_fc["kernel"]
+"""
+
+
+@pytest.mark.parametrize("name, code, says", [
+    ("ffn", 0, ["called with numpy picoGPT's dicts {'w', 'b'}, weights [in, out] (x @ w, HF's Conv1D)",
+                "PASS: learner.py:ffn computes GPT-2's FFN (c_fc -> tanh GELU -> c_proj)"]),
+    ("ffn_exact", 1, ["FAIL (output): exact GELU (erf) where the config says tanh GELU"]),
+    ("ffn_no_biases", 1, ["FAIL (output): both biases missing (c_fc and c_proj)"]),
+    ("ffn_torch", 0, ["called with torch arrays w1, b1, w2, b2, weights [out, in] (F.linear's layout)", "PASS"]),
+])
+def test_picogpt_style_functions_given_their_weights(name, code, says, golden, tmp_path, capsys):
+    """A function of the input and its weights: called in the first style it takes, its output judged and its
+    mistake named as a module's; its inner stages are not seen, and say so."""
+    path = learner_file(tmp_path, PICO)
+    got, out, err = run(["check", f"{path}:{name}", "--golden", golden], capsys)
+    assert got == code, out + err
+    assert out.count("not seen: a function's inner values") == 2
+    for text in says:
+        assert text in out, out
+
+
+@pytest.mark.parametrize("name, message", [
+    ("ffn_six", "learner.py:ffn_six(x, a, b, c, d, e) takes 5 weight arguments; check calls a GELU f(x), "
+                "picoGPT's ffn(x, c_fc, c_proj) or ffn(x, w1, b1, w2, b2)"),
+    ("ffn_keyerror", "failed in every calling style check knows (picoGPT's dicts {'w', 'b'}; dicts {'weight', "
+                     "'bias'}; numpy or torch; weights [in, out] or [out, in]), the first with KeyError: 'kernel'"),
+])
+def test_functions_check_cannot_call_are_one_line(name, message, golden, tmp_path, capsys):
+    path = learner_file(tmp_path, PICO)
+    code, out, err = run(["check", f"{path}:{name}", "--golden", golden], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
+
+
 @pytest.mark.parametrize("config, code, message", [
     ("tiny", 0, "built as FeedForward(cfg), cfg = {\"vocab_size\": 512"),
     ('{"emb_dim": 64}', 0, 'built as FeedForward(cfg), cfg = {"emb_dim": 64}'),

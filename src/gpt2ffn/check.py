@@ -25,7 +25,7 @@ from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
 from .learner import CheckError, build, load_object, super_message, super_missing
 from .tolerances import GOLDEN_ATOL
 
-__all__ = ["CheckError", "Report", "Row", "check", "check_ffn", "check_gelu", "load_object"]
+__all__ = ["CheckError", "Report", "Row", "check", "check_ffn", "check_function", "check_gelu", "load_object"]
 
 DEFAULT_REFERENCE = DEFAULT_MODEL
 GPT2_WIDTHS = (768, 1024, 1280, 1600)
@@ -179,6 +179,10 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     elif isinstance(obj, nn.Module):
         module, built = obj, [f"an instance of {type(obj).__name__}"]
     elif callable(obj):
+        if len(weight_params(obj)) > 0:
+            if case_of is None:
+                raise CheckError(f"{name} is an FFN, judged on one block: give --golden DIR or random:<preset>")
+            return check_function(obj, name, case_of(layer))
         return check_gelu(obj, name, ref_cfg.gelu_approximate, ["a function"])
     else:
         raise CheckError(f"{name} is a {type(obj).__name__}; check takes an nn.Module class or instance, "
@@ -234,13 +238,19 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
         first, again = _run(module, l1, l2, x, name), _run(module, l1, l2, x, name)
     finally:
         module.train(was_training)
+    return _judge(name, info, first, again, case, atol, "not hooked: the module uses the layer's weights "
+                                                          "without calling it")
+
+
+def _judge(name: str, info: list, first: dict, again: dict, case: FFNCase, atol: float, unseen: str) -> Report:
+    """The Report of an FFN's stages from two runs (`first`, `again`: stage -> output; a stage not in them is
+    reported as `unseen`): each stage against HF's, the known mistakes the failing ones show, determinism."""
     from .golden import compare
     rows, failing = [], []
     for stage in STAGES:
         label = STAGE_LABELS[stage]
         if stage not in first:
-            rows.append(Row(label, (), float("nan"), None, "--", "not hooked: the module uses the layer's "
-                                                                  "weights without calling it"))
+            rows.append(Row(label, (), float("nan"), None, "--", unseen))
             continue
         r = compare(label, {"checkpoint": "06", "layer": case.layer}, first[stage], case.expected[stage], atol)
         rows.append(Row(label, tuple(first[stage].shape), r.max_abs, atol, r.status, r.note))
@@ -319,6 +329,72 @@ def _run(module, l1, l2, x, name) -> dict:
         raise CheckError(f"{name} returned a {type(out).__name__}; an FFN returns a tensor (B, T, n_embd)")
     seen["ffn"] = out.detach().float().numpy()
     return seen
+
+
+# A function given its weights, as from-scratch numpy GPT-2s write it: picoGPT's ffn(x, c_fc, c_proj) with
+# {"w": [in, out], "b": [out]} per layer (or HF's names, weight / bias), or ffn(x, w1, b1, w2, b2).
+ARG_STYLES = {2: ["picoGPT's dicts {'w', 'b'}", "dicts {'weight', 'bias'}"],  # by weight arguments
+              4: ["arrays w1, b1, w2, b2"]}
+
+
+def weight_params(fn) -> list:
+    """The names of fn's required positional parameters after the input: [] for a GELU f(x)."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin or C function: taken as f(x)
+        return []
+    kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
+    return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty][1:]
+
+
+def _function_args(n: int, style: str, w: dict, lib: str, layout: str) -> list:
+    """fn's weight arguments in one calling style: numpy or torch, weights [in, out] (x @ w) or [out, in]."""
+    def arr(a, transpose=False):
+        a = a.T.copy() if transpose else a
+        return torch.from_numpy(np.ascontiguousarray(a)) if lib == "torch" else a
+    t = layout == "[out, in]"
+    w1, b1, w2, b2 = arr(w["c_fc.weight"], t), arr(w["c_fc.bias"]), arr(w["c_proj.weight"], t), arr(w["c_proj.bias"])
+    if n == 4:
+        return [w1, b1, w2, b2]
+    keys = ("w", "b") if "'w'" in style else ("weight", "bias")
+    return [dict(zip(keys, (w1, b1))), dict(zip(keys, (w2, b2)))]
+
+
+def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> Report:
+    """An FFN written as a function of the input and its weights (ARG_STYLES), fed the case's weights in the first
+    calling style it accepts (numpy before torch, weights [in, out] before [out, in]) and the block's ln_2
+    output as (T, n_embd); its output is judged and diagnosed as a module's (its inner stages are not seen)."""
+    names = weight_params(fn)
+    styles = ARG_STYLES.get(len(names))
+    if styles is None:
+        raise CheckError(f"{name}({', '.join(['x', *names])}) takes {len(names)} weight arguments; check calls a "
+                         "GELU f(x), picoGPT's ffn(x, c_fc, c_proj) or ffn(x, w1, b1, w2, b2)")
+    x2 = case.x[0]
+    T, d = x2.shape
+    first_error = None
+    for style in styles:
+        for lib in ("numpy", "torch"):
+            for layout in ("[in, out]", "[out, in]"):
+                args = _function_args(len(names), style, case.weights, lib, layout)
+                x = torch.from_numpy(x2.copy()) if lib == "torch" else x2.copy()
+                try:
+                    with torch.no_grad():
+                        out = [np.asarray(fn(x, *args), dtype=np.float32) for _ in range(2)]
+                except Exception as e:
+                    first_error = first_error or f"{type(e).__name__}: {e}".splitlines()[0]
+                    continue
+                if out[0].shape != (T, d):
+                    first_error = first_error or f"it returned shape {out[0].shape} for input ({T}, {d})"
+                    continue
+                info = [f"a function: {name}({', '.join(['x', *names])}), called with {lib} {style}, weights "
+                        f"{layout}" + (" (F.linear's layout)" if layout == "[out, in]" else " (x @ w, HF's Conv1D)"),
+                        f"fed {case.source} layer {case.layer}'s ln_2 output ({T}, {d}); compared with HF GPT-2's "
+                        f"own stages, tolerance {atol:.0e}"]
+                first, again = ({"ffn": o[None]} for o in out)
+                return _judge(name, info, first, again, case, atol, "not seen: a function's inner values")
+    raise CheckError(f"{name}({', '.join(['x', *names])}) failed in every calling style check knows "
+                     f"({'; '.join(styles)}; numpy or torch; weights [in, out] or [out, in]), the first with "
+                     f"{first_error}")
 
 
 def _apply(fn, x, name):
