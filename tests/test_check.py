@@ -515,6 +515,70 @@ def test_functions_check_cannot_call_are_one_line(name, message, golden, tmp_pat
     assert code == 2 and out == "" and err.count("\n") == 1 and message in err, err
 
 
+@pytest.mark.parametrize("change, code, says", [
+    (None, 0, "PASS: learner.py:gpt2 computes GPT-2 (2 blocks, logits within tolerance of HF's)"),
+    (("a = gelu(linear(x, **c_fc))", "a = np.maximum(linear(x, **c_fc), 0)"), 1,
+     "FAIL (first divergence: block 0 (the embeddings agree)); its ffn: ReLU instead of GELU"),
+    (("eps: float = 1e-5", "eps: float = 1e-3"), 1, "FAIL (first divergence: before any block"),
+    (("causal_mask = (1 - np.tri(x.shape[0], dtype=x.dtype)) * -1e10", "causal_mask = 0"), 1,
+     "FAIL (first divergence: block 0 (the embeddings agree)); its ffn and gelu pass alone, so look at the "
+     "block's attention or layer norms"),
+])
+def test_picogpt_whole_model_function(change, code, says, golden, tmp_path, capsys):
+    """picoGPT's gpt2(inputs, wte, wpe, blocks, ln_f, n_head) as written there, given the reference's weights in
+    its loader's nesting: logits judged, the first diverging block found by running its first k blocks, and
+    the file's own ffn / gelu checked on that block to name the mistake."""
+    source = (PICO + PICO_MODEL) if change is None else (PICO + PICO_MODEL).replace(*change)
+    path = learner_file(tmp_path, source)
+    got, out, err = run(["check", f"{path}:gpt2", "--golden", golden], capsys)
+    assert got == code, out + err
+    assert says in out, out
+
+
+PICO_MODEL = """
+
+def softmax(x):
+    exp_x = np.exp(x - np.max(x, axis=-1, keepdims=True))
+    return exp_x / np.sum(exp_x, axis=-1, keepdims=True)
+
+
+def layer_norm(x, g, b, eps: float = 1e-5):
+    mean = np.mean(x, axis=-1, keepdims=True)
+    variance = np.var(x, axis=-1, keepdims=True)
+    x = (x - mean) / np.sqrt(variance + eps)  # normalize x to have mean=0 and var=1 over last axis
+    return g * x + b  # scale and offset with gamma/beta params
+
+
+def attention(q, k, v, mask):  # [n_q, d_k], [n_k, d_k], [n_k, d_v], [n_q, n_k] -> [n_q, d_v]
+    return softmax(q @ k.T / np.sqrt(q.shape[-1]) + mask) @ v
+
+
+def mha(x, c_attn, c_proj, n_head):  # [n_seq, n_embd] -> [n_seq, n_embd]
+    x = linear(x, **c_attn)
+    qkv = np.split(x, 3, axis=-1)
+    qkv_heads = list(map(lambda x: np.split(x, n_head, axis=-1), qkv))
+    causal_mask = (1 - np.tri(x.shape[0], dtype=x.dtype)) * -1e10
+    out_heads = [attention(q, k, v, causal_mask) for q, k, v in zip(*qkv_heads)]
+    x = np.hstack(out_heads)
+    x = linear(x, **c_proj)
+    return x
+
+
+def transformer_block(x, mlp, attn, ln_1, ln_2, n_head):  # [n_seq, n_embd] -> [n_seq, n_embd]
+    x = x + mha(layer_norm(x, **ln_1), **attn, n_head=n_head)
+    x = x + ffn(layer_norm(x, **ln_2), **mlp)
+    return x
+
+
+def gpt2(inputs, wte, wpe, blocks, ln_f, n_head):  # [n_seq] -> [n_seq, n_vocab]
+    x = wte[inputs] + wpe[range(len(inputs))]
+    for block in blocks:
+        x = transformer_block(x, **block, n_head=n_head)
+    x = layer_norm(x, **ln_f)
+    return x @ wte.T
+"""
+
+
 @pytest.mark.parametrize("config, code, message", [
     ("tiny", 0, "built as FeedForward(cfg), cfg = {\"vocab_size\": 512"),
     ('{"emb_dim": 64}', 0, 'built as FeedForward(cfg), cfg = {"emb_dim": 64}'),

@@ -12,6 +12,7 @@ which form it computes.
 """
 
 import inspect
+import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -19,7 +20,15 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .check_model import DEFAULT_MODEL, TOKEN_IDS, check_model, is_model, model_source
+from .check_model import (
+    DEFAULT_MODEL,
+    TOKEN_IDS,
+    check_model,
+    check_model_function,
+    is_model,
+    is_model_function,
+    model_source,
+)
 from .config import Config
 from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
 from .learner import CheckError, build, load_object, super_message, super_missing
@@ -179,7 +188,10 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     elif isinstance(obj, nn.Module):
         module, built = obj, [f"an instance of {type(obj).__name__}"]
     elif callable(obj):
-        if len(weight_params(obj)) > 0:
+        names = weight_params(obj)
+        if is_model_function(names):
+            return check_picogpt(obj, name, names, source, case_of, ref_cfg)
+        if len(names) > 0:
             if case_of is None:
                 raise CheckError(f"{name} is an FFN, judged on one block: give --golden DIR or random:<preset>")
             return check_function(obj, name, case_of(layer))
@@ -395,6 +407,30 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
     raise CheckError(f"{name}({', '.join(['x', *names])}) failed in every calling style check knows "
                      f"({'; '.join(styles)}; numpy or torch; weights [in, out] or [out, in]), the first with "
                      f"{first_error}")
+
+
+def check_picogpt(fn, name: str, names: list, source: str, case_of, cfg: Config):
+    """A whole GPT-2 function (check_model_function); where a block diverges, the FFN and GELU functions of the
+    same file (picoGPT's ffn and gelu), if it has them, are checked on that block and what they get wrong is
+    named."""
+    report = check_model_function(fn, name, names, source)
+    block = (report.first or {}).get("layer")
+    if block is None:
+        return report
+    module = sys.modules.get(getattr(fn, "__module__", None))
+    found = []
+    ffn, gelu = getattr(module, "ffn", None), getattr(module, "gelu", None)
+    if callable(gelu) and not weight_params(gelu):
+        r = check_gelu(gelu, "gelu", cfg.gelu_approximate, [])
+        found += [] if r.passed else [f"its gelu: {r.verdict.split(': ', 1)[1]}"]
+    if callable(ffn) and len(weight_params(ffn)) in ARG_STYLES and case_of is not None:
+        r = check_function(ffn, "ffn", case_of(block))
+        found += [] if r.passed else [f"its ffn: {r.verdict.split(': ', 1)[1]}"]
+    if found:
+        report.verdict += "; " + "; ".join(found)
+    elif callable(ffn) or callable(gelu):
+        report.verdict += "; its ffn and gelu pass alone, so look at the block's attention or layer norms"
+    return report
 
 
 def _apply(fn, x, name):

@@ -721,3 +721,98 @@ def _load_all(s: Structure, model: nn.Module, ref: Reference, cfg: Config) -> tu
     if left:
         raise CheckError(f"{len(left)} of {len(before)} parameters have no GPT-2 tensor: {', '.join(left[:6])}")
     return n, notes
+
+
+# ---- a whole GPT-2 written as a function of its weights (picoGPT) -----------------------------------------
+
+def is_model_function(names: list) -> bool:
+    """picoGPT's gpt2(inputs, wte, wpe, blocks, ln_f, n_head): the parameters after the token ids."""
+    return {"wte", "wpe", "blocks", "ln_f"} <= set(names)
+
+
+def pico_params(model: nn.Module) -> dict:
+    """An HF GPT2LMHeadModel's weights as picoGPT's loader nests them: linear layers {"w": [in, out], "b"},
+    layer norms {"g", "b"}, per block attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj, ln_1, ln_2 (numpy)."""
+    t = model.transformer
+
+    def a(p):
+        return p.detach().float().numpy()
+
+    def lin(m):
+        return {"w": a(m.weight), "b": a(m.bias)}
+
+    def norm(m):
+        return {"g": a(m.weight), "b": a(m.bias)}
+    blocks = [{"attn": {"c_attn": lin(h.attn.c_attn), "c_proj": lin(h.attn.c_proj)},
+               "mlp": {"c_fc": lin(h.mlp.c_fc), "c_proj": lin(h.mlp.c_proj)}, "ln_1": norm(h.ln_1),
+               "ln_2": norm(h.ln_2)} for h in t.h]
+    return {"wte": a(t.wte.weight), "wpe": a(t.wpe.weight), "blocks": blocks, "ln_f": norm(t.ln_f)}
+
+
+def check_model_function(fn, name: str, names: list, source: str = DEFAULT_MODEL,
+                         atol: float = GOLDEN_ATOL) -> ModelReport:
+    """A whole GPT-2 as picoGPT writes it, gpt2(inputs, wte, wpe, blocks, ln_f, n_head) -> logits (T, vocab):
+    given the reference's weights, its logits are judged; where they diverge it runs again on the first k blocks
+    only (what picoGPT's own loop allows), against ln_f of HF's residual stream after k blocks times wte^T, so
+    the first block that diverges is named. Its inner stages are not seen."""
+    ref = reference(source)
+    cfg, L = ref.cfg, ref.cfg.n_layer
+    params = pico_params(ref.model)
+    unknown = [n for n in names if n not in params and n != "n_head"]
+    if unknown:
+        raise CheckError(f"{name}({', '.join(['inputs', *names])}): check gives picoGPT's wte, wpe, blocks, ln_f "
+                         f"and n_head; it has no {', '.join(unknown)}")
+    extra = {"n_head": cfg.n_head} if "n_head" in names else {}
+
+    def run(k):
+        try:
+            out = fn(list(ref.ids), **{**params, "blocks": params["blocks"][:k]}, **extra)
+            return np.asarray(out.detach() if isinstance(out, torch.Tensor) else out, dtype=np.float32)
+        except Exception as e:
+            raise CheckError(f"{name} failed on token ids {ref.ids} with {k} of {L} blocks: "
+                             f"{type(e).__name__}: {e}".splitlines()[0]) from None
+
+    tr = ref.model.transformer
+    with torch.no_grad():
+        def expected(k):  # the logits of the first k blocks: ln_f(residual after them) @ wte^T, by HF's modules
+            if k == L:
+                return ref.stages["logits"]
+            h = ref.stages["embeddings"] if k == 0 else ref.stages[f"h{k - 1}_block"]
+            return (tr.ln_f(torch.from_numpy(h)) @ tr.wte.weight.T).float().numpy()
+
+        def judge(k, got):
+            want = expected(k)
+            tol = max(atol, GOLDEN_SCALED["09"] * float(np.abs(want).max()))
+            r = compare(f"logits after {k} blocks", {"checkpoint": "09", "layer": None}, got, want, tol)
+            label = f"logits after {k} of {L} blocks" + (" (whole model)" if k == L else "")
+            return Row("09", label, str(k), r.shape, r.max_abs, tol, r.status, r.note)
+        whole = run(L)
+        rows = [judge(L, whole)]
+        first = None
+        if rows[0].status == "FAIL":
+            for k in range(L):
+                rows.insert(k, judge(k, run(k)))
+                if rows[k].status == "FAIL":
+                    first = k
+                    break
+    info = [f"a function: {name}({', '.join(['inputs', *names])}), given picoGPT's nested weights (linear "
+            f"{{'w': [in, out], 'b'}}, layer norm {{'g', 'b'}}) of {ref.source} ({L} blocks, n_embd {cfg.n_embd})",
+            f"fed token ids {ref.ids}; its logits compared with HF GPT-2's, tolerance {atol:.0e} "
+            f"({GOLDEN_SCALED['09']:.0e} x max |logits| when larger); where they differ, run on its first k blocks"]
+    if rows[-1].status == "PASS":
+        if not np.array_equal(whole, run(L), equal_nan=True):
+            return ModelReport(name, info, rows, f"FAIL: {name} passes once but two runs differ: something random "
+                                                  "is on at inference")
+        return ModelReport(name, info, rows, f"PASS: {name} computes GPT-2 ({L} blocks, logits within tolerance of "
+                                             "HF's)")
+    if first is None:
+        where = "the whole model diverges though each shorter run agrees: ln_f or the logits after the last block"
+        block = None
+    elif first == 0:
+        where, block = "before any block: the embeddings (wte[ids] + wpe[positions]), ln_f or the logits (x @ wte.T)", None
+    else:
+        before = "the embeddings agree" if first == 1 else f"the {first - 1} blocks before it agree"
+        where, block = f"block {first - 1} ({before})", first - 1
+    return ModelReport(name, info, rows, f"FAIL (first divergence: {where})", None,
+                       {"layer": block, "stage": "block" if block is not None else "model", "checkpoint": "09",
+                        "what": where})
