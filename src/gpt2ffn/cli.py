@@ -79,8 +79,8 @@ def _ids(text):
 def _counts(text):
     """Comma-separated positive ints (--dims, --tokens)."""
     try:
-        out = [int(t) for t in text.split(",") if t.strip()]
-    except ValueError:
+        out = _ids(text)
+    except argparse.ArgumentTypeError:
         out = []
     if not out or min(out) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated positive ints like 1,64,2048, got {text!r}")

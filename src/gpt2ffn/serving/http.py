@@ -161,7 +161,7 @@ async def completions(body: CompletionRequest, request: Request, svc: ServiceDep
                                  body.logprobs, body.echo)
     except BadRequest as e:
         return refuse(svc, e.status, str(e), param=e.param, code=e.code)
-    echo = [svc.tok.decode(p) if svc.tok else "" for p in prompts] if body.echo else None
+    echo = [svc.tok.decode(p) if svc.tok is not None else "" for p in prompts] if body.echo else None
     return await respond(svc, request, body.stream, prompts, samplings, Choices(svc, body, prompts, samplings, echo))
 
 

@@ -69,7 +69,8 @@ class Service:
                                "context (n_positions)")
         self.max_len = self.max_model_len or context
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
-        self.engine = make_engine(self.model, self.tok and self.tok.decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
+        decode = self.tok.decode if self.tok is not None else None
+        self.engine = make_engine(self.model, decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
                                   max_len=self.max_len, batch_invariant=self.batch_invariant, metrics=self.metrics,
                                   kv_fraction=self.kv_fraction, graph_seconds=self.graph_seconds,
                                   cuda_graphs=self.cuda_graphs)
