@@ -142,6 +142,125 @@ def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
     assert run(["verify", "--golden", str(tiny_golden), "--candidate", str(only_missing), "--strict"], capsys)[0] == 1
 
 
+@pytest.fixture(scope="module")
+def tiny_golden_bin(tmp_path_factory):
+    out = tmp_path_factory.mktemp("golden_tiny_bin")
+    assert main(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(out), "--layers", "all", "--quiet",
+                 "--format", "bin"]) == 0
+    return out
+
+
+def test_bin_and_safetensors_golden_sets_hold_the_npy_tensors(tiny_golden, tiny_golden_bin, tmp_path, capsys):
+    """--format bin (raw little-endian float32, shape in the manifest) and safetensors (one file) hold exactly
+    the .npy set's tensors, are sha256-checked the same way, and verify end to end."""
+    st = tmp_path / "st"
+    assert main(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(st), "--layers", "all", "--quiet",
+                 "--format", "safetensors"]) == 0
+    assert sorted(p.name for p in st.iterdir()) == ["golden.safetensors", "manifest.json"]
+    ref = golden.Golden(tiny_golden)
+    for d, fmt in ((tiny_golden_bin, "bin"), (st, "safetensors")):
+        g = golden.Golden(d)
+        assert g.manifest["file_format"] == fmt and g.tensors.keys() == ref.tensors.keys()
+        for name, entry in g.tensors.items():
+            assert np.array_equal(g.load(name), ref.load(name)) and g.load(name).dtype == np.float32, name
+            assert entry["shape"] == ref.tensors[name]["shape"]
+        assert run(["verify", "--golden", str(d)], capsys)[0] == 0
+    raw = tiny_golden_bin / "h1_ffn.bin"
+    assert raw.stat().st_size == 4 * 8 * 64 and np.array_equal(np.fromfile(raw, "<f4"), ref.load("h1_ffn").ravel())
+    tampered = tmp_path / "tampered"
+    shutil.copytree(tiny_golden_bin, tampered)
+    (tampered / "h0_ln_2.bin").write_bytes(b"\0" * 16)
+    code, _, err = run(["verify", "--golden", str(tampered)], capsys)
+    assert code == 2 and "h0_ln_2.bin does not match the sha256 in manifest.json" in err
+    code, _, err = run(["extract", "--model", "random:tiny", "--ids", "1", "--out", str(tmp_path / "o"),
+                        "--format", "csv"], capsys)
+    assert code == 2 and "invalid choice: 'csv'" in err
+
+
+def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
+    """An engine in any language: raw float32 .bin files under the golden names, or one .safetensors file;
+    what cannot be judged is named (a float64 or half-width .bin, a wrong size, two files for one tensor, a
+    bf16 tensor), and a directory matching no name says what it found."""
+    from safetensors.numpy import save_file
+    from safetensors.torch import save_file as save_torch
+    g = golden.Golden(tiny_golden)
+    cand = tmp_path / "bin"
+    cand.mkdir()
+    for name in g.activations():
+        g.load(name).tofile(cand / f"{name}.bin")
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand)], capsys)
+    assert code == 0 and " 0 failed" in out and "missing" not in out
+    g.load("h0_ln_2").astype(np.float64).tofile(cand / "h0_ln_2.bin")
+    g.load("h0_c_fc").astype(np.float16).tofile(cand / "h0_c_fc.bin")
+    np.append(g.load("h0_gelu").ravel(), np.float32(0)).tofile(cand / "h0_gelu.bin")
+    np.save(cand / "h1_ffn.npy", g.load("h1_ffn"))
+    (cand / "ln_f.bin").unlink()
+    ffn = g.load("h0_ffn").copy()
+    ffn[0, 3, 7] += 1e-3
+    ffn.tofile(cand / "h0_ffn.bin")
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert code == 1
+    assert rows["h0_ln_2"]["note"] == ("h0_ln_2.bin holds 4096 bytes, expected 2048 (float32, 512 values, shape "
+                                       "(1, 8, 64)) (8 bytes a value: float64? write float32)")
+    assert rows["h0_c_fc"]["note"].endswith("(2 bytes a value: float16 or bfloat16? write float32)")
+    assert rows["h0_gelu"]["note"] == "h0_gelu.bin holds 8196 bytes, expected 8192 (float32, 2048 values, shape (1, 8, 256))"
+    assert rows["h1_ffn"]["note"] == "both h1_ffn.npy and h1_ffn.bin: keep one"
+    assert rows["ln_f"]["status"] == "MISSING" and rows["ln_f"]["note"] == "no ln_f.npy or .bin"
+    assert rows["h0_ffn"]["status"] == "FAIL" and "worst element [0, 3, 7]" in rows["h0_ffn"]["note"]
+    assert rows["h1_gelu"]["status"] == "PASS"
+    # One .safetensors file, keyed by the golden names.
+    st = tmp_path / "engine.safetensors"
+    save_file({n: g.load(n) for n in g.activations()}, st)
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st)], capsys)
+    assert code == 0 and " 0 failed" in out
+    import torch
+    save_torch({"h0_ffn": torch.from_numpy(g.load("h0_ffn")).bfloat16(), "h0_gelu": torch.from_numpy(g.load("h0_gelu"))}, st)
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    assert code == 1 and rows["h0_gelu"]["status"] == "PASS" and rows["logits"]["note"] == "no logits in engine.safetensors"
+    assert rows["h0_ffn"]["note"] == "dtype bfloat16, expected float32"
+    save_file({"block0.ffn": g.load("h0_ffn")}, st)
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st)], capsys)
+    assert code == 1 and out.rstrip().endswith("see manifest.json); found block0.ffn")
+    (tmp_path / "junk.safetensors").write_bytes(b"junk")
+    for bad, says in ((tmp_path / "junk.safetensors", "is not a readable .safetensors file"),
+                      (tmp_path / "nothere", "does not exist"),
+                      (tiny_golden / "manifest.json", "is neither a directory of .npy/.bin files nor a .safetensors")):
+        code, _, err = run(["verify", "--golden", str(tiny_golden), "--candidate", str(bad)], capsys)
+        assert code == 2 and says in err and err.count("\n") == 1, err
+
+
+def _c_compiler():
+    import shutil as sh
+    import sysconfig
+    cc = (sysconfig.get_config_var("CC") or "cc").split()[0]
+    return sh.which(cc) or sh.which("cc") or sh.which("gcc")
+
+
+@pytest.mark.skipif(_c_compiler() is None, reason="no C compiler")
+def test_c_engine_in_examples_passes_and_its_exact_gelu_is_named(tiny_golden_bin, tmp_path, capsys):
+    """examples/ffn.c, GPT-2's FFN in plain C reading and writing raw float32 files, judged as README shows."""
+    import subprocess
+    from pathlib import Path
+    src = Path(__file__).resolve().parent.parent / "examples" / "ffn.c"
+    exe = tmp_path / "ffn"
+    subprocess.run([_c_compiler(), "-O2", "-Wall", "-Werror", "-o", str(exe), str(src), "-lm"], check=True)
+    out = tmp_path / "out"
+    out.mkdir()
+    for L in ("0", "1"):
+        r = subprocess.run([str(exe), str(tiny_golden_bin), str(out), L], capture_output=True, text=True, check=True)
+        assert r.stdout.startswith(f"block {L} FFN: 8 tokens, 64 -> 256 -> 64, tanh GELU")
+    code, text, _ = run(["verify", "--golden", str(tiny_golden_bin), "--candidate", str(out), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(text)["rows"]}
+    assert code == 0 and all(rows[f"h{L}_{s}"]["status"] == "PASS" for L in (0, 1) for s in ("c_fc", "gelu", "ffn"))
+    subprocess.run([str(exe), str(tiny_golden_bin), str(out), "0", "--exact-gelu"], capture_output=True, check=True)
+    code, text, _ = run(["verify", "--golden", str(tiny_golden_bin), "--candidate", str(out)], capsys)
+    assert code == 1 and "layer 0, h0_gelu: max abs" in text and "exact GELU (erf) where the config says tanh" in text
+    r = subprocess.run([str(exe), str(tmp_path), str(out), "0"], capture_output=True, text=True)
+    assert r.returncode == 2 and "h0_ln_2.bin (write the golden set with: gpt2ffn extract ... --format bin)" in r.stderr
+
+
 def test_negative_variants_all_fail_and_are_named(tiny_golden, capsys):
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--negative", "--json"], capsys)
     rows = json.loads(out)["rows"]

@@ -109,25 +109,27 @@ def cmd_extract(args):
     """Golden tensors from HF's own GPT-2 modules."""
     from .golden import extract
     m = extract(args.model, args.out, ids=args.ids, prompt=args.prompt, layers=args.layers,
-                progress=not args.quiet)
+                progress=not args.quiet, file_format=args.format)
     n = sum(e["kind"] != "alias" for e in m["tensors"].values())
+    how = {"npy": ".npy files", "bin": "raw float32 .bin files", "safetensors": "golden.safetensors"}[args.format]
     print(f"wrote {n} tensors for {len(m['token_ids'])} tokens, layers {m['layers']}, "
-          f"from {m['model']['source']} to {args.out} (manifest.json)")
+          f"from {m['model']['source']} to {args.out} ({how}, manifest.json)")
     return 0
 
 
 def cmd_verify(args):
-    """Judge gpt2ffn (or --candidate's .npy files) against a golden directory."""
+    """Judge gpt2ffn (or --candidate's tensors) against a golden directory."""
     import json
 
     from . import golden as g
 
     gold = g.Golden(args.golden)
     tolerances = dict(args.tol)
+    cand = g.Candidate(args.candidate) if args.candidate else None
     if args.negative:
         rows, title = g.verify_negative(gold, args.atol), "negative controls: each known-wrong FFN must FAIL"
-    elif args.candidate:
-        rows, title = g.verify_candidate(gold, args.candidate, tolerances, args.atol), f"candidate {args.candidate}"
+    elif cand:
+        rows, title = g.verify_candidate(gold, cand, tolerances, args.atol), f"candidate {args.candidate}"
     else:
         rows, title = g.verify_ours(gold, tolerances, args.atol, args.repeat), "gpt2ffn's own implementation"
     failed = [r for r in rows if r.status == "FAIL" or (args.strict and r.status == "MISSING")]
@@ -150,7 +152,10 @@ def cmd_verify(args):
             print(f"first failing checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)}), "
                   f"layer {first.layer}, {first.name}: {'; '.join(t for t in (size, first.note) if t)}")
         elif not judged:
-            print("nothing was judged: no candidate file matches a golden name")
+            found = sorted(cand.names()) if cand else []
+            print("nothing was judged: no candidate tensor matches a golden name (they are named as "
+                  "h0_ln_2, h0_ffn, logits, ...: see manifest.json)"
+                  + (f"; found {', '.join(found[:8])}{', ...' if len(found) > 8 else ''}" if found else ""))
     if args.plot:
         from .plot import plot_verify
         plot_verify(rows, args.plot, f"{title} vs golden {Path(args.golden).name} ({gold.manifest['model']['source']})")
@@ -324,13 +329,17 @@ def build_parser() -> Parser:
     src.add_argument("--ids", type=_ids, help="token ids, e.g. 15496,11,616")
     p.add_argument("--out", required=True, help="output directory")
     p.add_argument("--layers", default="0", help="blocks to extract: comma-separated (0,3) or 'all' (default 0)")
+    p.add_argument("--format", choices=("npy", "bin", "safetensors"), default="npy",
+                   help="npy: a .npy file per tensor (default); bin: raw little-endian float32 per tensor, C order, "
+                   "shapes in manifest.json (read with fread); safetensors: one golden.safetensors")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_extract)
 
-    p = sub.add_parser("verify", help="judge gpt2ffn, or another engine's .npy files, against golden tensors")
+    p = sub.add_parser("verify", help="judge gpt2ffn, or another engine's tensors, against golden tensors")
     p.add_argument("--golden", required=True, help="a directory written by gpt2ffn extract")
     mode = p.add_mutually_exclusive_group()
-    mode.add_argument("--candidate", help="a directory of .npy files under the golden names, from any engine")
+    mode.add_argument("--candidate", help="another engine's tensors under the golden names: a directory of "
+                      ".npy or raw float32 .bin files (h0_ffn.bin), or one .safetensors file")
     mode.add_argument("--negative", action="store_true", help="prove the judge fails known-wrong FFNs")
     p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4, seed 001's)")
     p.add_argument("--tol", type=_tol, action="append", default=[], metavar="KEY=ATOL",

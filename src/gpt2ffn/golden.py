@@ -1,9 +1,11 @@
 """Golden checkpoints: reference tensors taken from HF GPT-2's own modules, and a judge for any engine.
 
 `extract` runs HF transformers' GPT2LMHeadModel with forward hooks and writes every stage of the chosen
-blocks as .npy, with a manifest. Nothing here re-derives a stage: each tensor is what HF's module returned
-(q/k/v are HF's c_attn output split by head). `verify` runs gpt2ffn's own stages on the golden inputs, or
-judges another engine's .npy files, and names the first checkpoint that diverges.
+blocks, with a manifest: as .npy files, raw little-endian float32 .bin files (for engines in C, Go, ... that
+read them with fread), or one .safetensors file. Nothing here re-derives a stage: each tensor is what HF's
+module returned (q/k/v are HF's c_attn output split by head). `verify` runs gpt2ffn's own stages on the golden
+inputs, or judges another engine's tensors (the same three formats), and names the first checkpoint that
+diverges.
 """
 
 import hashlib
@@ -23,6 +25,10 @@ from .model import parse_random, random_weights_
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
 
 FORMAT = "gpt2ffn-golden/1"
+# How the tensors are stored: a .npy file each, a raw little-endian float32 .bin file each (C order; the shape
+# is in manifest.json), or all in one .safetensors file under their names.
+FILE_FORMATS = ("npy", "bin", "safetensors")
+BUNDLE = "golden.safetensors"
 
 # Seed 001's numbering, where it has one; 00, 08 and 09 extend it to the ends of the model.
 CHECKPOINTS = {
@@ -188,9 +194,13 @@ def parse_layers(spec: str, n_layer: int) -> list:
     return layers
 
 
-def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progress=True) -> dict:
-    """Write golden tensors, block weights and manifest.json to out_dir. Returns the manifest."""
+def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progress=True,
+            file_format="npy") -> dict:
+    """Write golden tensors, block weights and manifest.json to out_dir, as file_format (FILE_FORMATS).
+    Returns the manifest."""
     import tqdm
+    if file_format not in FILE_FORMATS:
+        raise Gpt2ffnError(f"format {file_format!r}: expected one of {', '.join(FILE_FORMATS)}")
     model, cfg, model_info = load_reference(model_source)
     ids = token_ids(cfg, model_source, ids, prompt)
     layers = parse_layers(layers, cfg.n_layer) if isinstance(layers, str) else layers
@@ -212,13 +222,27 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
             entries[alias] = dict(entries[name], kind="alias", alias_of=name)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    for name in tqdm.tqdm(list(entries), desc=f"writing {out_dir}", unit="tensor", disable=not progress):
-        file = out_dir / f"{name}.npy"
-        np.save(file, np.ascontiguousarray(tensors[name], dtype=np.float32))
-        entries[name].update(file=file.name, shape=list(tensors[name].shape), dtype="float32", sha256=sha256(file))
+    arrays = {name: np.ascontiguousarray(tensors[name], dtype="<f4") for name in entries}
+    if file_format == "safetensors":
+        from safetensors.numpy import save_file
+        file = out_dir / BUNDLE
+        save_file(arrays, file, metadata={"format": FORMAT})
+        digest = sha256(file)
+        for name, entry in entries.items():
+            entry.update(file=file.name, key=name, shape=list(arrays[name].shape), dtype="float32", sha256=digest)
+    else:
+        for name in tqdm.tqdm(list(entries), desc=f"writing {out_dir}", unit="tensor", disable=not progress):
+            file = out_dir / f"{name}.{file_format}"
+            if file_format == "npy":
+                np.save(file, arrays[name])
+            else:
+                arrays[name].tofile(file)
+            entries[name].update(file=file.name, shape=list(arrays[name].shape), dtype="float32",
+                                 sha256=sha256(file))
     import transformers
     manifest = {
         "format": FORMAT,
+        "file_format": file_format,
         "model": model_info,
         "config": cfg.to_hf_dict(),
         "token_ids": ids,
@@ -255,7 +279,7 @@ class Golden:
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise Gpt2ffnError(f"{file} is corrupt: {e}") from None
         self.manifest = m
-        self._cache, self._cases = {}, {}
+        self._cache, self._cases, self._checked = {}, {}, set()
 
     def __contains__(self, name):
         return name in self.tensors
@@ -264,12 +288,14 @@ class Golden:
         if name not in self._cache:
             entry = self.tensors[name]
             path = self.dir / entry["file"]
-            if not path.is_file():
-                raise Gpt2ffnError(f"golden tensor {path} is missing (listed in manifest.json)")
-            if sha256(path) != entry["sha256"]:
-                raise Gpt2ffnError(f"golden tensor {path} does not match the sha256 in manifest.json: "
-                                   "the file was changed after extraction")
-            self._cache[name] = np.load(path, allow_pickle=False)
+            if path.name not in self._checked:
+                if not path.is_file():
+                    raise Gpt2ffnError(f"golden tensor {path} is missing (listed in manifest.json)")
+                if sha256(path) != entry["sha256"]:
+                    raise Gpt2ffnError(f"golden tensor {path} does not match the sha256 in manifest.json: "
+                                       "the file was changed after extraction")
+                self._checked.add(path.name)
+            self._cache[name] = read_tensor(path, entry.get("key", name), tuple(entry["shape"]))
         return self._cache[name]
 
     def activations(self) -> list:
@@ -296,6 +322,21 @@ class Golden:
                 x=self.load(f"h{layer}_ln_2"), resid=self.load(f"h{layer}_attn_resid"),
                 expected={s: self.load(f"h{layer}_{s}") for s in FFN_STAGES})
         return self._cases[layer]
+
+
+def read_tensor(path: Path, key: str, shape: tuple) -> np.ndarray:
+    """One tensor from a .npy file, a raw float32 .bin file of `shape`, or a .safetensors file's `key`."""
+    if path.suffix == ".npy":
+        return np.load(path, allow_pickle=False)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+        with safe_open(path, framework="numpy") as f:
+            return f.get_tensor(key)
+    data = np.fromfile(path, dtype="<f4")
+    if data.size != int(np.prod(shape)):
+        raise Gpt2ffnError(f"{path} holds {path.stat().st_size} bytes, expected {4 * int(np.prod(shape))} "
+                           f"(float32, shape {shape})")
+    return data.reshape(shape)
 
 
 # ---- judging ------------------------------------------------------------------------------------------
@@ -340,10 +381,10 @@ def compare(name, entry, actual, expected, atol) -> Row:
     return Row(name, ck, layer, shape, max_abs, max_rel, atol, "PASS" if max_abs <= atol else "FAIL")
 
 
-def tolerance_for(entry, tolerances: dict, default: float, expected=None) -> float:
+def tolerance_for(name, entry, tolerances: dict, default: float, expected=None) -> float:
     """Per-checkpoint overrides by tensor name (h0_ffn), stage (ffn) or checkpoint number (06); else the
     default, scaled with the tensor for the checkpoints in GOLDEN_SCALED (logits)."""
-    for key in (entry.get("file", "").removesuffix(".npy"), entry["stage"], entry["checkpoint"]):
+    for key in (name, entry.get("alias_of", name), entry["stage"], entry["checkpoint"]):
         if key in tolerances:
             return tolerances[key]
     rtol = GOLDEN_SCALED.get(entry["checkpoint"])
@@ -443,7 +484,7 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
     rows = []
     for n in golden.activations():
         entry = golden.tensors[n]
-        tol = tolerance_for(entry, tolerances, atol, golden.load(n))
+        tol = tolerance_for(n, entry, tolerances, atol, golden.load(n))
         for name in (n, f"{n} (chain)"):
             if name in first:
                 rows.append(diagnosed(compare(name, entry, first[name], golden.load(n), tol), golden, entry,
@@ -462,27 +503,78 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
     return rows
 
 
+class Candidate:
+    """Another engine's tensors under the golden names: a directory of NAME.npy or NAME.bin files (raw
+    little-endian float32, C order, the golden shape), or one .safetensors file keyed by NAME."""
+
+    def __init__(self, path):
+        self.path = Path(path)
+        self.keys = None
+        if self.path.is_file() and self.path.suffix == ".safetensors":
+            from safetensors import safe_open
+            try:
+                with safe_open(self.path, framework="numpy") as f:
+                    self.keys = set(f.keys())
+            except Exception as e:
+                raise Gpt2ffnError(f"candidate {self.path} is not a readable .safetensors file: {e}") from None
+        elif not self.path.is_dir():
+            raise Gpt2ffnError(f"candidate {self.path} does not exist" if not self.path.exists() else
+                               f"candidate {self.path} is neither a directory of .npy/.bin files nor a .safetensors file")
+
+    def names(self) -> set:
+        """What the candidate holds, by name, for telling a user what matched nothing."""
+        if self.keys is not None:
+            return self.keys
+        return {p.stem for p in self.path.iterdir() if p.suffix in (".npy", ".bin")}
+
+    def read(self, name, expected) -> tuple:
+        """(array, None) | (None, why it cannot be judged) | (None, None) when absent."""
+        if self.keys is not None:
+            if name not in self.keys:
+                return None, None
+            from safetensors import safe_open
+            with safe_open(self.path, framework="numpy") as f:
+                dtype = f.get_slice(name).get_dtype()
+                if dtype == "BF16":  # numpy has no bfloat16
+                    return None, "dtype bfloat16, expected float32"
+                try:
+                    return f.get_tensor(name), None
+                except Exception as e:
+                    return None, f"unreadable tensor {name!r} ({dtype}) in {self.path.name}: {e}"
+        npy, raw = self.path / f"{name}.npy", self.path / f"{name}.bin"
+        if npy.is_file() and raw.is_file():
+            return None, f"both {npy.name} and {raw.name}: keep one"
+        if npy.is_file():
+            try:
+                return np.load(npy, allow_pickle=False), None
+            except Exception as e:
+                return None, f"unreadable .npy: {e}"
+        if not raw.is_file():
+            return None, None
+        size, n = raw.stat().st_size, expected.size
+        if size == 4 * n:
+            return np.fromfile(raw, dtype="<f4").reshape(expected.shape), None
+        width = {8 * n: " (8 bytes a value: float64? write float32)",
+                 2 * n: " (2 bytes a value: float16 or bfloat16? write float32)"}.get(size, "")
+        return None, (f"{raw.name} holds {size} bytes, expected {4 * n} (float32, {n} values, shape "
+                      f"{tuple(expected.shape)}){width}")
+
+
 def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATOL) -> list:
-    """Judge another engine's .npy files, written under the golden names, against the golden set; failing FFN
-    stages are diagnosed."""
-    candidate = Path(candidate)
-    if not candidate.is_dir():
-        raise Gpt2ffnError(f"candidate directory {candidate} does not exist")
+    """Judge another engine's tensors (Candidate: .npy or .bin files, or a .safetensors file) under the golden
+    names against the golden set; failing FFN stages are diagnosed."""
+    cand = candidate if isinstance(candidate, Candidate) else Candidate(candidate)
     tolerances = tolerances or {}
     rows, loaded = [], {}  # loaded: the candidate's arrays so far (forward order), for its own FFN inputs
     for name in golden.activations():
         entry, expected = golden.tensors[name], golden.load(name)
-        tol = tolerance_for(entry, tolerances, atol, expected)
-        path = candidate / entry["file"]
-        if not path.is_file():
+        tol = tolerance_for(name, entry, tolerances, atol, expected)
+        actual, why = cand.read(name, expected)
+        if actual is None:
+            absent = f"no {name} in {cand.path.name}" if cand.keys is not None else f"no {name}.npy or .bin"
+            status, note = ("FAIL", why) if why else ("MISSING", absent)
             rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
-                            float("nan"), float("nan"), tol, "MISSING", f"no {path.name}"))
-            continue
-        try:
-            actual = np.load(path, allow_pickle=False)
-        except Exception as e:
-            rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
-                            float("nan"), float("nan"), tol, "FAIL", f"unreadable .npy: {e}"))
+                            float("nan"), float("nan"), tol, status, note))
             continue
         own = loaded.get(f"h{entry['layer']}_ln_2")
         rows.append(diagnosed(compare(name, entry, actual, expected, tol), golden, entry, actual, own))
