@@ -199,13 +199,15 @@ def test_a_draw_never_picks_a_dropped_token_even_at_the_ends_of_u():
 
 
 @pytest.mark.skipif(packed._C is None, reason="gpt2ffn._C is not built")
-@pytest.mark.parametrize("V", [1, 2, 300, 50257])
+@pytest.mark.parametrize("V", [1, 2, 17, 300, 50257])
 def test_native_top_p_keeps_the_nucleus(V):
-    """kernels.packed.top_p_ (weighted quickselect, no sort) keeps each row's nucleus: a prefix of its tokens in
-    descending order (ties in any order), the last kept one with less than top_p before it and the first dropped
-    one with at least top_p before it, in float64 up to 1e-6 (fp32's rounding of the weights; the sort-based
-    sort-based path `candidates` cut 36 tokens early in a row here at top_p 0.999 over GPT-2's vocabulary when
-    its cumsum was fp32; now it sums in float64 too). Peaked and flat rows, ties, -inf entries, top_p from 5e-324 to 1."""
+    """kernels.packed.top_p_ (the weights summed into bins of the logit, no sort) keeps each row's nucleus: a
+    prefix of its tokens in descending order (ties in any order), the last kept one with less than top_p before
+    it and the first dropped one with at least top_p before it, in float64 up to 1e-6 (fp32's rounding of the
+    weights; the sort-based path `candidates` cut 36 tokens early in a row here at top_p 0.999 over GPT-2's
+    vocabulary when its cumsum was fp32; now it sums in float64 too). Peaked and flat rows, ties, -inf entries,
+    top_p from 5e-324 to 1; the same bits from every instruction-set build (the AVX-512 and AVX2 vector passes)."""
+    from conftest import native_isas
     g = torch.Generator().manual_seed(V)
     rows = [4 * torch.randn(V, generator=g), 0.3 * torch.randn(V, generator=g), 12 * torch.randn(V, generator=g),
             torch.randint(0, 4, (V,), generator=g).float(),  # a few values, many ties
@@ -215,8 +217,16 @@ def test_native_top_p_keeps_the_nucleus(V):
     x = torch.stack([r for r in rows for _ in tops])
     ps = tops * len(rows)
     z = x - x.amax(-1, keepdim=True)
-    kept = z.clone()
-    assert packed.top_p_(kept, ps)
+    by_isa = {}
+    for isa in native_isas():
+        old = packed._C.set_isa(isa)
+        try:
+            by_isa[isa] = z.clone()
+            assert packed.top_p_(by_isa[isa], ps)
+        finally:
+            packed._C.set_isa(old)
+    kept = by_isa["avx2"]
+    assert all(torch.equal(k, kept) for k in by_isa.values()), list(by_isa)
     for i, p in enumerate(ps):
         srt = z[i].sort(descending=True).values
         n = int((~torch.isinf(kept[i])).sum())

@@ -40,6 +40,10 @@ extern int64_t prefetch_bytes[6];
 // never changes an output's order of operations.
 constexpr int64_t FEW_ROWS = 8;
 enum Act : int { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
+// Top-p's bins of the logits (ops.cpp: top_p_; linear_impl.h: exp_bins_row): width 1/64 from the top, the last
+// one holding everything below -64
+constexpr int TOP_P_BINS = 4096;
+constexpr float TOP_P_PER_UNIT = 64.0f;
 
 struct LinearArgs {
   const float* x;       // (M, K) row-major, row stride ldx

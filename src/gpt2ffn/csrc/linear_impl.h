@@ -316,6 +316,39 @@ void to_half_row(const float* x, uint16_t* y, int64_t n) {
   for (; c < n; c++) y[c] = _cvtss_sh(x[c], _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
 }
 
+// Top-p's two vector passes over a row of logits less their max (ops.cpp: top_p_ does the rest, in scalar code
+// built for any x86-64). exp_bins_row: w = e^x (0 below -87, where e^x < 2e-38, and for -inf and NaN) and each
+// x's bin of width 1 / TOP_P_PER_UNIT from the top (bin 0 at x >= 0; TOP_P_BINS - 1 at the bottom, and for NaN).
+// cut_row: every x below `cut` (or NaN) -> -inf. A row's last n % 16 go through the same vector code, padded.
+static inline void exp_bins16(const float* x, float* w, uint16_t* bin) {
+  const V v = vload(x), zero = vzero();
+  vstore(w, vwhere_ge(v, vset1(-87.0f), vexp(v), zero));
+  vstore_u16(bin, vmax(vmin(vmul(v, vset1(-TOP_P_PER_UNIT)), vset1(float(TOP_P_BINS - 1))), zero));  // min(NaN, b) = b
+}
+
+void exp_bins_row(const float* x, float* w, uint16_t* bin, int64_t n) {
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) exp_bins16(x + c, w + c, bin + c);
+  if (c < n) {
+    float xt[16], wt[16];
+    uint16_t bt[16];
+    for (int i = 0; i < 16; i++) xt[i] = c + i < n ? x[c + i] : -INFINITY;
+    exp_bins16(xt, wt, bt);
+    for (int64_t i = 0; c + i < n; i++) w[c + i] = wt[i], bin[c + i] = bt[i];
+  }
+}
+
+void cut_row(float* x, int64_t n, float cut) {
+  const V t = vset1(cut), drop = vset1(-INFINITY);
+  int64_t c = 0;
+  for (; c + 16 <= n; c += 16) {
+    const V v = vload(x + c);
+    vstore(x + c, vwhere_ge(v, t, v, drop));
+  }
+  for (; c < n; c++)
+    if (!(x[c] >= cut)) x[c] = -INFINITY;
+}
+
 void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   switch (a.format) {
     case F32: run<F32>(a, sb0, sb1); break;

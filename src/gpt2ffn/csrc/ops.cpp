@@ -27,6 +27,8 @@ void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void layer_norm_row(const float* x, const float* w, const float* b, double eps, int64_t d, float* y);
 void add_row(float* x, const float* y, int64_t n);
 void to_half_row(const float* x, uint16_t* y, int64_t n);
+void exp_bins_row(const float* x, float* w, uint16_t* bin, int64_t n);
+void cut_row(float* x, int64_t n, float cut);
 void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
@@ -41,6 +43,8 @@ void linear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void layer_norm_row(const float* x, const float* w, const float* b, double eps, int64_t d, float* y);
 void add_row(float* x, const float* y, int64_t n);
 void to_half_row(const float* x, uint16_t* y, int64_t n);
+void exp_bins_row(const float* x, float* w, uint16_t* bin, int64_t n);
+void cut_row(float* x, int64_t n, float cut);
 void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
@@ -58,14 +62,19 @@ using AttendFn = void (*)(const AttendArgs&);
 using CausalFn = void (*)(const CausalArgs&);
 using QuantFn = void (*)(const LinearArgs&, int8_t*, float*, int32_t*, int64_t, int64_t);
 
-// The row operations of a step (linear_impl.h): LayerNorm, x += y, float -> fp16; the same bits in every build.
+// The row operations of a step (linear_impl.h): LayerNorm, x += y, float -> fp16, and top-p's vector passes; the
+// same bits in every build.
 struct RowOps {
   void (*layer_norm)(const float* x, const float* w, const float* b, double eps, int64_t d, float* y);
   void (*add)(float* x, const float* y, int64_t n);
   void (*to_half)(const float* x, uint16_t* y, int64_t n);
+  void (*exp_bins)(const float* x, float* w, uint16_t* bin, int64_t n);
+  void (*cut)(float* x, int64_t n, float cut);
 };
-static const RowOps kRows512{avx512::layer_norm_row, avx512::add_row, avx512::to_half_row};
-static const RowOps kRows256{avx2::layer_norm_row, avx2::add_row, avx2::to_half_row};
+static const RowOps kRows512{avx512::layer_norm_row, avx512::add_row, avx512::to_half_row, avx512::exp_bins_row,
+                             avx512::cut_row};
+static const RowOps kRows256{avx2::layer_norm_row, avx2::add_row, avx2::to_half_row, avx2::exp_bins_row,
+                             avx2::cut_row};
 
 // One build per instruction set: the float kernels (linear_impl.h) and the integer ones (qlinear_impl.h).
 struct Isa {
@@ -709,79 +718,70 @@ torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, 
 
 // Nucleus (top-p) filtering in place, as serving/sampling.candidates keeps a row: its tokens in descending order
 // of x (logits less their row's max), a token kept while the tokens before it weigh < top_p of the row (weights
-// w = exp(x), given), the likeliest always; the others set to -inf. With no sort of the row: one pass sums the
-// weights into bins of x (width 1/64, bin 0 at the top, everything below -64 in the last bin), the bins are
-// summed from the top until the target is reached, and only that bin's tokens are sorted to find the cut: the
-// value of the last kept token and how many of its ties are kept. Exact whatever the bins hold (the cut's bin
-// is sorted whole); sums in double. Three passes over the row, branch-free where it matters.
-void top_p_(torch::Tensor x, const torch::Tensor& w, const torch::Tensor& top_p) {
+// e^x), the likeliest always; the others set to -inf. With no sort of the row: a vector pass computes the
+// weights and each x's bin (width 1/64 from the top, everything below -64 in the last: exp_bins_row), the
+// weights are summed into their bins (in double) and the bins from the top until the target is reached, and only
+// that bin's tokens are sorted to find the cut: the value of the last kept token and how many of its ties are
+// kept; a vector pass drops everything below the cut (cut_row), and a scalar one only the ties beyond those kept
+// when there are any. Exact whatever the bins hold (the cut's bin is sorted whole). False, x untouched, on a CPU
+// without AVX2 (the caller sorts instead).
+bool top_p_(torch::Tensor x, const torch::Tensor& top_p) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous() && x.device().is_cpu(),
               "top_p_: x must be a contiguous (R, V) float32 CPU tensor, got ", x.sizes(), " ", x.scalar_type());
-  TORCH_CHECK(w.sizes() == x.sizes() && w.scalar_type() == torch::kFloat32 && w.is_contiguous() && w.device().is_cpu(),
-              "top_p_: w must be x's shape ", x.sizes(), " in contiguous float32, got ", w.sizes(), " ", w.scalar_type());
   TORCH_CHECK(top_p.dim() == 1 && top_p.size(0) == x.size(0) && top_p.scalar_type() == torch::kFloat64 &&
               top_p.is_contiguous() && top_p.device().is_cpu(), "top_p_: top_p must be (", x.size(0),
               ",) float64 on the CPU, got ", top_p.sizes(), " ", top_p.scalar_type());
+  const RowOps* ops = kIsa->rows;
+  if (ops == nullptr) return false;
   const int64_t R = x.size(0), V = x.size(1);
-  if (V == 0) return;
-  constexpr int NB = 4096;
-  constexpr float PER_UNIT = 64.0f;
+  if (V == 0) return true;
   float* X = x.data_ptr<float>();
-  const float* W = w.data_ptr<float>();
   const double* P = top_p.data_ptr<double>();
-  auto bin_of = [](float v) {  // monotone: a larger v never lands in a later bin; NaN in the last
-    const float t = -v * PER_UNIT;
-    return t >= 0 ? static_cast<int>(std::min(t, float(NB - 1))) : (t < 0 ? 0 : NB - 1);
-  };
   at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<double> hist(NB);
+    std::vector<double> hist(TOP_P_BINS);
+    std::vector<float> w(V);
+    std::vector<uint16_t> bin(V);
     std::vector<std::pair<float, float>> cand;
     for (int64_t r = r0; r < r1; ++r) {
       float* row = X + r * V;
-      const float* wr = W + r * V;
+      ops->exp_bins(row, w.data(), bin.data(), V);
       std::fill(hist.begin(), hist.end(), 0.0);
-      float top = row[0];
-      for (int64_t i = 0; i < V; ++i) {
-        hist[bin_of(row[i])] += wr[i];
-        top = std::max(top, row[i]);
-      }
+      for (int64_t i = 0; i < V; ++i) hist[bin[i]] += w[i];
       double total = 0;
-      for (int b = 0; b < NB; ++b) total += hist[b];
+      for (int b = 0; b < TOP_P_BINS; ++b) total += hist[b];
       const double target = P[r] * total;
-      float cut = top;   // tokens above the cut are kept, and the first `ties` at it
-      int64_t ties = 1;  // (top_p so small that it is 0: the likeliest alone)
+      int b = 0;  // the bin the cut is in: the likeliest token's when top_p is so small that target is 0
+      double before = 0;
       if (target > 0) {
-        double before = 0;
-        int b = 0;
-        while (b < NB && before + hist[b] < target) before += hist[b++];
-        if (b == NB) {   // not reached (rounding at top_p near 1): every token
-          cut = -std::numeric_limits<float>::infinity();
-          ties = V;
-        } else {
-          cand.clear();
-          for (int64_t i = 0; i < V; ++i)
-            if (bin_of(row[i]) == b) cand.emplace_back(row[i], wr[i]);
-          std::sort(cand.begin(), cand.end(), [](const auto& p, const auto& q) { return p.first > q.first; });
-          ties = 0;
-          for (const auto& [v, wv] : cand) {
-            if (before >= target) break;
-            ties = v == cut ? ties + 1 : 1;
-            cut = v;
-            before += wv;
-          }
+        while (b < TOP_P_BINS && before + hist[b] < target) before += hist[b++];
+        if (b == TOP_P_BINS) continue;  // not reached (rounding at top_p near 1): every token
+      } else {
+        while (b < TOP_P_BINS - 1 && hist[b] == 0) ++b;  // the first bin with weight (or the last)
+      }
+      cand.clear();
+      for (int64_t i = 0; i < V; ++i)
+        if (bin[i] == b) cand.emplace_back(row[i], w[i]);
+      std::sort(cand.begin(), cand.end(), [](const auto& p, const auto& q) { return p.first > q.first; });
+      float cut = cand.empty() ? row[0] : cand[0].first;  // tokens above the cut are kept, and `ties` at it
+      int64_t ties = 1;
+      if (target > 0) {
+        ties = 0;
+        for (const auto& [v, wv] : cand) {
+          if (before >= target) break;
+          ties = v == cut ? ties + 1 : 1;
+          cut = v;
+          before += wv;
         }
       }
-      for (int64_t i = 0; i < V; ++i) {
-        const float v = row[i];
-        if (v > cut) continue;
-        if (v == cut && ties > 0) {
-          --ties;
-          continue;
-        }
-        row[i] = -std::numeric_limits<float>::infinity();
-      }
+      int64_t at_cut = 0;
+      for (const auto& c : cand) at_cut += c.first == cut;
+      ops->cut(row, V, cut);
+      if (ties < at_cut)  // keep only the first `ties` of the tokens equal to the cut
+        for (int64_t i = 0; i < V; ++i)
+          if (row[i] == cut && ties-- <= 0) row[i] = -std::numeric_limits<float>::infinity();
     }
   });
+  return true;
 }
 
 }  // namespace gpt2ffn
@@ -803,8 +803,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("run", &gpt2ffn::StepPlan::run, py::call_guard<py::gil_scoped_release>())
       .def("prefill", &gpt2ffn::StepPlan::prefill, py::call_guard<py::gil_scoped_release>())
       .def("prefill_many", &gpt2ffn::StepPlan::prefill_many, py::call_guard<py::gil_scoped_release>());
-  m.def("top_p_", &gpt2ffn::top_p_, "nucleus filtering of (R, V) logits in place, given their weights exp(x - max) "
-        "and (R,) top_p: the dropped set to -inf", py::call_guard<py::gil_scoped_release>());
+  m.def("top_p_", &gpt2ffn::top_p_, "nucleus filtering of (R, V) logits less their max in place, "
+        "given (R,) top_p: the dropped set to -inf; False where the CPU has no AVX2", py::call_guard<py::gil_scoped_release>());
   m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_prefetch", &gpt2ffn::set_prefetch, "decode's prefetch distance in bytes for a format (0: none); "
         "returns the previous; a negative distance only reads it", py::arg("format"), py::arg("bytes") = -1);

@@ -68,6 +68,17 @@ static inline float vhmax(V a) {
   t = _mm_max_ps(t, _mm_movehl_ps(t, t));
   return _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1)));
 }
+// a >= t ? x : other, lane by lane (a NaN: other)
+static inline V vwhere_ge(V a, V t, V x, V other) {
+  return {_mm256_blendv_ps(other.lo, x.lo, _mm256_cmp_ps(a.lo, t.lo, _CMP_GE_OQ)),
+          _mm256_blendv_ps(other.hi, x.hi, _mm256_cmp_ps(a.hi, t.hi, _CMP_GE_OQ))};
+}
+// truncated to whole numbers, stored as 16 uint16 (a in [0, 65535])
+static inline void vstore_u16(uint16_t* p, V a) {
+  const __m256i lo = _mm256_cvttps_epi32(a.lo), hi = _mm256_cvttps_epi32(a.hi);
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // packus works per 128 bits
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
+}
 constexpr int VREGS = 8;  // 16-lane vectors the 16 ymm registers hold
 constexpr int ATT_MQ = 2;  // queries a causal-attention block (linear_impl.h): 2 x 4 x 2 registers
 }  // namespace avx2

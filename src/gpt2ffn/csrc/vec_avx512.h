@@ -45,6 +45,14 @@ static inline void vstore_f16(uint16_t* p, V a) {
 }
 static inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
 static inline float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }
+// a >= t ? x : other, lane by lane (a NaN: other)
+static inline V vwhere_ge(V a, V t, V x, V other) {
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, t.v, _CMP_GE_OQ), other.v, x.v)};
+}
+// truncated to whole numbers, stored as 16 uint16 (a in [0, 65535])
+static inline void vstore_u16(uint16_t* p, V a) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(a.v)));
+}
 constexpr int VREGS = 32;  // vector registers of 16 lanes
 constexpr int ATT_MQ = 4;  // queries a causal-attention block (linear_impl.h): 4 x 4 accumulators
 }  // namespace avx512

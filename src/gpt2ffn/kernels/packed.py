@@ -125,11 +125,11 @@ def causal_attention(q, k, v):
 def top_p_(x, top_p: list) -> bool:
     """Nucleus filtering of the rows of x (R, V), logits less their row's max, in place: each row keeps its
     likeliest tokens while those before weigh < its top_p, the rest go to -inf (csrc/ops.cpp: the weights
-    summed into bins of the logit, only the cut's bin sorted). False, x untouched, where gpt2ffn._C is not built or x is not fp32 on the CPU."""
+    summed into bins of the logit, only the cut's bin sorted). False, x untouched, where gpt2ffn._C is not built,
+    the CPU has no AVX2, or x is not contiguous fp32 on the CPU."""
     if _C is None or x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous():
         return False
-    _C.top_p_(x, x.exp(), torch.tensor(top_p, dtype=torch.float64))
-    return True
+    return _C.top_p_(x, torch.tensor(top_p, dtype=torch.float64))
 
 
 def ffn(x2, p1: Packed, p2: Packed, act: str):
