@@ -520,9 +520,12 @@ def test_functions_check_cannot_call_are_one_line(name, message, golden, tmp_pat
     (("a = gelu(linear(x, **c_fc))", "a = np.maximum(linear(x, **c_fc), 0)"), 1,
      "FAIL (first divergence: block 0 (the embeddings agree)); its ffn: ReLU instead of GELU"),
     (("eps: float = 1e-5", "eps: float = 1e-3"), 1, "FAIL (first divergence: before any block"),
+    # its ffn and gelu pass alone: its transformer_block, run alone on HF's input to the block, names the mistake
     (("causal_mask = (1 - np.tri(x.shape[0], dtype=x.dtype)) * -1e10", "causal_mask = 0"), 1,
-     "FAIL (first divergence: block 0 (the embeddings agree)); its ffn and gelu pass alone, so look at the "
-     "block's attention or layer norms"),
+     "FAIL (first divergence: block 0 (the embeddings agree)); its transformer_block: no causal mask: each "
+     "position attends to later tokens (within "),
+    (("x = x + ffn(layer_norm(x, **ln_2), **mlp)", "x = ffn(layer_norm(x, **ln_2), **mlp)"), 1,
+     "its transformer_block: missing residual around the FFN (x = mlp(ln_2(x))) (within "),
 ])
 def test_picogpt_whole_model_function(change, code, says, golden, tmp_path, capsys):
     """picoGPT's gpt2(inputs, wte, wpe, blocks, ln_f, n_head) as written there, given the reference's weights in
@@ -581,7 +584,9 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head):  # [n_seq] -> [n_seq, n_vocab]
 
 @pytest.mark.parametrize("config, code, message", [
     ("tiny", 0, "built as FeedForward(cfg), cfg = {\"vocab_size\": 512"),
-    ('{"emb_dim": 64}', 0, 'built as FeedForward(cfg), cfg = {"emb_dim": 64}'),
+    # a partial --config changes only what it names, over the reference's config
+    ('{"emb_dim": 64}', 0, 'built as FeedForward(cfg), cfg = {"vocab_size": 512, "context_length": 128, "emb_dim": 64,'),
+    ('{"drop_rate": 0.0}', 0, '"emb_dim": 64, "n_heads": 4, "n_layers": 2, "drop_rate": 0.0,'),
     ("{oops", 2, "--config '{oops' is not a JSON object or file"),
     ("[1, 2]", 2, "--config '[1, 2]' holds a list, expected a JSON object"),
     ("gpt3", 2, "unknown config name 'gpt3'; known: gpt2"),

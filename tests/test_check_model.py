@@ -10,7 +10,7 @@ import torch
 from gpt2ffn.check_model import MISTAKES, block_forward, reference
 from gpt2ffn.cli import main
 from gpt2ffn.tolerances import GOLDEN_ATOL
-from learners import BOOK, HF, MUTANTS, NANOGPT, plant
+from learners import BOOK, HF, MINGPT, MUTANTS, NANOGPT, plant
 
 TINY = "random:tiny:3"  # n_embd 64, 2 blocks, 4 heads, vocab 512, 128 positions: the fast reference
 
@@ -29,6 +29,10 @@ def run(tmp_path, capsys, source, target, *args, name="learner.py"):
     (BOOK, "GPTModel", 'built as GPTModel(cfg), cfg = {"vocab_size": 512, "context_length": 128, "emb_dim": 64',
      "mapped by name (the book's naming); linear layers [out, in]; lm_head = out_head; out_head is not tied"),
     (HF, "model", "an instance of GPT2LMHeadModel", "mapped by name (nanoGPT/HF naming); linear layers [in, out]"),
+    # lm_head not tied (minGPT's way): given wte's values, as nanoGPT's and minGPT's from_pretrained copy HF's
+    # state_dict['lm_head.weight'] into it
+    (NANOGPT.replace("        self.transformer.wte.weight = self.lm_head.weight  # https", "        # https"), "GPT",
+     "built as GPT(GPTConfig(", "lm_head = lm_head; lm_head is not tied to transformer.wte: given wte's values"),
 ])
 def test_learners_models_pass_as_written(source, target, built, mapped, tmp_path, capsys):
     code, out, err = run(tmp_path, capsys, source, target)
@@ -49,7 +53,7 @@ def test_learners_models_pass_as_written(source, target, built, mapped, tmp_path
 # through their dropout modules).
 FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "attn_probs",
          "softmax_axis": "attn_probs", "ln_unbiased": "ln_1", "ln_eps_1e-06": "ln_1", "post_norm": "ln_1",
-         "no_resid_attn": "attn_resid", "no_resid_mlp": "block", "lm_head_untied": "logits",
+         "no_resid_attn": "attn_resid", "no_resid_mlp": "block",
          "positions_not_added": "embeddings", "attn_c_proj_not_transposed": "attn_resid",
          "dropout": "attn_out", "qkv_bias_missing": "q", "gelu_exact": "gelu"}
 
@@ -93,7 +97,7 @@ def test_known_mistakes_are_computed_from_hf_and_differ_from_it():
         for stage, value in right.items():
             assert (value.numpy() - t[f"h{L}_{stage}"]).__abs__().max() < 1e-5, (L, stage)
         for key in MISTAKES:  # a LayerNorm's eps shows where the variance is small: block 0's embeddings
-            if key in ("positions_not_added", "lm_head_untied", "ln_eps_1e-05") or key.startswith("ln_") and L:
+            if key in ("positions_not_added", "ln_eps_1e-05") or key.startswith("ln_") and L:
                 continue
             stage = {"attn_c_proj_not_transposed": "attn_out", "c_attn_not_transposed": "q",
                      "qkv_bias_missing": "q"}.get(key, "ln_1" if key.startswith("ln_") else "block")
@@ -143,7 +147,8 @@ def test_config_overrides_a_config_class(tmp_path, capsys):
     path.write_text(NANOGPT_MLP)
     code = main(["check", f"{path}:MLP", "--golden", TINY, "--config", '{"n_embd": 64, "bias": false}'])
     out = capsys.readouterr().out
-    assert code == 1 and "built as MLP(GPTConfig(block_size=1024, n_embd=64, dropout=0.1, bias=False))" in out
+    # the fields --config names, over the reference's (block_size 128: random:tiny's, not GPT-2's 1024)
+    assert code == 1 and "built as MLP(GPTConfig(block_size=128, n_embd=64, dropout=0.1, bias=False))" in out
     assert out.splitlines()[-1].startswith("FAIL (after c_fc (1st linear)): both biases missing (c_fc and c_proj)")
 
 
@@ -237,3 +242,51 @@ def test_preset_and_golden_name_the_reference(tmp_path, capsys):
     assert "weights: random:tiny:3 (2 blocks" in capsys.readouterr().out
     assert main(["check", f"{path}:GPT", "--preset", "tiny"]) == 0
     assert "weights: random:tiny:0 (2 blocks" in capsys.readouterr().out
+
+
+# ---- the way other public code writes it ---------------------------------------------------------------
+
+def test_mingpt_as_its_repository_lays_it_out(tmp_path, monkeypatch, capsys):
+    """minGPT's mingpt/model.py, checked from the repository's root as its users run it: the package imports
+    (`from mingpt.utils import CfgNode`), GPT is built from its own GPT.get_default_config(), its untied lm_head
+    is given wte's values (as its from_pretrained copies HF's lm_head.weight), and the FFN output is seen though
+    its MLP is a ModuleDict run by a lambda."""
+    for name, text in MINGPT.items():
+        (tmp_path / name).parent.mkdir(exist_ok=True)
+        (tmp_path / name).write_text(text)
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", list(__import__("sys").path))
+    code = main(["check", "mingpt/model.py:GPT", "--model", TINY])
+    lines = capsys.readouterr().out.splitlines()
+    assert code == 0, "\n".join(lines)
+    assert lines[1] == ("  built as GPT(GPT.get_default_config() with n_layer=2, n_head=4, n_embd=64, vocab_size=512, "
+                        "block_size=128, embd_pdrop=0.1, resid_pdrop=0.1, attn_pdrop=0.1, model_type=None)")
+    assert "lm_head = lm_head; lm_head is not tied to transformer.wte: given wte's values" in lines[2]
+    ffn = next(line for line in lines if line.startswith("06 FFN output"))
+    assert ffn.split()[-1] == "PASS" and " 0-1 " in ffn
+    assert main(["check", "mingpt/model.py:NewGELU"]) == 0
+    capsys.readouterr()
+
+
+def test_a_file_imports_its_neighbours(tmp_path, capsys):
+    """The book's later chapters start `from previous_chapters import ...`: the file's folder is on the path,
+    as `python FILE.py` puts it, wherever check is run from."""
+    (tmp_path / "previous_chapters.py").write_text(textwrap.dedent(BOOK))
+    (tmp_path / "chapter05.py").write_text("from previous_chapters import GPTModel, FeedForward  # noqa: F401\n")
+    code = main(["check", f"{tmp_path / 'chapter05.py'}:GPTModel", "--model", TINY])
+    out = capsys.readouterr().out
+    assert code == 0 and out.splitlines()[-1].startswith("PASS: chapter05.py:GPTModel computes GPT-2"), out
+
+
+@pytest.mark.parametrize("old, new, says", [
+    # the book's FeedForward returning x + FFN(x): judged at the FFN's own output (ff, not ff.layers)
+    ("        return self.layers(x)", "        return x + self.layers(x)",
+     "FAIL (first divergence: block 0, FFN output, checkpoint 06): residual added inside the FFN"),
+    # ln_2 alone with another eps: named on HF's own input to ln_2
+    ('        self.norm2 = LayerNorm(cfg["emb_dim"])', '        self.norm2 = LayerNorm(cfg["emb_dim"])\n'
+     "        self.norm2.eps = 1e-3", "FAIL (first divergence: block 0, ln_2, checkpoint 05): LayerNorm eps 0.001"),
+])
+def test_mistakes_inside_one_module_are_named_where_they_are(old, new, says, tmp_path, capsys):
+    assert BOOK.count(old) == 1
+    code, out, _ = run(tmp_path, capsys, BOOK.replace(old, new), "GPTModel")
+    assert code == 1 and out.splitlines()[-1].startswith(says), out.splitlines()[-1]

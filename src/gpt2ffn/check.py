@@ -23,6 +23,7 @@ import torch.nn as nn
 from .check_model import (
     DEFAULT_MODEL,
     TOKEN_IDS,
+    block_function_mistake,
     check_model,
     check_model_function,
     is_model,
@@ -205,12 +206,32 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         raise CheckError(f"{name} is an FFN or GELU, judged on one block: give --golden DIR (from gpt2ffn extract) "
                          "or random:<preset>; --model DIR is a whole model's reference")
     linears = linear_layers(module)
+    part = "GPT-2's FFN, its GELU or the whole model (the module holding the embeddings)"
+    if isinstance(module, (nn.ModuleDict, nn.ModuleList)) and type(module).forward is nn.Module.forward:
+        raise CheckError(f"{name} is an nn.{type(module).__name__}, which has no forward of its own: check the "
+                         f"module that runs it (minGPT's Block runs its mlp ModuleDict in a lambda: check the "
+                         f"whole GPT), or wrap it in an nn.Module whose forward is the FFN")
+    if not linears and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
+        raise CheckError(f"{name} is one linear layer ({tuple(module.weight.shape)}); check judges {part}")
     if not linears:
+        if any(p.dim() == 1 for p in module.parameters()) or isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            raise CheckError(f"{name} holds parameters but no linear layer: a LayerNorm? check judges {part}, "
+                             "which checks every LayerNorm it holds")
         return check_gelu(module, name, ref_cfg.gelu_approximate, built)
     if len(linears) != 2:
+        more = (": attention or a whole block? check judges " + part) if len(linears) > 2 or any(
+            sorted(_width_of(m)) == sorted((ref_cfg.n_embd, 3 * ref_cfg.n_embd)) for _, m in linears) else ""
         raise CheckError(f"{name} has {len(linears)} linear layers ({', '.join(n for n, _ in linears)}); "
-                         "an FFN has two, c_fc then c_proj")
+                         f"an FFN has two, c_fc then c_proj{more}")
+    if any(sorted(_width_of(m)) == sorted((ref_cfg.n_embd, 3 * ref_cfg.n_embd)) for _, m in linears):
+        raise CheckError(f"{name} has a layer of shape {ref_cfg.n_embd} x {3 * ref_cfg.n_embd} (c_attn: q, k and v): "
+                         f"it is attention, not an FFN; check judges {part}")
     return check_ffn(module, linears, name, built, case_of(layer))
+
+
+def _width_of(m: nn.Module) -> tuple:
+    """A linear layer's weight shape, either layout."""
+    return tuple(m.weight.shape)
 
 
 def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase,
@@ -426,10 +447,15 @@ def check_picogpt(fn, name: str, names: list, source: str, case_of, cfg: Config)
     if callable(ffn) and len(weight_params(ffn)) in ARG_STYLES and case_of is not None:
         r = check_function(ffn, "ffn", case_of(block))
         found += [] if r.passed else [f"its ffn: {r.verdict.split(': ', 1)[1]}"]
+    block_fn = getattr(module, "transformer_block", None)
+    if not found and callable(block_fn):  # the block alone, on HF's input to it: a residual, a norm, attention
+        wrong = block_function_mistake(block_fn, source, block)
+        found += [f"its transformer_block: {wrong}"] if wrong else []
     if found:
         report.verdict += "; " + "; ".join(found)
     elif callable(ffn) or callable(gelu):
-        report.verdict += "; its ffn and gelu pass alone, so look at the block's attention or layer norms"
+        report.verdict += ("; its ffn and gelu pass alone, so look at the block's attention, layer norms or "
+                           "residual adds")
     return report
 
 

@@ -175,11 +175,17 @@ def find_structure(model: nn.Module, cfg: Config) -> Structure:
     top = _leaves(model, skip=[bname])
     embs = [(n, m) for n, m in top if isinstance(m, nn.Embedding)]
     wte = next((x for x in embs if x[1].num_embeddings == V), None)
-    wpe = next((x for x in embs if x[1].num_embeddings == P and x is not wte), None)
+    # wpe: GPT-2's, or a shorter context (the book's chapter 5 trains at 256): its first positions are GPT-2's
+    short = [x for x in embs if x is not wte and len(TOKEN_IDS) + NEW_TOKENS <= x[1].num_embeddings <= P]
+    wpe = max(short, key=lambda x: x[1].num_embeddings, default=None)
     if wte is None or wpe is None:
         got = ", ".join(f"{n} {tuple(m.weight.shape)}" for n, m in embs) or "none"
+        padded = [(n, m.num_embeddings) for n, m in embs if V < m.num_embeddings != P]
+        hint = (f" ({padded[0][0]} pads the vocabulary to {padded[0][1]}, as nanoGPT's GPTConfig() default does): "
+                f"build it with vocab_size={V}, as nanoGPT's from_pretrained does, or check the class itself, "
+                "which check builds with GPT-2's values" if padded and wte is None else "")
         raise CheckError(f"{type(model).__name__}'s embeddings are {got}; GPT-2 here has wte ({V}, {d}) and "
-                         f"wpe ({P}, {d})")
+                         f"wpe ({P}, {d}){hint}")
     norms = [(n, m) for n, m in top if _is_norm(m, d)]
     heads = [(n, m) for n, m in top if not isinstance(m, nn.Embedding) and _weight2d(m) is not None]
     other = [n for n, m in top if not isinstance(m, nn.Embedding) and (n, m) not in norms + heads]
@@ -244,8 +250,14 @@ def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
         lay = _layout(m, n_in, n_out, mods) if _weight2d(m) is not None else None
         out[role] = Part(f"{prefix}.{n}", m, lay)
     named_mods = dict(block.named_modules())
+    others = {id(m) for role, (_, m) in roles.items() if not role.startswith("mlp.")}
     for role, names in (("attn", attn), ("mlp", [roles["mlp.c_fc"][0], roles["mlp.c_proj"][0]])):
         n = _common(names)
+        while role == "mlp" and n:  # the FFN is the outermost module holding it alone: the book's ff, not ff.layers
+            up = n.rpartition(".")[0]
+            if not up or any(id(m) in others for m in named_mods[up].modules()):
+                break
+            n = up
         out[role] = Part(f"{prefix}.{n}" if n else prefix, named_mods[n])
     out["block"] = Part(prefix, block)
     return out
@@ -278,7 +290,7 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
     """Copy HF's weights into the learner's model: (tensors copied, notes on what GPT-2 has and it lacks,
     names of the learner's parameters left without a GPT-2 tensor)."""
     d = cfg.n_embd
-    tr, done, notes = hf.transformer, set(), []
+    tr, done, notes, unbiased = hf.transformer, set(), [], []
 
     def put(part, key, w, b=None):
         weight, bias = _params(part, w.dim() == 1)
@@ -286,13 +298,16 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
         done.add(id(weight))
         if b is not None:
             if bias is None:
-                notes.append(f"{part.name} has no bias (GPT-2's {key} has one)")
+                unbiased.append(f"{part.name} has no bias (GPT-2's {key} has one)")
             else:
                 _copy(bias, b, f"{part.name} ({key}) bias")
                 done.add(id(bias))
 
     put(s.wte, "wte", tr.wte.weight)
-    put(s.wpe, "wpe", tr.wpe.weight)
+    n_pos = s.wpe.module.num_embeddings
+    put(s.wpe, "wpe", tr.wpe.weight[:n_pos])
+    if n_pos < cfg.n_positions:
+        notes.append(f"{s.wpe.name} holds {n_pos} positions: given GPT-2's first {n_pos} (of {cfg.n_positions})")
     for i, roles in enumerate(s.blocks):
         h = tr.h[i]
         for key in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
@@ -305,9 +320,12 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
                 put(roles[role], f"h.{i}.attn.c_attn[{role}]", h.attn.c_attn.weight[:, j * d:(j + 1) * d],
                     h.attn.c_attn.bias[j * d:(j + 1) * d])
     put(s.ln_f, "ln_f", tr.ln_f.weight, tr.ln_f.bias)
-    if s.lm_head is not None and s.style != "nanoGPT/HF":
-        put(s.lm_head, "lm_head", tr.wte.weight.T)  # [in, out], as the book's loader does: out_head.weight = wte
-        notes.append(f"{s.lm_head.name} is not tied to {s.wte.name}: given wte's values, as GPT-2 ties them")
+    notes += unbiased if len(unbiased) <= 3 else [f"{len(unbiased)} layers have no bias where GPT-2's have one: "
+                                                  f"{'; '.join(unbiased[:3])}; ..."]
+    if s.lm_head is not None:  # [in, out]: the book's loader does out_head.weight = wte; HF's state_dict holds
+        put(s.lm_head, "lm_head", tr.wte.weight.T)  # lm_head.weight = wte, which nanoGPT's and minGPT's copy
+        notes.append(f"{s.lm_head.name} is not tied to {s.wte.name}: given wte's values, as GPT-2 ties them "
+                     "(HF's state_dict holds them as lm_head.weight)")
     return len(done), notes, [n for n, p in model.named_parameters() if id(p) not in done]
 
 
@@ -361,7 +379,11 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
         hook("ln_2", out(f"h{i}_ln_2"))
         hook("mlp.c_fc", out(f"h{i}_c_fc"))
         hook("mlp.c_proj", first_input(f"h{i}_gelu"), pre=True)
-        hook("mlp" if r["mlp"].module is not r["block"].module else "mlp.c_proj", out(f"h{i}_ffn"))
+        # the FFN's output: its module's, unless that is the block or a container that is never called (minGPT's
+        # ModuleDict, run by a lambda): then c_proj's
+        called = r["mlp"].module is not r["block"].module and type(r["mlp"].module).forward is not nn.Module.forward \
+            and not isinstance(r["mlp"].module, (nn.ModuleDict, nn.ModuleList))
+        hook("mlp" if called else "mlp.c_proj", out(f"h{i}_ffn"))
         hook("block", out(f"h{i}_block"))
     hooks.append(s.ln_f.module.register_forward_hook(out("ln_f")))
     try:
@@ -430,8 +452,6 @@ MISTAKES = {
     "qkv_bias_missing": ("q/k/v bias missing (GPT-2's c_attn has one)",
                          "build the q, k, v projections with bias=True (the book's qkv_bias=True when loading GPT-2)"),
     "positions_not_added": ("position embeddings not added (wte only)", "x = wte(idx) + wpe(torch.arange(T))"),
-    "lm_head_untied": ("lm_head not tied to wte: its own weight, which GPT-2's checkpoint does not hold",
-                       "tie it (self.transformer.wte.weight = self.lm_head.weight), or copy wte into it on loading"),
 }
 for _eps in EPS_TRIED:
     MISTAKES[f"ln_eps_{_eps:g}"] = (f"LayerNorm eps {_eps:g}", "use GPT-2's eps, 1e-5 (nn.LayerNorm's default)")
@@ -515,7 +535,7 @@ def _float64(t):
     return torch.as_tensor(np.asarray(t), dtype=torch.float64)
 
 
-def diagnose(ref: Reference, stage: str, layer, got, atol: float, lm_head_weight=None, runs_differ=False):
+def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=False):
     """The known mistake that the first divergent stage equals (closest first), else dropout, else the worst
     element: a gpt2ffn.diagnose.Diagnosis."""
     from .diagnose import Diagnosis
@@ -530,13 +550,21 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, lm_head_weight
         if want.shape == got.shape and np.isfinite(want).all():
             found.append((float(np.abs(got - want).max()), k, *MISTAKES[k]))
 
+    def norm_alone(x, w, b):  # one LayerNorm wrong on HF's own input to it (the block's others may be right)
+        offer("ln_unbiased", _layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True))
+        for eps in EPS_TRIED:
+            if eps != cfg.layer_norm_epsilon:
+                offer(f"ln_eps_{eps:g}", _layer_norm(_float64(x), w, b, eps))
+
     if layer is not None:
         hf = ref.model.transformer.h[layer]
         w = {k: v.detach().double() for k, v in hf.state_dict().items() if k not in ("attn.bias", "attn.masked_bias")}
         x = _float64(t["embeddings"] if layer == 0 else t[f"h{layer - 1}_block"])
         for k in MISTAKES:
-            if k not in ("positions_not_added", "lm_head_untied"):
+            if k != "positions_not_added":
                 offer(k, block_forward(x, w, cfg, k)[stage])
+        if stage == "ln_2":
+            norm_alone(t[f"h{layer}_attn_resid"], w["ln_2.weight"], w["ln_2.bias"])
         if stage in ("c_fc", "gelu", "ffn"):
             case = FFNCase(ref.source, layer, cfg.gelu_approximate,
                            {k.removeprefix("mlp."): v.numpy() for k, v in w.items() if k.startswith("mlp.")},
@@ -549,14 +577,7 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, lm_head_weight
         offer("positions_not_added", ref.model.transformer.wte.weight[ref.ids].detach().double()[None])
     elif stage == "ln_f":
         ln = ref.model.transformer.ln_f
-        x = _float64(t[f"h{cfg.n_layer - 1}_block"])
-        w, b = ln.weight.detach().double(), ln.bias.detach().double()
-        offer("ln_unbiased", _layer_norm(x, w, b, cfg.layer_norm_epsilon, True))
-        for eps in EPS_TRIED:
-            if eps != cfg.layer_norm_epsilon:
-                offer(f"ln_eps_{eps:g}", _layer_norm(x, w, b, eps))
-    elif stage == "logits" and lm_head_weight is not None:
-        offer("lm_head_untied", _float64(t["ln_f"])[:, -got.shape[1]:] @ lm_head_weight.double().T)
+        norm_alone(t[f"h{cfg.n_layer - 1}_block"], ln.weight.detach().double(), ln.bias.detach().double())
     hits = sorted(f for f in found if f[0] <= atol)
     if hits:
         dist, k, name, fix = hits[0]
@@ -639,7 +660,6 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     ref = reference(source)
     cfg = ref.cfg
     s = find_structure(model, cfg)
-    own_head = s.lm_head.module.weight.detach().clone() if s.lm_head is not None else None
     n, notes = _load_all(s, model, ref, cfg)
     tied = "lm_head tied to wte" if s.lm_head is None else f"lm_head = {s.lm_head.name}"
     how = f"by name ({s.style} naming)" if s.style else "by shape and order within each block (names not HF's, " \
@@ -702,7 +722,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                    f"FAIL (greedy tokens): {rows[-1].note}, though every stage is within tolerance")
         return ModelReport(name, info, rows, verdict)
     stage, L, mine, differ = first
-    diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), own_head, differ)
+    diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), differ)
     where = f"block {L}, {LABELS[stage]}" if L is not None else LABELS[stage]
     verdict = f"FAIL (first divergence: {where}, checkpoint {CHECKPOINT[stage]}): {diagnosis.text}"
     return ModelReport(name, info, rows, verdict, diagnosis, {"layer": L, "stage": stage,
@@ -714,10 +734,6 @@ def _load_all(s: Structure, model: nn.Module, ref: Reference, cfg: Config) -> tu
     """Load every weight; refuse a model with parameters GPT-2 has no tensor for."""
     before = {id(p) for p in model.parameters()}
     n, notes, left = load_weights(s, model, ref.model, cfg)
-    if s.lm_head is not None and s.style == "nanoGPT/HF":
-        left = [x for x in left if not x.startswith(s.lm_head.name + ".")]
-        notes.append(f"{s.lm_head.name} is its own Parameter, not tied to {s.wte.name}: GPT-2's checkpoint has no "
-                     "lm_head (its logits use wte), so it keeps your initialisation")
     if left:
         raise CheckError(f"{len(left)} of {len(before)} parameters have no GPT-2 tensor: {', '.join(left[:6])}")
     return n, notes
@@ -747,6 +763,31 @@ def pico_params(model: nn.Module) -> dict:
                "mlp": {"c_fc": lin(h.mlp.c_fc), "c_proj": lin(h.mlp.c_proj)}, "ln_1": norm(h.ln_1),
                "ln_2": norm(h.ln_2)} for h in t.h]
     return {"wte": a(t.wte.weight), "wpe": a(t.wpe.weight), "blocks": blocks, "ln_f": norm(t.ln_f)}
+
+
+def block_function_mistake(fn, source: str, layer: int, atol: float = GOLDEN_ATOL) -> str | None:
+    """picoGPT's transformer_block(x, mlp, attn, ln_1, ln_2, n_head) run alone on HF's input to block `layer`
+    with that block's weights: None when it fails to run or matches HF's block output; else what it gets
+    wrong, a known mistake of the block (block_forward) when one matches, or how far off it is."""
+    ref = reference(source)
+    cfg, t = ref.cfg, ref.stages
+    x = t["embeddings"] if layer == 0 else t[f"h{layer - 1}_block"]
+    try:
+        got = np.asarray(fn(x[0].copy(), **pico_params(ref.model)["blocks"][layer], n_head=cfg.n_head),
+                         dtype=np.float32)[None]
+    except Exception:
+        return None
+    want = t[f"h{layer}_block"]
+    if got.shape != want.shape or np.abs(got - want).max() <= atol:
+        return None
+    hf = ref.model.transformer.h[layer]
+    w = {k: v.detach().double() for k, v in hf.state_dict().items() if k not in ("attn.bias", "attn.masked_bias")}
+    hits = sorted((float(np.abs(got - block_forward(_float64(x), w, cfg, k)["block"].numpy()).max()), k)
+                  for k in MISTAKES if k != "positions_not_added")
+    if hits and hits[0][0] <= atol:
+        name, fix = MISTAKES[hits[0][1]]
+        return f"{name} (within {hits[0][0]:.1e} of it): {fix}"
+    return f"it is {float(np.abs(got - want).max()):.3g} off HF's block output, matching no known mistake"
 
 
 def check_model_function(fn, name: str, names: list, source: str = DEFAULT_MODEL,

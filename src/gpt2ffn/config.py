@@ -103,6 +103,12 @@ class Config:
         """From HF keys (n_embd, hidden_size, ...) or the seeds' book keys (emb_dim, drop_rate, ...).
 
         Unknown keys raise unless ignore_unknown, so a typo like 'n_embed' is not silently dropped."""
+        return cls(**cls.fields_of(d, ignore_unknown))
+
+    @classmethod
+    def fields_of(cls, d: dict, ignore_unknown: bool = False) -> dict:
+        """The Config fields d sets, by their Config names ({"emb_dim": 1024} -> {"n_embd": 1024}), for
+        dataclasses.replace(config, **...). Unknown keys raise unless ignore_unknown."""
         fields = {f.name for f in dataclasses.fields(cls)}
         out, unknown = {}, []
         for key, value in d.items():
@@ -115,7 +121,7 @@ class Config:
                 out[target] = value
         if unknown and not ignore_unknown:
             raise ConfigError(f"unknown config keys {sorted(unknown)}; known: {sorted(fields | set(BOOK_KEYS))}")
-        return cls(**out)
+        return out
 
     @classmethod
     def from_pretrained(cls, path) -> "Config":

@@ -87,10 +87,23 @@ def load_object(target: str):
     path = Path(file).resolve()
     if not path.is_file():
         raise CheckError(f"no file {file}")
-    spec = importlib.util.spec_from_file_location(f"gpt2ffn_check_{path.stem}", path)
+    # As `python FILE.py` would: its folder first on sys.path, so it imports its neighbours (the book's
+    # `from previous_chapters import ...`); in a package (minGPT's mingpt/model.py), the folder holding the package,
+    # and the file imported under its dotted name, so `from mingpt.utils import ...` and relative imports work.
+    root, dotted = path.parent, [path.stem]
+    while (root / "__init__.py").is_file():
+        dotted.insert(0, root.name)
+        root = root.parent
+    for folder in dict.fromkeys([str(path.parent), str(root)]):
+        if folder not in sys.path:
+            sys.path.insert(0, folder)
+    name_in_sys = ".".join(dotted) if len(dotted) > 1 else f"gpt2ffn_check_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name_in_sys, path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # @dataclass and pickling look a class's module up by name
     try:
+        if len(dotted) > 1:
+            importlib.import_module(".".join(dotted[:-1]))  # its package's __init__ first, as an import runs it
         spec.loader.exec_module(module)
     except Exception as e:
         del sys.modules[spec.name]
@@ -106,12 +119,13 @@ def load_object(target: str):
 
 # ---- what a class is built with -------------------------------------------------------------------------
 
-def override(config) -> tuple:
-    """--config as (Config for the values, the raw dict or None): JSON text, a .json file, a preset name or a Config."""
+def override(config, base: Config | None = None) -> tuple:
+    """--config as (Config for the values, the raw dict or None): JSON text, a .json file, a preset name or a Config.
+    A dict changes only the fields it names, of base (the reference's config): {"drop_rate": 0.0} keeps the rest."""
     if isinstance(config, Config):
         return config, None
     if isinstance(config, dict):
-        return Config.from_dict(config, ignore_unknown=True), config
+        return dataclasses.replace(base or Config(), **Config.fields_of(config, ignore_unknown=True)), config
     text = str(config)
     if text.lstrip().startswith(("{", "[")) or text.endswith(".json"):
         try:
@@ -121,9 +135,9 @@ def override(config) -> tuple:
         if not isinstance(d, dict):
             raise CheckError(f"--config {text!r} holds a {type(d).__name__}, expected a JSON object")
         try:
-            return Config.from_dict(d, ignore_unknown=True), d
-        except Gpt2ffnError:  # keys only the learner's class knows: they go to it as they are
-            return Config(), d
+            return override(d, base)
+        except Gpt2ffnError:  # values only the learner's class knows: they go to it as they are
+            return base or Config(), d
     return Config.from_name(text), None
 
 
@@ -190,6 +204,25 @@ def _call(cls, args: list, how: str, cfg_label: str, cfg=None):
         raise CheckError(f"{how} raised {type(e).__name__}: {e}{hint}".splitlines()[0]) from None
 
 
+def _default_config(cls, default, values: Config, raw: dict | None) -> tuple:
+    """cls(C) for a class that names its own default config (minGPT's GPT.get_default_config(), a CfgNode): C's
+    fields set to GPT-2's values of the reference's shape, and model_type (minGPT's preset name, which must be
+    None when the sizes are given) to None."""
+    try:
+        C = default()
+    except Exception as e:
+        raise CheckError(f"{cls.__name__}.get_default_config() raised {type(e).__name__}: {e}".splitlines()[0]) from None
+    given = {**gpt2_values(values), **(raw or {})}
+    fields = list(vars(C)) if hasattr(C, "__dict__") else []
+    kw = {n: given[n] for n in fields if n in given}
+    if "model_type" in fields:
+        kw["model_type"] = raw.get("model_type") if raw and "model_type" in raw else None
+    for n, v in kw.items():
+        setattr(C, n, v)
+    label = f"{cls.__name__}.get_default_config() with {', '.join(f'{n}={v!r}' for n, v in kw.items())}"
+    return _call(cls, [C], f"{cls.__name__}({label})", "C"), f"{cls.__name__}({label})"
+
+
 def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     """(instance of cls, how it was built). cls() when its constructor takes nothing; else cls(one config):
     the file's own config class filled with GPT-2's values (ref's shape, or --config's), else the book's dict
@@ -207,15 +240,16 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
                          f"your file (ffn = {cls.__name__}(...)) and check that (FILE.py:ffn)")
     if not params:
         return _call(cls, [], f"{cls.__name__}()", ""), f"{cls.__name__}()"
-    values, raw = (ref, None) if config is None else override(config)
+    values, raw = (ref, None) if config is None else override(config, ref)
+    default = getattr(cls, "get_default_config", None)
+    if callable(default) and not inspect.signature(default).parameters:  # minGPT: GPT.get_default_config()
+        return _default_config(cls, default, values, raw)
     cfg_cls = config_class(cls)
     if cfg_cls is not None:
         obj, label = make_config(cfg_cls, values, raw)
         return _call(cls, [obj], f"{cls.__name__}({label})", label), f"{cls.__name__}({label})"
-    if raw is not None:
-        book, label = raw, "cfg"
-    elif config is not None:
-        book, label = values.to_book_dict(), "cfg"
+    if config is not None:  # the fields --config names, over the reference's book dict
+        book, label = {**values.to_book_dict(), **(raw or {})}, "cfg"
     elif (ref.n_embd, ref.hidden) == (768, 3072):
         book, label = dict(GPT_CONFIG_124M), "GPT_CONFIG_124M"
     else:
