@@ -290,3 +290,34 @@ def test_mistakes_inside_one_module_are_named_where_they_are(old, new, says, tmp
     assert BOOK.count(old) == 1
     code, out, _ = run(tmp_path, capsys, BOOK.replace(old, new), "GPTModel")
     assert code == 1 and out.splitlines()[-1].startswith(says), out.splitlines()[-1]
+
+
+PARTS = NANOGPT + """
+cfg = GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=64)
+padded = GPT(GPTConfig(block_size=128, vocab_size=576, n_layer=2, n_head=4, n_embd=64))
+short = GPT(GPTConfig(block_size=32, vocab_size=512, n_layer=2, n_head=4, n_embd=64))
+ln = nn.LayerNorm(64)
+linear = nn.Linear(64, 256)
+attn = CausalSelfAttention(cfg)
+block = Block(cfg)
+dict_mlp = nn.ModuleDict(dict(c_fc=nn.Linear(64, 256), c_proj=nn.Linear(256, 64)))
+"""
+
+
+@pytest.mark.parametrize("target, code, says", [
+    ("short", 0, "transformer.wpe holds 32 positions: given GPT-2's first 32 (of 128)"),
+    ("padded", 2, "(transformer.wte pads the vocabulary to 576, as nanoGPT's GPTConfig() default does): build it "
+                  "with vocab_size=512, as nanoGPT's from_pretrained does"),
+    ("ln", 2, "holds parameters but no linear layer: a LayerNorm? check judges GPT-2's FFN, its GELU or the whole "
+              "model"),
+    ("linear", 2, "is one linear layer ((256, 64)); check judges"),
+    ("attn", 2, "has a layer of shape 64 x 192 (c_attn: q, k and v): it is attention, not an FFN"),
+    ("block", 2, "an FFN has two, c_fc then c_proj: attention or a whole block? check judges"),
+    ("dict_mlp", 2, "is an nn.ModuleDict, which has no forward of its own: check the module that runs it"),
+])
+def test_parts_and_variants_of_a_model(target, code, says, tmp_path, capsys):
+    """A shorter context runs on wpe's first positions; a padded vocabulary and a part that is not an FFN, a GELU
+    or a whole model are refused in one line that says what to check instead."""
+    got, out, err = run(tmp_path, capsys, PARTS, target, "--golden", TINY)
+    assert got == code and says in (out if code == 0 else err), out + err
+    assert code == 0 or err.count("\n") == 1
