@@ -65,7 +65,7 @@ def main():
         for k, tree in trees.items():
             runs[k].append(run(tree))
     ms = {k: {c: statistics.median(r[c] for r in v) for c in v[0]} for k, v in runs.items()}
-    commits = {k: subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=t, capture_output=True,
+    commits = {k: subprocess.run(["git", "describe", "--always", "--dirty"], cwd=t, capture_output=True,
                                  text=True).stdout.strip() for k, t in trees.items()}
     import torch
     result = {"machine": f"{cpu_info()['cpu']}, {torch.get_num_threads()} threads, torch {torch.__version__}",
