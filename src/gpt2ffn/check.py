@@ -218,20 +218,16 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
             raise CheckError(f"{name} holds parameters but no linear layer: a LayerNorm? check judges {part}, "
                              "which checks every LayerNorm it holds")
         return check_gelu(module, name, ref_cfg.gelu_approximate, built)
+    c_attn = sorted((ref_cfg.n_embd, 3 * ref_cfg.n_embd))
+    attention = any(sorted(m.weight.shape) == c_attn for _, m in linears)
     if len(linears) != 2:
-        more = (": attention or a whole block? check judges " + part) if len(linears) > 2 or any(
-            sorted(_width_of(m)) == sorted((ref_cfg.n_embd, 3 * ref_cfg.n_embd)) for _, m in linears) else ""
+        more = f": attention or a whole block? check judges {part}" if len(linears) > 2 or attention else ""
         raise CheckError(f"{name} has {len(linears)} linear layers ({', '.join(n for n, _ in linears)}); "
                          f"an FFN has two, c_fc then c_proj{more}")
-    if any(sorted(_width_of(m)) == sorted((ref_cfg.n_embd, 3 * ref_cfg.n_embd)) for _, m in linears):
+    if attention:
         raise CheckError(f"{name} has a layer of shape {ref_cfg.n_embd} x {3 * ref_cfg.n_embd} (c_attn: q, k and v): "
                          f"it is attention, not an FFN; check judges {part}")
     return check_ffn(module, linears, name, built, case_of(layer))
-
-
-def _width_of(m: nn.Module) -> tuple:
-    """A linear layer's weight shape, either layout."""
-    return tuple(m.weight.shape)
 
 
 def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase,
