@@ -230,6 +230,12 @@ def test_seed_gelus_pass_with_their_form(golden, tmp_path, capsys):
     ("return 0.5 * x * (1 + torch.tanh(math.sqrt(2) / math.pi * (x + 0.044715 * x ** 3)))",
      "tanh form scaled by sqrt(2)/pi", "not sqrt(2)/pi"),
     ("return x * torch.sigmoid(1.702 * x)", "sigmoid approximation", "use the tanh form"),
+    ("return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 2)))",
+     "tanh form with 0.044715*x**2", "not x**2"),
+    ("return 0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))",
+     "gate 0.5*(1 + tanh(...)) alone", "multiply the gate by x"),
+    ("return 0.5 * x * (1 + torch.erf(x))", "exact form with erf(x) instead of erf(x/sqrt(2))",
+     "use the tanh form"),
 ])
 def test_wrong_gelus_are_named(body, form, fix, golden, tmp_path, capsys):
     path = learner_file(tmp_path, f"""
@@ -317,6 +323,12 @@ WRONG = {
     "gelu_sqrt2_over_pi": sequential().replace("math.sqrt(2 / math.pi)", "math.sqrt(2) / math.pi"),
     "gelu_no_scale": sequential().replace("math.sqrt(2 / math.pi) * ", ""),
     "gelu_two_over_pi": sequential().replace("math.sqrt(2 / math.pi)", "2 / math.pi"),
+    "gelu_square": sequential().replace("x ** 3", "x ** 2"),
+    "gelu_no_half": sequential().replace("return 0.5 * x * (1", "return x * (1"),
+    "gelu_no_x": sequential().replace("return 0.5 * x * (1", "return 0.5 * (1"),
+    "gelu_erf_no_sqrt2": sequential().replace(
+        "return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))",
+        "return 0.5 * x * (1 + torch.erf(x))"),
     "gelu_sigmoid": sequential(act="nn.SiLU()").replace("nn.SiLU()", "GELU()").replace(
         "return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))",
         "return x * torch.sigmoid(1.702 * x)"),

@@ -265,13 +265,13 @@ def test_negative_variants_all_fail_and_are_named(tiny_golden, capsys):
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--negative", "--json"], capsys)
     rows = json.loads(out)["rows"]
     known = golden.Golden(tiny_golden).ffn_case(0).known
-    assert code == 0 and len(known) == 18 and len(rows) == 2 * 18
+    assert code == 0 and len(known) == 22 and len(rows) == 2 * 22
     assert all(r["status"] == "PASS" and r["max_abs"] > 1e-4 and r["note"].endswith("; named") for r in rows)
     labels = {r["name"] for r in rows}
     assert {"exact GELU (erf) where the config says tanh GELU", "cubic coefficient 0.055715 instead of 0.044715",
             "sqrt(2)/pi instead of sqrt(2/pi)", "sqrt(2/pi) left out", "hidden width 128 (2x n_embd) instead of 256 (4x)",
             "c_fc weight not transposed ([in, out] data read as [out, in])", "c_proj bias missing", "c_fc bias missing",
-            "GELU left out", "ReLU instead of GELU", "FFN fed the residual stream instead of ln_2's output"} <= labels
+            "GELU left out", "ReLU instead of GELU", "x**2 instead of x**3 inside the tanh", "FFN fed the residual stream instead of ln_2's output"} <= labels
 
 
 def test_candidate_ffn_failures_are_diagnosed(tiny_golden, tmp_path, capsys):

@@ -25,9 +25,15 @@ EXACT_FIX = "use the exact form: 0.5*x*(1 + erf(x/sqrt(2))), or F.gelu(x)"
 SQRT_2_OVER_PI = math.sqrt(2.0 / math.pi)
 
 
-def tanh_form(coefficient=0.044715, scale=SQRT_2_OVER_PI):
-    """0.5 x (1 + tanh(scale (x + coefficient x^3))): GPT-2's GELU at the defaults, a misprint otherwise."""
-    return lambda h: 0.5 * h * (1.0 + np.tanh(scale * (h + coefficient * h ** 3)))
+def tanh_form(coefficient=0.044715, scale=SQRT_2_OVER_PI, power=3, half=0.5, times_x=True):
+    """half x (1 + tanh(scale (x + coefficient x^power))): GPT-2's GELU at the defaults, a misprint otherwise
+    (times_x=False: the gate alone, x left out)."""
+    return lambda h: half * (h if times_x else 1.0) * (1.0 + np.tanh(scale * (h + coefficient * h ** power)))
+
+
+def erf_form(h):
+    """The exact form with erf(x) for erf(x / sqrt(2)): 0.5 x (1 + erf(x)) = gelu_exact(sqrt(2) x) / sqrt(2)."""
+    return gelu_exact(math.sqrt(2.0) * np.asarray(h, np.float64)) / math.sqrt(2.0)
 
 
 def sigmoid_form(h):
@@ -49,6 +55,16 @@ FORMS = {
                     "scale by sqrt(2/pi) = 0.7979, not 2/pi = 0.6366: the square root is missing"),
     "no_scale": (tanh_form(scale=1.0), "sqrt(2/pi) left out", "tanh form with sqrt(2/pi) left out",
                  "multiply (x + 0.044715*x**3) by sqrt(2/pi) = 0.7979 inside the tanh"),
+    "square": (tanh_form(power=2), "x**2 instead of x**3 inside the tanh",
+               "tanh form with 0.044715*x**2 where GPT-2's has 0.044715*x**3",
+               "cube x in the tanh's argument: x + 0.044715*x**3, not x**2"),
+    "no_half": (tanh_form(half=1.0), "0.5 left out (twice GELU)", "tanh form without its 0.5 (twice GELU)",
+                "multiply by 0.5: 0.5*x*(1 + tanh(...))"),
+    "no_x": (tanh_form(times_x=False), "x left out (the gate 0.5*(1 + tanh(...)) alone)",
+             "gate 0.5*(1 + tanh(...)) alone, not multiplied by x",
+             "multiply the gate by x: 0.5*x*(1 + tanh(...))"),
+    "erf_no_sqrt2": (erf_form, "erf(x) instead of erf(x/sqrt(2))", "exact form with erf(x) instead of erf(x/sqrt(2))",
+                     TANH_FIX + " (the exact form, not GPT-2's, divides x by sqrt(2) inside erf)"),
     "sigmoid": (sigmoid_form, "sigmoid approximation x*sigmoid(1.702x) instead of GELU",
                 "sigmoid approximation x*sigmoid(1.702x)", TANH_FIX),
     "relu": (relu, "ReLU instead of GELU", "ReLU", TANH_FIX),
