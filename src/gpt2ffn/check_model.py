@@ -341,6 +341,19 @@ def _tensor(o):
     return logits if isinstance(logits, torch.Tensor) else None
 
 
+def _logits(o, s: Structure, cfg: Config):
+    """(logits, note) from a model's output. A trunk with no LM head (HF's GPT2Model, a last_hidden_state of
+    (1, T, n_embd)) gets GPT-2's tied head, hidden @ wte.T, and a note saying so."""
+    t = _tensor(o)
+    if t is None:
+        t = getattr(o, "last_hidden_state", None)
+        t = t if isinstance(t, torch.Tensor) else None
+    if t is None or t.dim() != 3 or t.shape[-1] != cfg.n_embd or cfg.n_embd == cfg.vocab_size:
+        return t, None
+    return t @ s.wte.module.weight.T, (f"no LM head: its output {tuple(t.shape)} taken as the last hidden state, "
+                                       "logits by GPT-2's tied head (hidden @ wte.T)")
+
+
 def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str) -> dict:
     """One eval() forward of the learner's model; every stage its modules saw, as float32 numpy (first call)."""
     seen, hooks, T, d, H = {}, [], len(ids), cfg.n_embd, cfg.n_head
@@ -388,7 +401,7 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
     hooks.append(s.ln_f.module.register_forward_hook(out("ln_f")))
     try:
         with torch.no_grad():
-            logits = _tensor(model(torch.tensor([ids])))
+            logits, headless = _logits(model(torch.tensor([ids])), s, cfg)
     except Exception as e:
         raise CheckError(f"{name} failed on token ids of shape (1, {T}): {type(e).__name__}: {e}".splitlines()[0]) \
             from None
@@ -400,6 +413,7 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
         raise CheckError(f"{name} returned {got}; a GPT-2 returns logits (1, T, {cfg.vocab_size}) (or a tuple or "
                          "output object holding them first)")
     seen["logits"] = logits.detach().float().numpy()
+    seen["headless"] = headless
     return seen
 
 
@@ -673,6 +687,8 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     model.eval()
     try:
         got = run_stages(model, s, ref.ids, cfg, name)
+        if got["headless"]:
+            info.append(got["headless"])
         order = ([("embeddings", None)] + [(st, L) for L in range(cfg.n_layer) for st, _, _ in BLOCK_STAGES]
                  + [("ln_f", None), ("logits", None)])
         judged, unhooked, first = {}, set(), None   # stage -> [(layer, max_abs, status, note, shape)]
@@ -694,7 +710,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                 again = run_stages(model, s, ref.ids, cfg, name)
                 first = (stage, L, mine, not np.array_equal(mine, again.get(key), equal_nan=True))
                 break
-        tokens = None if first else greedy(lambda x: _tensor(model(x)), ref.ids, NEW_TOKENS)
+        tokens = None if first else greedy(lambda x: _logits(model(x), s, cfg)[0], ref.ids, NEW_TOKENS)
     finally:
         model.train(was_training)
     rows = []

@@ -25,6 +25,8 @@ class CheckError(Gpt2ffnError):
 
 # The field names learners give GPT-2's hyperparameters (HF, nanoGPT, the book, common variants) -> the value.
 WIDTH_NAMES = ("n_embd", "emb_dim", "d_model", "hidden_size")
+# A constructor's one argument by these names is the width itself, not a config.
+WIDTH_ARGS = WIDTH_NAMES + ("embed_dim", "dim", "ndim", "d", "normalized_shape", "n_state", "width")
 FIELD_NAMES = {
     "n_embd": WIDTH_NAMES + ("embed_dim", "dim"),
     "n_head": ("n_head", "n_heads", "num_heads", "num_attention_heads"),
@@ -241,6 +243,9 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     if not params:
         return _call(cls, [], f"{cls.__name__}()", ""), f"{cls.__name__}()"
     values, raw = (ref, None) if config is None else override(config, ref)
+    if params[0].name in WIDTH_ARGS:  # FeedForward(n_embd) (Karpathy's lecture), the book's LayerNorm(emb_dim)
+        how = f"{cls.__name__}({params[0].name}={values.n_embd})"
+        return _call(cls, [values.n_embd], how, ""), how
     default = getattr(cls, "get_default_config", None)
     if callable(default) and not inspect.signature(default).parameters:  # minGPT: GPT.get_default_config()
         return _default_config(cls, default, values, raw)
