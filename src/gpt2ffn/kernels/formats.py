@@ -226,6 +226,7 @@ class Packed:
 
 
 HUGE_PAGE = 2 << 20
+PAGE = mmap.PAGESIZE
 CHUNK = 32 << 20  # bytes of one arena region (packing_arena): layers are packed into it one after another
 _ARENA = threading.local()
 
@@ -302,6 +303,25 @@ def huge_zeros(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
     if buf is None:
         return torch.zeros(shape, dtype=dtype)
     return buf.view(dtype).view(shape)
+
+
+MADV_POPULATE_WRITE = 23  # Linux 5.14+; Python's mmap module names it only from 3.12 (as mmap.MADV_POPULATE_WRITE)
+
+
+def make_resident(t: torch.Tensor) -> bool:
+    """Fault in every page of t (a CPU tensor) now rather than on its first write, leaving what it holds as it is:
+    madvise(MADV_POPULATE_WRITE), the kernel zeroing fresh pages in one call. False where this system cannot
+    (a kernel before 5.14, another OS), or off the CPU."""
+    if t.device.type != "cpu" or t.nbytes == 0 or not t.is_contiguous():
+        return False
+    start = t.data_ptr() // PAGE * PAGE
+    length = -(-(t.data_ptr() + t.nbytes - start) // PAGE) * PAGE
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        return libc.madvise(start, length, MADV_POPULATE_WRITE) == 0
+    except (OSError, AttributeError):
+        return False
 
 
 def release_freed_memory():

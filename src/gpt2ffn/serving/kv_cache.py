@@ -55,6 +55,14 @@ class PagedKVCache:
         self.free = list(range(num_blocks - 1, -1, -1))
         self.tables = self.positions = None
 
+    def pieces(self, nbytes: int = 2 << 20):
+        """Every pool in pieces of whole blocks, about nbytes each (at least one block), in the order allocate()
+        hands blocks out: the first blocks of each layer's k and v, then the next ones."""
+        per = max(1, nbytes // self.k[0][0].nbytes)
+        for b in range(0, self.num_blocks, per):
+            for pool in self.k + self.v:
+                yield pool[b:b + per]
+
     def blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.block_size)
 
