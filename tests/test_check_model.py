@@ -347,3 +347,18 @@ def test_parts_and_variants_of_a_model(target, code, says, tmp_path, capsys):
     assert got == code and says in (out if code < 2 else err), out + err
     assert code < 2 or err.count("\n") == 1
     assert code != 1 or "FAIL (after activation): ReLU instead of GELU" in out
+
+
+def test_a_reference_with_a_short_context(tmp_path, capsys):
+    """A reference checkpoint of fewer positions than the prompt + greedy tokens (6 + 4): a shorter prompt, then
+    fewer new tokens (was an IndexError from HF's wpe)."""
+    import transformers
+    for n, new in ((7, 4), (2, 1)):
+        cfg = transformers.GPT2Config(n_embd=40, n_head=5, n_layer=1, n_positions=n, vocab_size=257)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / f"p{n}")
+        code, out, err = run(tmp_path, capsys, f"""
+            import transformers
+            model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_embd=40, n_head=5, n_layer=1,
+                                                                       n_positions={n}, vocab_size=257))
+            """, "model", "--model", str(tmp_path / f"p{n}"))
+        assert code == 0 and f"greedy next {new} token{'s' * (new > 1)}" in out, out + err

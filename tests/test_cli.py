@@ -1,8 +1,10 @@
+import dataclasses
 import subprocess
 import sys
 
 import pytest
 
+from gpt2ffn import Config
 from gpt2ffn.cli import main
 
 
@@ -132,6 +134,22 @@ def test_bench_sizes_must_be_positive(capsys, argv):
     assert main(["bench", *argv]) == 2
     err = capsys.readouterr().err
     assert "expected comma-separated positive ints" in err and err.count("\n") == 1
+
+
+def test_bench_accuracy_skips_a_precision_the_widths_refuse(tmp_path):
+    """n_embd 3 takes no int4 (two weights a byte): that row says why, the others are measured (and written); a
+    context of one position has no new token to measure: one line."""
+    import transformers
+
+    from conftest import hf_config
+    from gpt2ffn.bench import bench_accuracy
+    cfg = Config(n_embd=3, n_head=1, n_layer=1, n_positions=8, vocab_size=50, bos_token_id=0, eos_token_id=0)
+    transformers.GPT2LMHeadModel(hf_config(cfg)).save_pretrained(tmp_path / "w3")
+    r = bench_accuracy(str(tmp_path / "w3"), ("int8", "int4"), log=lambda *a: None)
+    assert r["precisions"]["int8"]["mean_kld"] >= 0 and r["precisions"]["int4"]["skipped"].startswith(
+        "int4 needs a number of inputs per layer divisible by 2 (a byte holds two int4 weights); this layer has 3")
+    transformers.GPT2LMHeadModel(hf_config(dataclasses.replace(cfg, n_positions=1))).save_pretrained(tmp_path / "p1")
+    assert main(["bench", "--accuracy", "--weights", str(tmp_path / "p1"), "--out", str(tmp_path / "o")]) == 2
 
 
 def test_bench_accuracy_fits_a_small_context():

@@ -126,9 +126,10 @@ def test_book_dict_and_seed_example():
 
 
 def test_matches_numpy_reference():
-    for cfg in (Config(n_embd=768), Config(n_embd=200, n_inner=600, n_head=8, activation_function="gelu")):
+    for cfg in (Config(n_embd=768), Config(n_embd=200, n_inner=600, n_head=8, activation_function="gelu"),
+                Config(n_embd=64, activation_function="relu")):
         ffn = ours_from(hf_mlp(cfg, seed=5), cfg)
-        ref = reference.FFN.from_state_dict(ffn.state_dict(), cfg.gelu_approximate)
+        ref = reference.FFN.from_module(ffn)  # the activation its config names
         x = tokens(cfg, shape=(3, 7), scale=2.0)
         with torch.no_grad():
             y = ffn(x).numpy()

@@ -5,8 +5,10 @@ import shutil
 import numpy as np
 import pytest
 import torch
+import transformers
 
-from gpt2ffn import FeedForward, golden
+from conftest import hf_config
+from gpt2ffn import Config, FeedForward, golden
 from gpt2ffn.cli import main
 
 IDS = "5,17,42,7,99,3,250,11"
@@ -395,6 +397,16 @@ def test_gelu_effect_on_random_model(capsys):
     r = json.loads(out)
     assert code == 0 and len(r["ffn"]) == 2
     assert all(row["ffn_max_abs"] > 1e-4 for row in r["ffn"]) and r["logits_max_abs"] > 1e-4
+
+
+def test_gelu_effect_needs_a_tanh_gelu_model(tmp_path, capsys):
+    """On a model whose activation is not the tanh GELU, "exact vs tanh" has nothing to measure: one line, exit 2."""
+    hf = transformers.GPT2LMHeadModel(hf_config(Config.from_name("tiny", activation_function="relu")))
+    hf.save_pretrained(tmp_path)
+    code, _, err = run(["gelu-effect", "--model", str(tmp_path), "--ids", IDS], capsys)
+    last = err.strip().splitlines()[-1]  # (the lines before it: save_pretrained's progress)
+    assert code == 2 and last.startswith("error: ") and "Loading" not in err and \
+        "has activation_function='relu': gelu-effect measures exact GELU against the tanh GELU" in last
 
 
 @pytest.mark.real_weights

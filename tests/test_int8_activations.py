@@ -193,8 +193,8 @@ def test_k_not_a_multiple_of_32_takes_a_smaller_group_or_says_why():
     for precision in ("int8", "int4"):
         p = Packed(w, None, precision, activations="int8")
         assert float((native(x, p).double() - reference64(x, p, w, None)).abs().max()) < 1e-5
-    with pytest.raises(ConfigError, match="int4 with int8 activations needs a number of inputs per layer divisible "
-                                          "by 8; this layer has 36"):
+    with pytest.raises(ConfigError, match=r"int4 with int8 activations needs a number of inputs per layer divisible "
+                                          r"by 8 \(a 4-byte word holds 8 weights\); this layer has 36"):
         Packed(torch.randn(36, 64), None, "int4", activations="int8")
     with pytest.raises(ConfigError, match="int8 with int8 activations group size 30 must be a multiple of 4 and "
                                           "divide the layer's 120 inputs"):

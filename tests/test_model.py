@@ -6,10 +6,11 @@ from safetensors.torch import save_file
 from transformers import GPT2LMHeadModel
 
 from conftest import hf_config, randomize_
-from gpt2ffn import CheckpointError, Config, Gpt2ffnError, InputError, ShapeError, tolerance
+from gpt2ffn import CheckpointError, Config, ConfigError, Gpt2ffnError, InputError, ShapeError, tolerance
 from gpt2ffn.cli import main
 from gpt2ffn.generate import Sampling, cut_at_stop, generate, load
 from gpt2ffn.model import GPT2, random_weights_
+from gpt2ffn.serving.engine import Engine, Request
 from gpt2ffn.serving.kv_cache import KVCache
 from gpt2ffn.tokenizer import ByteTokenizer, load_tokenizer
 
@@ -390,3 +391,121 @@ def test_generate_method_takes_hfs_pad_token_id_num_return_sequences_and_repetit
     assert len({tuple(r) for r in out[:3, 6:].tolist()}) == 3             # its samples differ
     with pytest.raises(Gpt2ffnError, match="needs do_sample=True"):
         ours.generate(ids, num_return_sequences=2)
+
+
+def test_generate_method_takes_none_for_hfs_defaults_and_top_k_0_for_none():
+    """Code forwarded from HF passes None for "the default" (temperature 1, top_k 50, top_p 1, repetition_penalty
+    1, 20 new tokens) and top_k=0 for no top-k: the same tokens as spelling the defaults out."""
+    _, ours = pair(CONFIGS[0], seed=2)
+    ids = ids_of(6, CONFIGS[0].vocab_size, seed=8)
+    draws = {}
+    for name, kw in {"none": dict(temperature=None, top_k=None, top_p=None, repetition_penalty=None,
+                                  max_new_tokens=None),
+                     "spelled": dict(temperature=1.0, top_k=50, top_p=1.0, repetition_penalty=1.0, max_new_tokens=20),
+                     "top_k_0": dict(top_k=0, max_new_tokens=20)}.items():
+        torch.manual_seed(3)
+        draws[name] = ours.generate(ids, do_sample=True, **kw)
+    assert draws["none"].shape == (1, 26) and torch.equal(draws["none"], draws["spelled"])
+    torch.manual_seed(3)
+    seed = int(torch.randint(2**62, (1,)))  # as generate seeds a sampled call from torch's RNG
+    unfiltered = generate(ours, [ids[0].tolist()], Sampling(max_new_tokens=20, temperature=1.0, top_k=None,
+                                                            top_p=1.0, seed=seed, eos_token_id=299))[0]
+    assert draws["top_k_0"][0, 6:].tolist() == unfiltered  # 0: every token kept, no top-k
+    with pytest.raises(Gpt2ffnError, match=r"eos_token_id must be a token id or a list of them, got \[1, 'a'\]"):
+        ours.generate(ids, eos_token_id=[1, "a"])
+
+
+def test_eos_token_id_lists_as_hf_takes_them(tmp_path):
+    """eos_token_id as a list (generate's argument, config.json) stops at any of its ids, and generation_config.json's
+    EOS (what HF's generate reads) wins over config.json's: the same tokens as HF's generate."""
+    cfg = CONFIGS[0]
+    hf, ours = pair(cfg, seed=2)
+    ids = ids_of(6, cfg.vocab_size, seed=8)
+    free = ours.generate(ids, max_new_tokens=12)[0, 6:].tolist()
+    stops = [free[5], 299]  # the 6th new token, and one that never comes
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=stops, pad_token_id=0)
+    got = ours.generate(ids, max_new_tokens=12, eos_token_id=stops, pad_token_id=0)
+    assert torch.equal(got, expected) and got.shape[1] == 6 + free.index(free[5]) + 1
+    hf.config.eos_token_id = stops
+    hf.generation_config.eos_token_id = stops
+    hf.save_pretrained(tmp_path / "list")
+    assert GPT2.from_pretrained(tmp_path / "list").config.eos_ids == stops
+    assert generate(GPT2.from_pretrained(tmp_path / "list"), [ids[0].tolist()], Sampling(
+        max_new_tokens=12, eos_token_id=stops))[0] == expected[0, 6:].tolist()
+    hf.config.eos_token_id = 299
+    hf.generation_config.eos_token_id = free[5]
+    hf.save_pretrained(tmp_path / "generation")
+    loaded = GPT2.from_pretrained(tmp_path / "generation")
+    with torch.no_grad():
+        expected = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
+    assert loaded.config.eos_token_id == free[5] and torch.equal(loaded.generate(ids, max_new_tokens=12), expected)
+
+
+@pytest.mark.parametrize("flags", [{"scale_attn_by_inverse_layer_idx": True}, {"scale_attn_weights": False}],
+                         ids=["inverse_layer_idx", "unscaled"])
+def test_attention_scale_flags_equal_hf_at_every_precision(flags, tmp_path):
+    """HF's scale_attn_by_inverse_layer_idx (Stanford CRFM's GPT-2s: block i's scores / (i + 1)) and
+    scale_attn_weights=False, at every precision (fp32 activations, so that the weights' rounding is all that
+    differs): logits equal HF's on the same rounded weights (its state_dict(), dequantized), and the engine's
+    cached decode (the native decode plan) gives each token the log-prob a full recompute gives it (fp32: HF's
+    generate's tokens); the golden harness's verify passes. Negative control: with the flags ignored the logits
+    miss HF's by far."""
+    cfg = Config(**{**CONFIGS[0].__dict__, **flags})
+    hf = random_weights_(GPT2LMHeadModel(hf_config(cfg)), 4).eval()  # scaled so that attention's scores matter
+    hf.save_pretrained(tmp_path / "m")
+    ids = ids_of(9, cfg.vocab_size, seed=3)
+    hf.generation_config.eos_token_id = None
+    with torch.no_grad():
+        want_tokens = hf.generate(ids, max_new_tokens=16, do_sample=False, pad_token_id=0)[0, 9:].tolist()
+        plain = GPT2(CONFIGS[0]).eval()
+        plain.load_state_dict(hf.state_dict())
+        assert (plain(ids) - hf(ids).logits).abs().max() > 0.1 * hf(ids).logits.abs().max()
+    for precision in ("fp32", "bf16", "int8", "int4"):
+        model = GPT2.from_pretrained(tmp_path / "m", precision=precision, activations="fp32")
+        model.kv_dtype = torch.float32  # an fp16 cache rounds keys: test_decode_plan.py tests that
+        rounded = GPT2LMHeadModel(hf_config(cfg)).eval()
+        rounded.load_state_dict(model.state_dict(), strict=False)  # HF's keys; its attn.bias buffers stay
+        events = []
+        Engine(model, max_batch=1).run([Request(ids[0].tolist(), Sampling(max_new_tokens=16, logprobs=0),
+                                                sink=events.append)])
+        tokens = [e.id for e in events]
+        with torch.no_grad():
+            got, want = model(ids), rounded(ids).logits
+            full = torch.log_softmax(model(torch.tensor([ids[0].tolist() + tokens[:-1]]))[0, 8:].double(), -1)
+        assert (got - want).abs().max() <= 1e-5 * want.abs().max(), precision
+        assert max(abs(e.logprob - float(full[i, t])) for i, (e, t) in enumerate(zip(events, tokens))) <= 1e-4, (
+            precision, model.kv_dtype)
+        if precision == "fp32":
+            assert tokens == want_tokens
+    assert main(["extract", "--model", str(tmp_path / "m"), "--ids", "1,5,3,2,4,0,7", "--out", str(tmp_path / "g"),
+                 "--layers", "all", "--quiet"]) == 0
+    assert main(["verify", "--golden", str(tmp_path / "g")]) == 0
+
+
+def test_untied_lm_head_is_refused_unless_it_is_wte(tmp_path):
+    """tie_word_embeddings=false: gpt2ffn's GPT-2 has no lm_head of its own, so a checkpoint whose lm_head.weight
+    differs from wte (or is missing) is refused in one line; one whose head equals wte loads and matches HF."""
+    cfg = CONFIGS[0]
+    hf = randomize_(GPT2LMHeadModel(hf_config(cfg, tie_word_embeddings=False)), 4).eval()
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(hf.transformer.wte.weight)
+    hf.save_pretrained(tmp_path / "same")
+    ids = ids_of(9, cfg.vocab_size, seed=3)
+    with torch.no_grad():
+        torch.testing.assert_close(GPT2.from_pretrained(tmp_path / "same")(ids), hf(ids).logits, atol=1e-4, rtol=1e-5)
+        hf.lm_head.weight.add_(0.01)
+    hf.save_pretrained(tmp_path / "own")
+    with pytest.raises(ConfigError, match=r"sets tie_word_embeddings=false and its lm_head.weight differs from wte: "
+                                          r"gpt2ffn's GPT-2 ties the lm_head to wte"):
+        GPT2.from_pretrained(tmp_path / "own")
+    assert main(["generate", "--model", str(tmp_path / "own"), "--ids", "1,2"]) == 2
+
+
+def test_from_pretrained_refuses_a_precision_on_half_weights(tmp_path):
+    hf, _ = pair(CONFIGS[0])
+    hf.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match=r"precision='int8' quantizes a float32 model's weights; it does not "
+                                          r"combine with dtype=torch.float16"):
+        GPT2.from_pretrained(tmp_path, dtype=torch.float16, precision="int8")
+    assert GPT2.from_pretrained(tmp_path, dtype=torch.float16, precision=None).lm_head.weight.dtype == torch.float16

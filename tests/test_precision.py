@@ -171,7 +171,8 @@ def test_widths_int8_words_cannot_hold_take_fp32_activations_by_default():
     assert {m.packed.activations for m in layers} == {"fp32", "int8"}
     assert model.generate(torch.tensor([[1, 2, 3]]), max_new_tokens=4).shape == (1, 7)
     with pytest.raises(ConfigError, match=r"int4 with int8 activations needs a number of inputs per layer "
-                                          r"divisible by 8; this layer has 36"):
+                                          r"divisible by 8 \(a 4-byte word holds 8 weights\); this layer has 36 "
+                                          r"\(n_embd or n_inner\): with fp32 activations int4 takes an even one"):
         quantize(randomize_(GPT2(cfg), 0).eval(), "int4", activations="int8")
 
 

@@ -63,7 +63,10 @@ class Config:
     initializer_range: float = 0.02     # std of the normal init of every weight
     qkv_bias: bool = True               # c_attn has a bias in GPT-2; the book's from-scratch config turns it off
     bos_token_id: int = 50256
-    eos_token_id: int = 50256
+    eos_token_id: int | list = 50256    # HF takes a list too: generation stops at any of them
+    scale_attn_weights: bool = True     # HF's: scores scaled by 1/sqrt(d/H) (False: not scaled)
+    scale_attn_by_inverse_layer_idx: bool = False  # HF's (Stanford CRFM's GPT-2s): block i's scores / (i + 1) too
+    tie_word_embeddings: bool = True    # the lm_head is wte (GPT-2's); gpt2ffn's GPT2 has no untied head
 
     def __post_init__(self):
         for name in ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size"):
@@ -75,10 +78,27 @@ class Config:
         if self.activation_function not in ACTIVATIONS:
             raise ConfigError(f"Config.activation_function {self.activation_function!r} is not supported; "
                               f"known: {', '.join(ACTIVATIONS)}")
+        eos = self.eos_token_id
+        if not (isinstance(eos, int) or isinstance(eos, (list, tuple)) and eos and all(
+                isinstance(t, int) for t in eos)) or isinstance(eos, bool):
+            raise ConfigError(f"Config.eos_token_id must be a token id or a list of them, got {eos!r}")
         for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
                 raise ConfigError(f"Config.{name} must be in [0, 1), got {value!r}")
+
+    @property
+    def eos_ids(self) -> list:
+        """eos_token_id as a list: HF's config may give several, and generation ends at any of them."""
+        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+
+    def attn_scale(self, layer: int) -> float | None:
+        """The factor on block `layer`'s q k^T, as HF's GPT2Attention.scaling computes it; None for GPT-2's own,
+        1/sqrt(d/H) (the kernels' default)."""
+        if self.scale_attn_weights and not self.scale_attn_by_inverse_layer_idx:
+            return None
+        scale = (self.n_embd // self.n_head) ** -0.5 if self.scale_attn_weights else 1.0
+        return scale / float(layer + 1) if self.scale_attn_by_inverse_layer_idx else scale
 
     @property
     def hidden(self) -> int:
@@ -138,7 +158,7 @@ class Config:
             raise ConfigError(f"{file} holds a {type(d).__name__}, expected a JSON object")
         if d.get("model_type", "gpt2") != "gpt2":
             raise ConfigError(f"{file} has model_type={d['model_type']!r}; gpt2ffn reads GPT-2 (model_type='gpt2')")
-        return cls.from_dict(d, ignore_unknown=True)
+        return cls.from_dict({**d, **generation_ids(file.parent / "generation_config.json")}, ignore_unknown=True)
 
     @classmethod
     def coerce(cls, cfg) -> "Config":
@@ -168,6 +188,16 @@ class Config:
         d = dataclasses.asdict(self)
         del d["qkv_bias"]  # HF GPT-2 always has a c_attn bias
         return d
+
+
+def generation_ids(file: Path) -> dict:
+    """bos_token_id and eos_token_id from a checkpoint's generation_config.json where it sets them: HF's generate
+    takes them from there, not from config.json. An unreadable file is left to HF's loader to complain about."""
+    try:
+        d = json.loads(file.read_text()) if file.is_file() else {}
+    except (json.JSONDecodeError, UnicodeDecodeError, OSError):
+        return {}
+    return {k: d[k] for k in ("bos_token_id", "eos_token_id") if isinstance(d, dict) and d.get(k) is not None}
 
 
 PRESETS = {

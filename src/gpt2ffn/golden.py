@@ -20,7 +20,7 @@ import torch
 from .config import Config
 from .diagnose import STAGES as FFN_STAGES
 from .diagnose import FFNCase
-from .errors import CheckpointError, Gpt2ffnError
+from .errors import CheckpointError, ConfigError, Gpt2ffnError
 from .model import parse_random, random_weights_
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
 
@@ -425,13 +425,13 @@ def run_ours(golden: Golden) -> tuple:
             q, k, v = block.attn.qkv(ln_1)
             stages = {
                 "c_attn": block.attn.c_attn(ln_1), "q": q, "k": k, "v": v,
-                "attn_probs": block.attn.probs(g(f"h{L}_q"), g(f"h{L}_k")),
-                "attn_out": block.attn(ln_1),
+                "attn_probs": block.attn.probs(g(f"h{L}_q"), g(f"h{L}_k"), scale=cfg.attn_scale(L)),
+                "attn_out": block.attn(ln_1, L),
                 "ln_2": block.ln_2(attn_resid),
                 **block.mlp.intermediates(g(f"h{L}_ln_2")),
             }
             if x is not None:
-                stages.update(ln_1=block.ln_1(x), attn_resid=x + g(f"h{L}_attn_out"), block=block(x))
+                stages.update(ln_1=block.ln_1(x), attn_resid=x + g(f"h{L}_attn_out"), block=block(x, L))
             else:
                 for s in ("ln_1", "attn_resid", "block"):
                     skipped[f"h{L}_{s}"] = f"its input h{L - 1}_block is not in the golden set"
@@ -615,6 +615,11 @@ def format_rows(rows, title) -> str:
 def gelu_effect(model_source: str, ids=None, prompt=None) -> dict:
     """How far exact GELU lands from HF's GPT-2 (tanh): per block at the FFN output, and at the logits."""
     from transformers.activations import ACT2FN
+    cfg = (Config.from_pretrained(model_source) if Path(model_source).is_dir() else
+           parse_random(model_source)[0] if model_source.startswith("random:") else None)
+    if cfg is not None and cfg.gelu_approximate != "tanh":  # said before HF loads anything
+        raise ConfigError(f"{model_source} has activation_function={cfg.activation_function!r}: gelu-effect "
+                          "measures exact GELU against the tanh GELU of a model that uses it (gelu_new, GPT-2's)")
     model, cfg, info = load_reference(model_source)
     ids = token_ids(cfg, model_source, ids, prompt)
     layers = list(range(cfg.n_layer))

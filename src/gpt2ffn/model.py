@@ -40,6 +40,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         cfg.check_heads()
         self.n_head, self.n_embd = cfg.n_head, cfg.n_embd
+        self.scale = cfg.attn_scale  # layer -> the factor on q k^T (None: 1/sqrt(d/H))
         self.c_attn = Conv1D(cfg.n_embd, 3 * cfg.n_embd, cfg.initializer_range)
         self.c_proj = Conv1D(cfg.n_embd, cfg.n_embd, cfg.initializer_range)
         self.attn_dropout = nn.Dropout(cfg.attn_pdrop)
@@ -52,11 +53,13 @@ class CausalSelfAttention(nn.Module):
         return [t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v)]
 
     @staticmethod
-    def probs(q, k, mask=None):
-        """softmax(q k^T / sqrt(d/H)) under the causal (or given) mask: (B, H, T, S). For checks and teaching;
-        forward() uses gpt2ffn._C.causal_attention (fp32 inference on the CPU) or scaled_dot_product_attention."""
+    def probs(q, k, mask=None, scale=None):
+        """softmax(q k^T / sqrt(d/H)) (or q k^T * scale) under the causal (or given) mask: (B, H, T, S). For checks
+        and teaching; forward() uses gpt2ffn._C.causal_attention (fp32 inference on the CPU) or
+        scaled_dot_product_attention."""
         T, S = q.shape[2], k.shape[2]
-        att = (q @ k.transpose(-2, -1)) / math.sqrt(k.shape[-1])
+        att = q @ k.transpose(-2, -1)
+        att = att / math.sqrt(k.shape[-1]) if scale is None else att * scale
         if mask is None:
             mask = causal_mask(T, S - T, device=q.device)
         att = att.masked_fill(~mask, torch.finfo(att.dtype).min)
@@ -69,18 +72,19 @@ class CausalSelfAttention(nn.Module):
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, H, past + T, C/H)
         dropout = self.attn_dropout.p if self.training else 0.0
+        scale = self.scale(layer)
         if mask is None and runs_causal_attention(q, k, v, dropout):  # query i sees keys 0..past + i
-            return self.project(causal_attention(q, k, v))          # (an fp16 cache widened as it is read)
+            return self.project(causal_attention(q, k, v, scale))   # (an fp16 cache widened as it is read)
         if k.dtype != q.dtype:  # an fp16 cache (GPT2.kv_dtype): its values, widened exactly
             k, v = k.to(q.dtype), v.to(q.dtype)
         if mask is None and k.shape[2] == T:
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, is_causal=True, scale=scale)
         elif mask is None and T == 1:  # one new token sees every cached key: no mask to build
-            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout)
+            y = F.scaled_dot_product_attention(q, k, v, dropout_p=dropout, scale=scale)
         else:
             if mask is None:
                 mask = causal_mask(T, k.shape[2] - T, device=x.device)
-            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout)
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, scale=scale)
         return self.project(y.transpose(1, 2).reshape(B, T, -1))   # (B, H, T, C/H) -> (B, T, C)
 
     def project(self, y):
@@ -338,7 +342,9 @@ class GPT2(nn.Module):
         """HF-style generate: (B, T) LongTensor -> (B * num_return_sequences, T + new) LongTensor of prompt + new ids.
 
         Defaults as HF's GenerationConfig: greedy unless do_sample (then temperature, top_k=50, top_p; seeded
-        from torch's global RNG, so torch.manual_seed reproduces a run); eos_token_id None means the config's.
+        from torch's global RNG, so torch.manual_seed reproduces a run), and None for any of them means its
+        default, as in HF; top_k=0 means no top-k (HF's). eos_token_id None means the config's (config.json's,
+        or generation_config.json's where it sets one); a list stops at any of its ids.
         A batch is left-padded with attention_mask (1 real, 0 padding); a row that ends early is padded
         with pad_token_id (None: eos_token_id, GPT-2's pad). num_return_sequences samples per prompt, each
         prompt's rows together (as HF; greedy has one answer, so more is an error, as in HF);
@@ -356,8 +362,15 @@ class GPT2(nn.Module):
         real = given if attention_mask is None else unpad(given, attention_mask, input_ids.shape)
         rows = [r for r in given for _ in range(num_return_sequences)]
         prompts = [p for p in real for _ in range(num_return_sequences)]
+        max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
+        temperature = 1.0 if temperature is None else temperature
+        top_k = 50 if top_k is None else top_k or None  # 0: no top-k
+        top_p = 1.0 if top_p is None else top_p
+        repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        pad = eos if pad_token_id is None else pad_token_id
+        if pad_token_id is None:  # HF pads with the first EOS id
+            pad_token_id = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        pad = pad_token_id
         seed = int(torch.randint(2**62, (1,))) if do_sample else None
         new = generate(self, prompts, Sampling(max_new_tokens=max_new_tokens,
                                                temperature=temperature if do_sample else 0.0,
@@ -377,6 +390,9 @@ class GPT2(nn.Module):
         gpt2ffn.quantize (activations stay fp32); fp32 is exact and takes this machine's fastest kernels;
         None leaves plain torch modules (and with dtype other than float32, precision must be None).
         activations: as quantize's ('fp32', 'int8' for int8/int4 weights; None: the machine's default)."""
+        if precision not in (None, "fp32") and dtype != torch.float32:
+            raise ConfigError(f"precision={precision!r} quantizes a float32 model's weights; it does not combine "
+                              f"with dtype={dtype} (give precision=None, or dtype=torch.float32)")
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         model = cls(Config.from_pretrained(directory))
@@ -384,10 +400,22 @@ class GPT2(nn.Module):
         own = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         load_tensors(own, ckpt, "GPT-2", directory / "config.json", optional=("lm_head.weight",),
                      size=f" ({model.config.n_layer} layers)")
+        if not model.config.tie_word_embeddings:
+            untied_head(ckpt, directory, own["wte.weight"])
         model = model.to(dtype).eval()
         if precision is not None and dtype == torch.float32:
             quantize(model, precision, activations=activations)
         return model
+
+
+def untied_head(ckpt: Checkpoint, directory, wte):
+    """A config with tie_word_embeddings=false: its lm_head.weight must be wte's values after all, as gpt2ffn's
+    GPT2 (like GPT-2) has no lm_head of its own."""
+    why = ("the checkpoint has no lm_head.weight" if "lm_head.weight" not in ckpt else None
+           if torch.equal(ckpt.get("lm_head.weight").to(wte.dtype), wte) else "its lm_head.weight differs from wte")
+    if why:
+        raise ConfigError(f"{directory / 'config.json'} sets tie_word_embeddings=false and {why}: "
+                          "gpt2ffn's GPT-2 ties the lm_head to wte, as GPT-2 does, so it cannot run this model")
 
 
 def unpad(rows: list, attention_mask, shape) -> list:

@@ -83,6 +83,13 @@ class FFN:
         arr = {k: np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v) for k, v in sd.items()}
         return cls(arr["c_fc.weight"], arr["c_fc.bias"], arr["c_proj.weight"], arr["c_proj.bias"], approximate)
 
+    @classmethod
+    def from_module(cls, module):
+        """From a gpt2ffn FeedForward (or any module with GPT2MLP's state dict and a gpt2ffn Config as .config),
+        with the activation its config names (a state dict alone does not say: from_state_dict takes tanh)."""
+        cfg = getattr(module, "config", None)
+        return cls.from_state_dict(module.state_dict(), getattr(cfg, "gelu_approximate", "tanh"))
+
     def forward(self, x):
         return ffn_forward(x, self.c_fc_weight, self.c_fc_bias, self.c_proj_weight, self.c_proj_bias,
                            self.approximate)

@@ -7,6 +7,7 @@ Tensors are read lazily: asking for one block's FFN reads those four tensors, no
 """
 
 import json
+import pickle
 import re
 from pathlib import Path
 
@@ -155,7 +156,11 @@ def _open_torch(file: Path):
         except RuntimeError:  # the legacy (non-zip) format cannot be memory-mapped
             sd = torch.load(file, map_location="cpu", weights_only=True)
     except Exception as e:
-        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        if isinstance(e, pickle.UnpicklingError) and "unsupported global" in str(e).lower():  # torch: a paragraph
+            raise CheckpointError(f"{file} holds pickled Python objects besides tensors (a whole model saved with "
+                                  "torch.save(model)?), which gpt2ffn does not unpickle: save its state_dict() "
+                                  "instead, or the model with save_pretrained") from None
+        first = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{file} could not be read as a weights-only PyTorch checkpoint: {first}") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
         raise CheckpointError(f"{file} does not hold a state dict of tensors")

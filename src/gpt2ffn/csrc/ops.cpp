@@ -256,6 +256,7 @@ struct Block {
   std::vector<torch::Tensor> norms;
   double eps;
   Lin lin[4];
+  float attn_scale = 0.0f;  // the factor on q k^T; 0: 1/sqrt(hd), GPT-2's own
 };
 
 static Block make_block(const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& ws,
@@ -353,8 +354,10 @@ class StepPlan {
   void add_block(const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& ws,
                  const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& biases,
                  const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
-                 const std::vector<int64_t>& groups, const std::string& act) {
+                 const std::vector<int64_t>& groups, const std::string& act,
+                 const c10::optional<double>& attn_scale) {
     Block b = make_block(norms, eps, ws, scales, biases, formats, ns, groups);
+    if (attn_scale) b.attn_scale = static_cast<float>(*attn_scale);
     const int64_t d = norms[0].numel();
     for (const auto& n : norms)
       TORCH_CHECK(n.numel() == d && n.is_contiguous() && n.scalar_type() == at::kFloat,
@@ -539,7 +542,7 @@ class StepPlan {
     const int phases = static_cast<int>(blocks_.size()) * 5 + 1;  // 4 layers and the heads a block, the lm_head
     std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[phases]);
     for (int i = 0; i < phases; i++) next[i].store(0);
-    const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+    const float gpt2_scale = 1.0f / std::sqrt(static_cast<float>(hd));
 
     at::internal::lazy_init_num_threads();
     const int threads = at::get_num_threads();
@@ -599,6 +602,7 @@ class StepPlan {
       for (size_t i = 0; i < blocks_.size(); i++) {
         const Block& blk = blocks_[i];
         const auto& L = layers_[i];
+        const float scale = blk.attn_scale ? blk.attn_scale : gpt2_scale;
         norm(xp, blk.norms[0].data_ptr<float>(), blk.norms[1].data_ptr<float>(), blk.eps, L[0]);
 #pragma omp barrier
         gemv(L[0], hp, d, qp, ldq, nothing, B);
@@ -672,7 +676,8 @@ class StepPlan {
 // Causal self-attention of T new tokens per sequence: q (B, H, T, hd), k and v (B, H, past + T, hd), each with
 // unit stride along hd (views of c_attn's output and of the KV cache) -> (B, T, H * hd), the layout c_proj
 // reads. Query i sees keys 0..past + i of its own sequence; every (sequence, head) pair is one task.
-torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v) {
+torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, const torch::Tensor& v,
+                               const c10::optional<double>& scale_in) {
   const CausalFn causal = kIsa->causal;
   TORCH_CHECK(causal != nullptr, "gpt2ffn._C.causal_attention needs AVX2+FMA or AVX-512");
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && v.dim() == 4 && q.scalar_type() == at::kFloat && q.device().is_cpu()
@@ -688,7 +693,7 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
               "head width ", hd, " must be a multiple of 16 with unit stride");
   auto out = torch::empty({B, T, H * hd}, q.options());
   const int64_t Lp = (L + 63) / 64 * 64;
-  const float scale = 1.0f / std::sqrt(static_cast<float>(hd));
+  const float scale = scale_in ? static_cast<float>(*scale_in) : 1.0f / std::sqrt(static_cast<float>(hd));
   at::parallel_for(0, B * H, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> kt(hd * Lp), p(ATT_ROWS * Lp);
     const char* kb = static_cast<const char*>(k.data_ptr());
@@ -791,7 +796,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("scale"), py::arg("bias"), py::arg("format"), py::arg("N"), py::arg("group"), py::arg("act") = "");
   m.def("ffn", &gpt2ffn::ffn, "c_proj(act(c_fc(x))) on packed weights in one call");
   m.def("causal_attention", &gpt2ffn::causal_attention,
-        "causal self-attention of T new tokens against past + T cached keys -> (B, T, H * hd)");
+        "causal self-attention of T new tokens against past + T cached keys -> (B, T, H * hd), scores q k^T * "
+        "scale (None: 1/sqrt(hd))", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale") = py::none());
   m.def("packed_rows", &gpt2ffn::packed_rows, "rows of W^T of a packed layer, dequantized: (T,) ids -> (T, K)");
   py::class_<gpt2ffn::StepPlan>(m, "StepPlan")
       .def(py::init<>())

@@ -83,8 +83,13 @@ def group_for(K: int, precision: str, group: int | None = None, activations: str
     for g in range(GROUP[precision], 0, -1):
         if K % g == 0 and g % step == 0:
             return g
-    raise ConfigError(f"{precision}{with_act} needs a number of inputs per layer divisible by {step}; "
-                      f"this layer has {K}")
+    if activations == "int8":
+        why, other = (f"a 4-byte word holds {step} weights", f"with fp32 activations {precision} takes "
+                      f"{'any width' if precision == 'int8' else 'an even one'}")
+    else:
+        why, other = "a byte holds two int4 weights", "int8 and bf16 take any width"
+    raise ConfigError(f"{precision}{with_act} needs a number of inputs per layer divisible by {step} ({why}); "
+                      f"this layer has {K} (n_embd or n_inner): {other}")
 
 
 def _blocks(w, fill=0):

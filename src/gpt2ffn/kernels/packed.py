@@ -115,11 +115,11 @@ def runs_causal_attention(q, k, v, dropout: float) -> bool:
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
 
-def causal_attention(q, k, v):
+def causal_attention(q, k, v, scale=None):
     """q (B, H, T, hd) against k, v (B, H, past + T, hd) -> (B, T, H * hd): query i sees keys 0..past + i of
-    its own row; fp32 arithmetic (fp16 keys and values widened exactly as they are read), per (row, head) one
-    task (csrc/linear_impl.h: attend_causal)."""
-    return _C.causal_attention(q, k, v)
+    its own row, scores q k^T * scale (None: 1/sqrt(hd)); fp32 arithmetic (fp16 keys and values widened exactly
+    as they are read), per (row, head) one task (csrc/linear_impl.h: attend_causal)."""
+    return _C.causal_attention(q, k, v, scale)
 
 
 def top_p_(x, top_p: list) -> bool:
@@ -321,14 +321,15 @@ class DecodePlan:
                 or tr.wte.weight.device.type != "cpu" or tr.wpe.weight.dtype != torch.float32):
             return None
         native, watched = _C.StepPlan(), []
-        for block in tr.h:
+        for i, block in enumerate(tr.h):
             mods = (block.attn.c_attn, block.attn.c_proj, block.mlp.c_fc, block.mlp.c_proj)
             if any(m.packed is None or m.packed.route["decode"] != "native" for m in mods):
                 return None
             ps = [m.current() for m in mods]
             norms = [block.ln_1.weight, block.ln_1.bias, block.ln_2.weight, block.ln_2.bias]
             watched += [t for m in mods for t in (m.weight, m.bias)] + norms
-            native.add_block(norms, block.ln_1.eps, *native_args(ps), block.mlp.config.gelu_approximate)
+            native.add_block(norms, block.ln_1.eps, *native_args(ps), block.mlp.config.gelu_approximate,
+                             block.attn.scale(i))
         if head.packed is None or head.packed.route["decode"] != "native":
             return None
         hp = head.current()

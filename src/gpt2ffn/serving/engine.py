@@ -355,8 +355,8 @@ class Engine:
         elif r.params.logprobs is not None:
             (ev.logprob,), (ev.top,) = logprobs_of(logits[row:row + 1], [token], r.params.logprobs)
         s, early = r.params, len(r.output) <= r.params.min_tokens
-        stopped = (token == s.eos_token_id and not s.ignore_eos or token in s.stop_token_ids) and not early
-        if r.text is not None and token != s.eos_token_id:
+        stopped = (token in s.eos_ids and not s.ignore_eos or token in s.stop_token_ids) and not early
+        if r.text is not None and token not in s.eos_ids:
             ev.text, hit = r.text.push(token)
             stopped = stopped or (hit and not early)
         if stopped or len(r.output) >= s.max_new_tokens:

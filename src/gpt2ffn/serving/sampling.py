@@ -20,7 +20,7 @@ class Sampling:
     top_k: int | None = None
     top_p: float | None = None
     seed: int | None = None
-    eos_token_id: int | None = None
+    eos_token_id: int | list | None = None     # one id or several (HF's list): any of them ends the sequence
     stop: list = field(default_factory=list)    # stop strings (need a decode function)
     stop_token_ids: list = field(default_factory=list)  # ids that stop as a stop string does (kept in the output)
     presence_penalty: float = 0.0
@@ -33,6 +33,8 @@ class Sampling:
     prompt_logprobs: bool = False               # also the log-prob of every prompt token (OpenAI's echo)
 
     def __post_init__(self):
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.eos_ids):
+            raise Gpt2ffnError(f"eos_token_id must be a token id or a list of them, got {self.eos_token_id!r}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 0:
             raise Gpt2ffnError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         if not 0 <= self.temperature <= 100:
@@ -47,10 +49,15 @@ class Sampling:
             raise Gpt2ffnError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
 
     @property
+    def eos_ids(self) -> tuple:
+        """The ids that end a sequence: eos_token_id's one, or its list's."""
+        eos = self.eos_token_id
+        return () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (eos,)
+
+    @property
     def held(self) -> list:
         """The ids min_tokens holds off: EOS and stop_token_ids."""
-        eos = [] if self.eos_token_id is None else [self.eos_token_id]
-        return eos + [t for t in self.stop_token_ids if t not in eos]
+        return list(self.eos_ids) + [t for t in self.stop_token_ids if t not in self.eos_ids]
 
     @property
     def plain_greedy(self) -> bool:
