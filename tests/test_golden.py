@@ -399,6 +399,17 @@ def test_gelu_effect_on_random_model(capsys):
     assert all(row["ffn_max_abs"] > 1e-4 for row in r["ffn"]) and r["logits_max_abs"] > 1e-4
 
 
+def test_negative_controls_say_when_a_sets_inputs_are_too_small(tmp_path, capsys):
+    """HF's own init (std 0.02) keeps c_fc's outputs small, where exact and tanh GELU agree within 1e-4: the
+    uncaught variants are FAILed rows that say why, not a judge that looks broken."""
+    transformers.GPT2LMHeadModel(hf_config(Config.from_name("tiny"))).save_pretrained(tmp_path / "m")
+    assert main(["extract", "--model", str(tmp_path / "m"), "--ids", IDS, "--out", str(tmp_path / "g"), "--quiet"]) == 0
+    code, out, _ = run(["verify", "--golden", str(tmp_path / "g"), "--negative"], capsys)
+    uncaught = [line for line in out.splitlines() if "NOT caught" in line]
+    assert code == 1 and uncaught and all("(within tolerance on this set's inputs: c_fc's outputs reach only |x| = "
+                                          in line for line in uncaught)
+
+
 def test_gelu_effect_needs_a_tanh_gelu_model(tmp_path, capsys):
     """On a model whose activation is not the tanh GELU, "exact vs tanh" has nothing to measure: one line, exit 2."""
     hf = transformers.GPT2LMHeadModel(hf_config(Config.from_name("tiny", activation_function="relu")))

@@ -129,10 +129,12 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None) -> list:
     for key, (f, short, _, _) in FORMS.items():
         if key == target:
             continue
-        name = f"{short} where the config says {FORMS[target][1]}" if key in ("tanh", "exact") else short
+        said = "ReLU" if target == "relu" else FORMS[target][1]
+        name = f"{short} where the config says {said}" if key in ("tanh", "exact") else short
         add(f"gelu_{key}", name, fix_for(key, target), forward(x, w1, b1, w2, b2, f))
     half = hidden // 2
-    add("expansion_2x", f"hidden width {half} ({half / d:g}x n_embd) instead of {hidden} ({hidden / d:g}x)",
+    times = (lambda n: f" ({n / d:g}x n_embd)") if hidden % d == 0 else (lambda n: "")
+    add("expansion_2x", f"hidden width {half}{times(half)} instead of {hidden}{times(hidden).replace(' n_embd', '')}",
         f"expand to the full hidden width: nn.Linear(emb_dim, {hidden // d if hidden % d == 0 else hidden} * emb_dim)"
         if hidden % d == 0 else f"use hidden width {hidden}",
         forward(x, w1[:, :half], b1[:half], w2[:half], b2, act))
