@@ -440,6 +440,9 @@ def test_eos_token_id_lists_as_hf_takes_them(tmp_path):
     with torch.no_grad():
         expected = hf.generate(ids, max_new_tokens=12, do_sample=False, pad_token_id=0)
     assert loaded.config.eos_token_id == free[5] and torch.equal(loaded.generate(ids, max_new_tokens=12), expected)
+    hf.config.eos_token_id = hf.generation_config.eos_token_id = None  # no EOS at all: every row runs its length
+    hf.save_pretrained(tmp_path / "none")
+    assert GPT2.from_pretrained(tmp_path / "none").generate(ids, max_new_tokens=12).shape == (1, 18)
 
 
 @pytest.mark.parametrize("flags", [{"scale_attn_by_inverse_layer_idx": True}, {"scale_attn_weights": False}],

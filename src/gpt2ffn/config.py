@@ -63,7 +63,7 @@ class Config:
     initializer_range: float = 0.02     # std of the normal init of every weight
     qkv_bias: bool = True               # c_attn has a bias in GPT-2; the book's from-scratch config turns it off
     bos_token_id: int = 50256
-    eos_token_id: int | list = 50256    # HF takes a list too: generation stops at any of them
+    eos_token_id: int | list | None = 50256  # HF takes a list too (generation stops at any of them), or None
     scale_attn_weights: bool = True     # HF's: scores scaled by 1/sqrt(d/H) (False: not scaled)
     scale_attn_by_inverse_layer_idx: bool = False  # HF's (Stanford CRFM's GPT-2s): block i's scores / (i + 1) too
     tie_word_embeddings: bool = True    # the lm_head is wte (GPT-2's); gpt2ffn's GPT2 has no untied head
@@ -78,10 +78,9 @@ class Config:
         if self.activation_function not in ACTIVATIONS:
             raise ConfigError(f"Config.activation_function {self.activation_function!r} is not supported; "
                               f"known: {', '.join(ACTIVATIONS)}")
-        eos = self.eos_token_id
-        if not (isinstance(eos, int) or isinstance(eos, (list, tuple)) and eos and all(
-                isinstance(t, int) for t in eos)) or isinstance(eos, bool):
-            raise ConfigError(f"Config.eos_token_id must be a token id or a list of them, got {eos!r}")
+        if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.eos_ids):
+            raise ConfigError(f"Config.eos_token_id must be a token id, a list of them or None, got "
+                              f"{self.eos_token_id!r}")
         for name in ("resid_pdrop", "embd_pdrop", "attn_pdrop"):
             value = getattr(self, name)
             if not 0.0 <= value < 1.0:
@@ -89,8 +88,9 @@ class Config:
 
     @property
     def eos_ids(self) -> list:
-        """eos_token_id as a list: HF's config may give several, and generation ends at any of them."""
-        return list(self.eos_token_id) if isinstance(self.eos_token_id, (list, tuple)) else [self.eos_token_id]
+        """eos_token_id as a list: HF's config may give several (generation ends at any of them), or none."""
+        eos = self.eos_token_id
+        return [] if eos is None else list(eos) if isinstance(eos, (list, tuple)) else [eos]
 
     def attn_scale(self, layer: int) -> float | None:
         """The factor on block `layer`'s q k^T, as HF's GPT2Attention.scaling computes it; None for GPT-2's own,

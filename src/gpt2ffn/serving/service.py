@@ -114,7 +114,7 @@ class Service:
             if isinstance(p, str) and self.tok is None:
                 raise BadRequest("prompt: this server has no tokenizer (--skip-tokenizer-init): send token ids, "
                                  "a list of ints or a list of such lists", "prompt", code="no_tokenizer")
-            ids = (self.tok.encode(p) or cfg.eos_ids[:1]) if isinstance(p, str) else list(p)
+            ids = (self.tok.encode(p) or cfg.eos_ids[:1] or [cfg.bos_token_id or 0]) if isinstance(p, str) else list(p)
             if not ids:
                 raise BadRequest("prompt: a token-id list must not be empty", "prompt")
             if min(ids) < 0 or max(ids) >= cfg.vocab_size:
