@@ -272,3 +272,17 @@ def test_the_callers_logits_are_left_as_they_were():
     full = logits.clone()
     next_tokens(logits[1:2], [reqs[1]])  # a row's view, as Engine.emit passes it
     assert torch.equal(logits, full)
+
+
+def test_an_extreme_repetition_penalty_is_no_nan():
+    """repetition_penalty 1e-300 (0 in float32) sends every seen token with a positive logit to inf, and a row with
+    inf in it sampled NaN (always the last id); held at 1e20 they tie, and a sample is one of them."""
+    logits = torch.tensor([[2.0, 1.0, -1.0, 3.0, 0.5]])
+    picked = set()
+    for seed in range(16):
+        s = Sampling(max_new_tokens=1, temperature=1.0, seed=seed, repetition_penalty=1e-300)
+        x = logits.clone()
+        adjust_batch(x, [request(s, prompt=[0, 1])])
+        assert torch.isfinite(x).all() and torch.equal(x[0], adjust(logits[0], s, [0, 1], []))
+        picked.add(next_tokens(logits, [request(s, prompt=[0, 1])])[0])
+    assert picked == {0, 1}

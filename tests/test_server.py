@@ -13,6 +13,7 @@ import time
 import httpx
 import pytest
 
+from gpt2ffn.cli import main
 from gpt2ffn.generate import Sampling, generate, load
 
 
@@ -361,7 +362,7 @@ def test_prompt_shapes_and_n(server, model_dir):
                                            seed=3)["choices"][0]["text"]
     assert r["choices"][1]["text"] == post(server, prompt="dog", max_tokens=12, temperature=1.0,
                                            seed=4)["choices"][0]["text"]
-    assert r["usage"]["prompt_tokens"] == 2 * len(tok.encode("dog"))
+    assert r["usage"]["prompt_tokens"] == len(tok.encode("dog"))  # once per prompt, whatever n (OpenAI, vLLM)
 
 
 def test_echo_and_logprobs_equal_hf_log_softmax(server, model_dir):
@@ -793,15 +794,21 @@ def test_limit_concurrency_is_503_in_openai_shape(guarded):
 @pytest.mark.parametrize("host, keys, warned", [("0.0.0.0", [], True), ("::", [], True), ("0.0.0.0", ["k"], False),
                                                ("127.0.0.1", [], False), ("localhost", [], False)])
 def test_one_warning_for_an_open_server_without_keys(monkeypatch, capsys, cert, host, keys, warned):
-    """serve() as far as uvicorn.run (replaced here): one warning line exactly when it binds beyond loopback
-    without a key; the certificate and key reach uvicorn."""
+    """serve() as far as uvicorn's Server.run (replaced here): one warning line exactly when it binds beyond
+    loopback without a key; the certificate and key reach uvicorn, and so does the socket serve() bound."""
     import signal as signal_module
 
     import uvicorn
 
     from gpt2ffn.serving.http import serve
     ran = {}
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: ran.update(kw))
+
+
+    def run(server, sockets):
+        ran.update(vars(server.config), sockets=sockets)
+        for sock in sockets:
+            sock.close()
+    monkeypatch.setattr(uvicorn.Server, "run", run)
     monkeypatch.setattr(signal_module, "signal", lambda *a: None)  # serve() sets SIGTERM's handler: not here's
     monkeypatch.setattr("asyncio.constants.SSL_SHUTDOWN_TIMEOUT", 30.0)  # serve() shortens it for its process
     serve("random:tiny", host=host, port=8123, api_keys=keys, ssl_certfile=str(cert[0]), ssl_keyfile=str(cert[1]),
@@ -811,7 +818,8 @@ def test_one_warning_for_an_open_server_without_keys(monkeypatch, capsys, cert, 
                 "--api-key KEY or set GPT2FFN_API_KEY)"] if warned else []
     assert [line for line in err.splitlines() if "warning" in line] == expected
     assert f"on https://{host}:8123" in out
-    assert ran["host"] == host and ran["limit_concurrency"] is None
+    assert ran["host"] == host and ran["limit_concurrency"] is None and ran["sockets"][0].family in (
+        socket.AF_INET, socket.AF_INET6)
     assert (ran["ssl_certfile"], ran["ssl_keyfile"]) == (str(cert[0]), str(cert[1]))
 
 
@@ -838,7 +846,6 @@ def test_loopback_and_authorized():
     (["--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile '/nonexistent.pem' / --ssl-keyfile None: cannot load"),
 ])
 def test_serve_flags_refused_in_one_line(capsys, argv, message):
-    from gpt2ffn.cli import main
     assert main(["serve", "--model", "random:tiny", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: {message}") and err.count("\n") == 1
@@ -871,7 +878,6 @@ def ids_server(model_dir, tmp_path_factory):
 def test_a_checkpoint_without_a_tokenizer_is_served_in_token_ids(ids_server, model_dir, capsys):
     """Without the flag: one line naming it, exit 2. With it (vLLM's --skip-tokenizer-init): token ids in,
     token ids out (text empty), greedy equal to the Python API's, streamed alike; what needs text is a 400."""
-    from gpt2ffn.cli import main
     assert main(["serve", "--model", str(ids_server.proc.args[5]), "--port", str(free_port())]) == 2
     err = capsys.readouterr().err
     assert "no tokenizer in" in err and "--skip-tokenizer-init" in err and err.count("\n") == 1
@@ -899,3 +905,97 @@ def test_a_checkpoint_without_a_tokenizer_is_served_in_token_ids(ids_server, mod
         assert err["param"] == param and err["code"] == "no_tokenizer" and "tokenizer" in err["message"], err
     assert main(["serve", "--model", "random:tiny", "--skip-tokenizer-init", "--chat-template", __file__]) == 2
     assert "not with --skip-tokenizer-init" in capsys.readouterr().err
+
+
+# ---- doors an outside round found shut (real clients: the openai package, curl, httpx) --------------------------
+
+def test_bad_input_is_a_400_in_openai_shape_never_a_500(server, client):
+    """Lone surrogates (valid JSON, not Unicode), a logit_bias key of non-ASCII digits, routes and methods that do
+    not exist, a body that is not JSON: each an error in OpenAI's shape naming what is wrong; the connection
+    serves the next request (a plain-text 500 left it reset)."""
+    m = server.model
+    with httpx.Client(base_url=server.url) as h:  # one keep-alive connection for every request
+        for body, param, says in [
+            ({"prompt": "\ud800"}, "prompt", "holds a lone surrogate (U+D800), which is not Unicode text"),
+            ({"prompt": ["ok", "\ud83d"]}, "prompt", "lone surrogate (U+D83D)"),
+            ({"prompt": "hi", "logit_bias": {"\u00b2": 1}}, "logit_bias", "is not a token id"),
+            ({"prompt": "hi", "suffix": "x"}, "suffix", "suffix is not supported"),
+        ]:
+            r = h.post("/v1/completions", content=json.dumps({"model": m, "max_tokens": 2, **body}),
+                       headers={"content-type": "application/json"})  # json.dumps writes "\ud800" as JSON does
+            err = r.json()["error"]
+            assert r.status_code == 400 and err["param"] == param and says in err["message"], r.text
+        r = h.post("/tokenize", content=json.dumps({"prompt": "\ud800"}), headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        for method, path, status in [("get", "/nope", 404), ("get", "/v1/completions", 405)]:
+            r = getattr(h, method)(path)
+            assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
+        r = h.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] is None
+        assert r.json()["error"]["message"].startswith("the request body is not valid JSON (at byte ")
+        r = h.post("/v1/completions", content=b"model=x")  # curl -d without -H 'Content-Type: application/json'
+        assert r.status_code == 400 and "sent with Content-Type: application/json" in r.json()["error"]["message"]
+        ok = h.post("/v1/completions", json={"model": m, "prompt": "hi", "max_tokens": 2, "temperature": None,
+                                             "n": None, "stream": None, "suffix": None})  # null: the default
+        assert ok.status_code == 200 and len(ok.json()["choices"]) == 1
+    assert client.models.retrieve(m).id == m
+
+
+def test_a_non_streamed_request_stops_when_its_client_leaves():
+    """Its client gone (a timeout), the request is cancelled within a step or so, not run to max_tokens (~20 s
+    here): a non-streamed answer sends nothing until the end, so the server asks the connection as it goes."""
+    s = Server("random:gpt2", "--max-batch", "2")
+
+    def cancelled():
+        line = next(x for x in httpx.get(s.url + "/metrics").text.splitlines()
+                    if x.startswith("gpt2ffn_cancelled_total"))
+        return float(line.split()[-1])
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(s.url + "/v1/completions", json={"model": s.model, "prompt": [1, 2], "max_tokens": 900,
+                                                        "n": 2, "ignore_eos": True}, timeout=1.0)
+        deadline = time.time() + 5
+        while cancelled() < 2 and time.time() < deadline:
+            time.sleep(0.1)
+        assert cancelled() == 2 and httpx.get(s.url + "/health").json()["running"] == 0
+    finally:
+        s.stop()
+
+
+def test_chat_templates_as_hf_writes_them(tmp_path, model_dir, capsys):
+    """HF's templates call raise_exception (roles must alternate): defined as HF's apply_chat_template defines
+    it, and what it raises is a 400 naming messages; a template that does not parse is one line, exit 2."""
+    (tmp_path / "hf.jinja").write_text(
+        "{% for m in messages %}{% if (m.role == 'user') != (loop.index0 % 2 == 0) %}"
+        "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+        "{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+    s = Server(model_dir, "--chat-template", str(tmp_path / "hf.jinja"))
+    try:
+        ok = httpx.post(s.url + "/v1/chat/completions", json={"model": s.model, "max_tokens": 2,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+        bad = httpx.post(s.url + "/v1/chat/completions", json={"model": s.model, "max_tokens": 2, "messages": [
+            {"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]})
+    finally:
+        s.stop()
+    assert ok.status_code == 200 and bad.status_code == 400 and bad.json()["error"]["param"] == "messages"
+    assert "Conversation roles must alternate" in bad.json()["error"]["message"]
+    (tmp_path / "bad.jinja").write_text("{{ unclosed")
+    assert main(["serve", "--model", "random:tiny", "--chat-template", str(tmp_path / "bad.jinja")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: --chat-template {tmp_path / 'bad.jinja'}: line 1: ") and err.count("\n") == 1
+
+
+def test_a_port_in_use_or_a_bad_host_is_one_line(capsys):
+    """Bound before the model loads: one line, exit 2 (uvicorn's own bind failed while the loader ran, and the
+    process died with SIGABRT)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--model", "random:tiny", "--port", str(port)]) == 2
+        assert capsys.readouterr().err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
+    assert main(["serve", "--model", "random:tiny", "--host", "999.1.1.1"]) == 2
+    assert capsys.readouterr().err.startswith("error: --host '999.1.1.1' does not resolve: ")
+    for flag, value in (("--max-batch", "0"), ("--max-waiting", "-1"), ("--threads", "0")):
+        assert main(["serve", "--model", "random:tiny", flag, value]) == 2
+        assert capsys.readouterr().err.startswith(f"error: {flag} must be in [")

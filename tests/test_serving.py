@@ -86,9 +86,16 @@ def test_abort_frees_blocks_and_limits(model):
     eng.add(*reqs[:2])
     eng.step()
     eng.add(*reqs[2:])
-    with pytest.raises(QueueFull, match="2 requests are waiting"):
+    with pytest.raises(QueueFull, match=r"2 running and 2 waiting \(limits: max batch 2, max waiting 2\)"):
         eng.add(Request([1, 2], Sampling()))
     assert eng.counts()[:2] == (2, 2)
+    with pytest.raises(Gpt2ffnError, match="5 sequences at once exceed what this server holds: 2 running"):
+        eng.add(*[Request([1, 2], Sampling()) for _ in range(5)])
+    burst = Engine(model, max_batch=4, max_waiting=0)  # free slots take a burst: no 503 before the batch is full
+    burst.add(*[Request([1, 2], Sampling(max_new_tokens=2)) for _ in range(3)])
+    burst.add(Request([3], Sampling(max_new_tokens=2)))
+    with pytest.raises(QueueFull):
+        burst.add(Request([3], Sampling(max_new_tokens=2)))
     for r in reqs:
         eng.abort(r)
     events = eng.step()
@@ -313,3 +320,17 @@ def test_every_route_that_reads_the_model_is_503_while_it_loads():
         assert r.status_code == 503, (path, r.status_code, r.text)
         assert r.json()["error"]["type"] == "unavailable", path
         assert path == "/health" or r.headers["retry-after"] == "5", path
+
+
+def test_an_eos_token_that_does_not_stop_keeps_its_text(model):
+    """With ignore_eos, EOS is a token like any other and its text is in the answer (a config's EOS list may
+    name an ordinary token: id 37, GPT-2's 'F'); an EOS that ends the answer has none."""
+    from gpt2ffn.tokenizer import ByteTokenizer
+    texts = []
+    s = Sampling(max_new_tokens=3, eos_token_id=[37, 0], ignore_eos=True, logit_bias={37: 100.0})
+    r = Engine(model, ByteTokenizer().decode).run([Request([1, 2], s, sink=lambda ev: texts.append(ev.text))])[0]
+    assert r.output == [37] * 3 and "".join(texts) == "FFF"
+    texts.clear()
+    s = Sampling(max_new_tokens=3, eos_token_id=[37, 0], logit_bias={37: 100.0})
+    r = Engine(model, ByteTokenizer().decode).run([Request([1, 2], s, sink=lambda ev: texts.append(ev.text))])[0]
+    assert r.output == [37] and r.finish_reason == "stop" and "".join(texts) == ""

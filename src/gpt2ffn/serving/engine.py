@@ -169,9 +169,14 @@ class Engine:
             self.check(r.prompt, r.params)
             if self.decode is not None:
                 r.text = TextStream(self.decode, r.params.stop)
+        if len(requests) > self.max_batch + self.max_waiting:  # no retry could fit them
+            raise Gpt2ffnError(f"{len(requests)} sequences at once exceed what this server holds: {self.max_batch} "
+                               f"running (max batch) + {self.max_waiting} waiting (max waiting)")
         with self.lock:
-            if len(self.waiting) + len(requests) > self.max_waiting:
-                raise QueueFull(f"{len(self.waiting)} requests are waiting (limit {self.max_waiting})")
+            # a request the next step admits to a free slot of the batch is not waiting for room
+            if len(self.running) + len(self.waiting) + len(requests) > self.max_batch + self.max_waiting:
+                raise QueueFull(f"{len(self.running)} running and {len(self.waiting)} waiting (limits: max batch "
+                                f"{self.max_batch}, max waiting {self.max_waiting})")
             self.waiting.extend(requests)
 
     def abort(self, request: Request):
@@ -355,8 +360,9 @@ class Engine:
         elif r.params.logprobs is not None:
             (ev.logprob,), (ev.top,) = logprobs_of(logits[row:row + 1], [token], r.params.logprobs)
         s, early = r.params, len(r.output) <= r.params.min_tokens
-        stopped = (token in s.eos_ids and not s.ignore_eos or token in s.stop_token_ids) and not early
-        if r.text is not None and token not in s.eos_ids:
+        eos = token in s.eos_ids and not s.ignore_eos  # an EOS that ends it has no text; with ignore_eos it is a
+        stopped = (eos or token in s.stop_token_ids) and not early  # token like any other (config's EOS may be one)
+        if r.text is not None and not eos:
             ev.text, hit = r.text.push(token)
             stopped = stopped or (hit and not early)
         if stopped or len(r.output) >= s.max_new_tokens:

@@ -24,12 +24,15 @@ import socket
 import ssl
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Annotated
 
+import jinja2.exceptions
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..errors import Gpt2ffnError
 from ..loading import resolve_device
@@ -46,6 +49,7 @@ from .protocol import (
     DetokenizeResponse,
     ErrorResponse,
     Health,
+    ModelCard,
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
@@ -119,8 +123,17 @@ async def metrics(svc: ServiceDep):
 async def models(svc: ServiceDep):
     if not svc.ready.is_set():  # its name and context are known once it has loaded
         return loading()
-    return {"object": "list", "data": [{"id": svc.name, "object": "model", "created": 0, "owned_by": "gpt2ffn",
-                                        "max_model_len": svc.max_len}]}
+    return {"object": "list", "data": [card(svc)]}
+
+
+def card(svc: Service) -> dict:
+    return {"id": svc.name, "object": "model", "created": 0, "owned_by": "gpt2ffn", "max_model_len": svc.max_len}
+
+
+@router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
+async def model_card(model: str, svc: ServiceDep):
+    """OpenAI's models.retrieve: this server's one model, by its name."""
+    return unready(svc, model) or card(svc)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
@@ -175,8 +188,11 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
     bad = unready(svc, body.model)
     if bad is not None:
         return bad
-    text = svc.template.render(messages=[m.model_dump() for m in body.messages], add_generation_prompt=True,
-                               bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    try:
+        text = svc.template.render(messages=[m.model_dump() for m in body.messages], add_generation_prompt=True,
+                                   bos_token="<|endoftext|>", eos_token="<|endoftext|>")
+    except jinja2.exceptions.TemplateError as e:  # the template's raise_exception, or a value it cannot render
+        return refuse(svc, 400, f"messages: the chat template refused them: {e}", param="messages")
     max_tokens = body.max_completion_tokens or body.max_tokens
     if max_tokens is None:
         max_tokens = max(1, svc.max_len - len(svc.tok.encode(text)))
@@ -252,16 +268,21 @@ class Answer:
         self.svc, self.request, self.reqs, self.box, self.left = svc, request, reqs, box, len(reqs)
         self.failed = None   # the error response, once there is one
         self.done = False    # the whole answer went out
+        self.asked = time.monotonic()  # when the connection was last asked whether the client is still there
 
     async def next(self):
         """The pairs that came since the last call (waiting for at least one); [] once every request finished;
         or an error response (after the pairs that came before it): 499 when the client left, 500 when the
-        engine failed."""
+        engine failed. Whether the client left is asked every 0.25 s, tokens coming or not (a non-streamed
+        answer sends nothing until the end, so only asking tells)."""
         while self.left and self.failed is None:
             items = await self.box.take(0.25)
-            if not items:
+            if not items or time.monotonic() - self.asked >= 0.25:
+                self.asked = time.monotonic()
                 if await self.request.is_disconnected():
                     self.failed = refuse(self.svc, 499, "client closed the request")
+                    continue
+            if not items:
                 continue
             for k, (_, ev) in enumerate(items):
                 if ev.finish_reason == "error":
@@ -448,11 +469,30 @@ async def invalid(request: Request, exc: RequestValidationError):
     """A body that does not fit the protocol: 400 naming the first field at fault."""
     first = exc.errors()[0]
     where = [str(p) for p in first.get("loc", ()) if p != "body"]
-    message = first.get("msg", "invalid request")
-    if first.get("type") == "json_invalid":
-        message = "the request body is not valid JSON"
+    message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    if first.get("type") == "json_invalid":  # its loc is the byte offset, not a field
+        at, where = where, []
+        message = f"the request body is not valid JSON (at byte {at[0]})" if at else "the request body is not valid JSON"
+    elif not where and "json" not in request.headers.get("content-type", ""):
+        message = (f"the request body must be a JSON object sent with Content-Type: application/json (curl: -H "
+                   f"'Content-Type: application/json'); got {request.headers.get('content-type') or 'none'}")
     return refuse(request.app.state.service, 400, f"{'.'.join(where) + ': ' if where else ''}{message}",
                   param=".".join(where) or None)
+
+
+async def http_error(request: Request, exc: StarletteHTTPException):
+    """404, 405 and the like (a route or method that does not exist, a body that cannot be parsed) in OpenAI's
+    error shape, as every other error."""
+    detail = exc.detail if isinstance(exc.detail, str) else "error"
+    kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    return refuse(request.app.state.service, exc.status_code, f"{detail}: {request.method} {request.url.path}",
+                  kind=kind, headers=getattr(exc, "headers", None))
+
+
+async def crashed(request: Request, exc: Exception):
+    """A bug: 500 in OpenAI's shape (JSON, counted), not a plain-text page. The traceback goes to the log."""
+    return refuse(request.app.state.service, 500, f"internal error: {type(exc).__name__}: {exc}".splitlines()[0],
+                  kind="server_error")
 
 
 def create_app(svc: Service, max_body: int = MAX_BODY, api_keys=(), metrics_public: bool = False) -> FastAPI:
@@ -463,6 +503,8 @@ def create_app(svc: Service, max_body: int = MAX_BODY, api_keys=(), metrics_publ
     app.state.api_keys, app.state.metrics_public = [digest(k) for k in api_keys], metrics_public
     app.add_middleware(Gate)
     app.add_exception_handler(RequestValidationError, invalid)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, crashed)
     app.include_router(router)
     return app
 
@@ -544,13 +586,16 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         raise Gpt2ffnError(f"--kv-cache-fraction must be in (0, 1], got {kv_fraction!r}")
     # uvicorn counts the connection asking among its connections: --limit-concurrency 1 would refuse everything
     for flag, value, least, most in (("--max-model-len", max_model_len, 1, None), ("--max-n", max_n, 1, MAX_CHOICES),
-                                     ("--limit-concurrency", limit_concurrency, 2, None)):
+                                     ("--limit-concurrency", limit_concurrency, 2, None),
+                                     ("--max-batch", max_batch, 1, None), ("--max-waiting", max_waiting, 0, None),
+                                     ("--threads", threads, 1, None)):
         if value is not None and not least <= value <= (most or value):
             raise Gpt2ffnError(f"{flag} must be in [{least}, {most or 'inf'}], got {value}")
     if not graph_seconds >= 0:
         raise Gpt2ffnError(f"--cuda-graph-seconds must be >= 0, got {graph_seconds}")
     api_keys = check_keys(api_keys)
     check_tls(ssl_certfile, ssl_keyfile)
+    sock = listen(host, port) if rank == 0 else None  # bound before anything loads: a port in use is one line
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
                   dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,
                   skip_tokenizer)
@@ -565,6 +610,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         print(f"warning: serving on {host} without an API key: anyone who can reach port {port} can use it "
               "(give --api-key KEY or set GPT2FFN_API_KEY)", file=sys.stderr, flush=True)
     scheme = "https" if ssl_certfile else "http"
+    port = sock.getsockname()[1]  # --port 0: the one the system gave
     print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on {scheme}://{host}:{port} "
           f"(OpenAPI: /docs, /openapi.json; {len(api_keys) or 'no'} API key{'s' * (len(api_keys) != 1)})",
           flush=True)
@@ -578,6 +624,25 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # uvloop and httptools where installed (the serve extra), except that TLS keeps asyncio's loop: uvloop has its
     # own TLS shutdown wait (30 s), which SSL_SHUTDOWN_TIMEOUT above does not reach
-    uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
-                ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, limit_concurrency=limit_concurrency,
-                loop="asyncio" if ssl_certfile else "auto")
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
+                            ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, limit_concurrency=limit_concurrency,
+                            loop="asyncio" if ssl_certfile else "auto")
+    uvicorn.Server(config).run(sockets=[sock])
+
+
+def listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound (uvicorn listens on it): a host that does not resolve or a port in use is a
+    Gpt2ffnError here, before the model loads (uvicorn's own bind failed after it had started loading)."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as e:
+        raise Gpt2ffnError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise Gpt2ffnError(f"cannot listen on {host}:{port}: {e.strerror}") from None
+    return sock

@@ -6,14 +6,51 @@ Nothing here knows HTTP or the engine.
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
-class SamplingFields(BaseModel):
+def _lone_surrogate(v):
+    """The first lone surrogate in v's strings (JSON's "\\ud800" parses to one; it is not Unicode text), else None."""
+    if isinstance(v, str):
+        try:
+            v.encode("utf-8")
+        except UnicodeEncodeError as e:
+            return v[e.start]
+        return None
+    items = list(v.items()) if isinstance(v, dict) else v if isinstance(v, list) else ()
+    for item in items:
+        for x in item if isinstance(v, dict) else (item,):
+            found = _lone_surrogate(x)
+            if found is not None:
+                return found
+    return None
+
+
+class Body(BaseModel):
+    """A request body: null for a field with a default means that default (OpenAI documents its optional
+    fields as nullable; vLLM takes null), and text must be Unicode (no lone surrogate)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _null_is_default(cls, v, info: ValidationInfo):
+        field = cls.model_fields[info.field_name]
+        return field.default if v is None and field.default is not None and not field.is_required() else v
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _unicode(cls, v):
+        bad = _lone_surrogate(v)
+        if bad is not None:
+            raise ValueError(f"holds a lone surrogate (U+{ord(bad):04X}), which is not Unicode text")
+        return v
+
+
+class SamplingFields(Body):
     """What completions and chat share: OpenAI's sampling fields and the common extras of vLLM and
     llama-server. Other fields are refused by name."""
 
-    model_config = ConfigDict(extra="forbid")
     model: str
     max_tokens: int | None = Field(None, ge=0, le=4096)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
@@ -49,10 +86,11 @@ class CompletionRequest(SamplingFields):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=128, description="candidates generated per prompt; the n of "
                                 "highest cumulative log-prob come back (not streamed; capped by --max-n)")
+    suffix: str | None = Field(None, description="OpenAI's insertion text: refused unless empty (GPT-2 has no "
+                               "fill-in-the-middle), as vLLM refuses it")
 
 
-class Message(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class Message(Body):
     role: str
     content: str
     name: str | None = None
@@ -63,7 +101,7 @@ class ChatRequest(SamplingFields):
     max_completion_tokens: int | None = Field(None, ge=1, le=4096)
 
 
-class TokenizeRequest(BaseModel):
+class TokenizeRequest(Body):
     model_config = ConfigDict(extra="allow")
     prompt: str | None = None
     content: str | None = None  # llama-server's name

@@ -66,6 +66,11 @@ class Sampling:
                 self.frequency_penalty == 0 and self.repetition_penalty == 1 and self.min_tokens == 0)
 
 
+# A logit a repetition penalty moves stays within +-1e20: a legal extreme (1e-300, 0 in float32) would make it
+# inf, and a row with inf in it samples NaN; at 1e20 the penalized tokens tie and the sampler picks among them.
+PENALIZED = 1e20
+
+
 def pick(logits, s: Sampling, generator):
     """(B, V) logits -> (B,) next ids, after temperature, top-k and top-p: the plain reference of one Sampling
     for every row (torch.multinomial); the engine samples a batch of Samplings with next_tokens."""
@@ -90,7 +95,8 @@ def adjust(logits, s: Sampling, prompt: list, output: list):
     if s.repetition_penalty != 1 and (prompt or output):
         seen = torch.tensor(sorted(set(prompt) | set(output)))
         v = logits[seen]
-        logits[seen] = torch.where(v > 0, v / s.repetition_penalty, v * s.repetition_penalty)
+        pen = torch.tensor(s.repetition_penalty)
+        logits[seen] = torch.where(v > 0, v / pen, v * pen).clamp_(-PENALIZED, PENALIZED)
     if output and (s.presence_penalty or s.frequency_penalty):
         ids, counts = torch.tensor(output).unique(return_counts=True)
         logits[ids] -= s.frequency_penalty * counts.float() + s.presence_penalty
@@ -279,7 +285,7 @@ def adjust_batch(x, requests):
         rows = torch.tensor(rep, device=dev)[:, None].expand_as(ids)
         pen = torch.tensor([requests[i].params.repetition_penalty for i in rep], device=dev)[:, None]
         v = x[rows, ids]
-        x[rows, ids] = torch.where(v > 0, v / pen, v * pen)
+        x[rows, ids] = torch.where(v > 0, v / pen, v * pen).clamp_(-PENALIZED, PENALIZED)
     pf = [i for i, r in enumerate(requests) if r.output and (r.params.presence_penalty or r.params.frequency_penalty)]
     if pf:  # every generated id: minus frequency x its count + presence
         gen = [history(requests[i])[len(requests[i].prompt):] for i in pf]

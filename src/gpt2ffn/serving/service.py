@@ -6,6 +6,7 @@ into an error response by serving/http.py.
 """
 
 import os
+import re
 import sys
 import threading
 import time
@@ -46,10 +47,7 @@ class Service:
         self.skip_tokenizer = skip_tokenizer  # token ids in and out (vLLM's --skip-tokenizer-init): tok is None
         self.template = None
         if chat_template:
-            import jinja2.sandbox
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-            with open(chat_template) as f:
-                self.template = env.from_string(f.read())
+            self.template = load_template(chat_template)
         self.model = self.tok = self.name = self.engine = self.loop = None
         self.ready = threading.Event()
         self.metrics = Metrics()
@@ -152,8 +150,11 @@ class Service:
         if body.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
         bias = {}
+        if getattr(body, "suffix", None):
+            raise BadRequest("suffix is not supported: GPT-2 has no fill-in-the-middle (vLLM refuses it too)",
+                             "suffix")
         for key, value in (body.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < cfg.vocab_size:
+            if not re.fullmatch(r"-?[0-9]+", key) or not 0 <= int(key) < cfg.vocab_size:  # ASCII digits only
                 raise BadRequest(f"logit_bias: key {key!r} is not a token id in [0, {cfg.vocab_size})", "logit_bias")
             if not -100 <= value <= 100:
                 raise BadRequest(f"logit_bias: value {value} for token {key} is outside [-100, 100]", "logit_bias")
@@ -223,6 +224,28 @@ class Offsets:
         return out
 
 
+def load_template(path):
+    """A chat template as HF's apply_chat_template runs one: a sandbox with raise_exception and strftime_now (HF
+    templates call them: raise_exception checks the roles alternate). A template that does not parse is a
+    Gpt2ffnError naming its line."""
+    import datetime
+
+    import jinja2.sandbox
+
+    def raise_exception(message):
+        raise jinja2.exceptions.TemplateError(message)
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+    env.globals.update(raise_exception=raise_exception,
+                       strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
+    try:
+        with open(path) as f:
+            return env.from_string(f.read())
+    except jinja2.exceptions.TemplateSyntaxError as e:
+        raise Gpt2ffnError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise Gpt2ffnError(f"--chat-template {path}: cannot read it: {e}") from None
+
+
 class Choices:
     """The choices of one API request as their Tokens arrive (prompt-major, best_of or n candidates per prompt),
     and the OpenAI objects made of them: the whole response, or its stream chunks."""
@@ -233,7 +256,7 @@ class Choices:
         n = self.n = len(samplings)
         self.per_prompt, self.keep = n // len(prompts), body.n
         self.cumulative = [0.0] * n                # sum of the generated tokens' log-probs (ranks best_of)
-        self.prompt_tokens = sum(len(prompts[c // self.per_prompt]) for c in range(n))
+        self.prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n or best_of (as OpenAI, vLLM)
         self.want_lp = not chat and body.logprobs is not None
         no_tok = svc.tok is None
         self.want_ids = no_tok if body.return_token_ids is None else body.return_token_ids
