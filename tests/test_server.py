@@ -999,3 +999,28 @@ def test_a_port_in_use_or_a_bad_host_is_one_line(capsys):
     for flag, value in (("--max-batch", "0"), ("--max-waiting", "-1"), ("--threads", "0")):
         assert main(["serve", "--model", "random:tiny", flag, value]) == 2
         assert capsys.readouterr().err.startswith(f"error: {flag} must be in [")
+
+
+def test_defaults_fit_the_context_and_chat_takes_content_parts(server, client):
+    """max_tokens not sent: OpenAI's 16 (completions) or the room left (chat), never more than the context has
+    room for; one too large names the context, not a schema bound; chat content as OpenAI's text parts or null."""
+    m = server.model
+    long = [1] * 120  # the tiny model's context is 128: 8 positions left
+    r = post(server, prompt=long, temperature=0)
+    assert 1 <= r["usage"]["completion_tokens"] <= 8  # OpenAI's 16 cut to the room left, not a 400
+    r = httpx.post(server.url + "/v1/completions", json={"model": m, "prompt": [1] * 128})
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    assert "leaves no room for a new token" in r.json()["error"]["message"]
+    r = httpx.post(server.url + "/v1/completions", json={"model": m, "prompt": "hi", "max_tokens": 100000})
+    assert r.status_code == 400 and r.json()["error"]["message"] == \
+        "max_tokens (100000) exceeds the model's context of 128 tokens"
+    parts = client.chat.completions.create(model=m, max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": [{"type": "text", "text": "Hello "}, {"type": "text", "text": "world"}]},
+        {"role": "assistant", "content": None}, {"role": "user", "content": "again"}])
+    plain = client.chat.completions.create(model=m, max_tokens=4, temperature=0, messages=[
+        {"role": "user", "content": "Hello world"}, {"role": "assistant", "content": ""},
+        {"role": "user", "content": "again"}])
+    assert parts.choices[0].message.content == plain.choices[0].message.content
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": m, "max_tokens": 0,
+                                                              "messages": [{"role": "user", "content": "hi"}]})
+    assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be at least 1"

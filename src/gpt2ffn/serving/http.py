@@ -170,8 +170,7 @@ async def completions(body: CompletionRequest, request: Request, svc: ServiceDep
         return bad
     try:
         prompts = svc.prompts(body.prompt)
-        samplings = svc.sampling(body, prompts, 16 if body.max_tokens is None else body.max_tokens,
-                                 body.logprobs, body.echo)
+        samplings = svc.sampling(body, prompts, body.max_tokens, body.logprobs, body.echo, default=16)
     except BadRequest as e:
         return refuse(svc, e.status, str(e), param=e.param, code=e.code)
     echo = [svc.tok.decode(p) if svc.tok is not None else "" for p in prompts] if body.echo else None
@@ -189,16 +188,13 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
     if bad is not None:
         return bad
     try:
-        text = svc.template.render(messages=[m.model_dump() for m in body.messages], add_generation_prompt=True,
+        text = svc.template.render(messages=[m.for_template() for m in body.messages], add_generation_prompt=True,
                                    bos_token="<|endoftext|>", eos_token="<|endoftext|>")
     except jinja2.exceptions.TemplateError as e:  # the template's raise_exception, or a value it cannot render
         return refuse(svc, 400, f"messages: the chat template refused them: {e}", param="messages")
-    max_tokens = body.max_completion_tokens or body.max_tokens
-    if max_tokens is None:
-        max_tokens = max(1, svc.max_len - len(svc.tok.encode(text)))
     try:
         prompts = svc.prompts(text)
-        samplings = svc.sampling(body, prompts, max_tokens)
+        samplings = svc.sampling(body, prompts, body.max_completion_tokens or body.max_tokens)
     except BadRequest as e:
         return refuse(svc, e.status, str(e), param=e.param, code=e.code)
     return await respond(svc, request, body.stream, prompts, samplings, Choices(svc, body, prompts, samplings,

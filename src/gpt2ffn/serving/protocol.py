@@ -52,7 +52,8 @@ class SamplingFields(Body):
     llama-server. Other fields are refused by name."""
 
     model: str
-    max_tokens: int | None = Field(None, ge=0, le=4096)
+    max_tokens: int | None = Field(None, ge=0, description="at most the context less the prompt (checked by "
+                                   "the server: a 400 context_length_exceeded)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
     top_k: int = Field(-1, ge=-1, description="-1 or 0: off (vLLM, llama-server)")
@@ -90,15 +91,26 @@ class CompletionRequest(SamplingFields):
                                "fill-in-the-middle), as vLLM refuses it")
 
 
+class TextPart(Body):
+    type: Literal["text"]
+    text: str
+
+
 class Message(Body):
     role: str
-    content: str
+    content: str | list[TextPart] | None = Field(description="text, or OpenAI's content parts (text ones); null "
+                                                 "for an assistant turn that called a tool")
     name: str | None = None
+
+    def for_template(self) -> dict:
+        """What a chat template reads: role, name and the content as one string (parts joined, null empty)."""
+        text = "".join(p.text for p in self.content) if isinstance(self.content, list) else self.content or ""
+        return {"role": self.role, "content": text, **({"name": self.name} if self.name is not None else {})}
 
 
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1, le=4096)
+    max_completion_tokens: int | None = Field(None, ge=1)
 
 
 class TokenizeRequest(Body):

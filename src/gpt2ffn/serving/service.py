@@ -121,9 +121,24 @@ class Service:
             out.append(ids)
         return out
 
-    def sampling(self, body: SamplingFields, prompts: list, max_tokens: int, logprobs=None, echo=False) -> list:
-        """One Sampling per candidate (prompt-major, best_of or n per prompt); candidate j gets seed + j."""
+    def sampling(self, body: SamplingFields, prompts: list, max_tokens: int | None, logprobs=None, echo=False,
+                 default: int | None = None) -> list:
+        """One Sampling per candidate (prompt-major, best_of or n per prompt); candidate j gets seed + j.
+        max_tokens None (not sent): `default` (completions: OpenAI's 16), or what the context has room for
+        (chat, vLLM's), at most that room: a default never makes a request too long."""
         cfg = self.model.config
+        longest = max(len(p) for p in prompts)
+        limit = (f"the model's context of {self.max_len} tokens" if self.max_len == cfg.n_positions else
+                 f"this server's --max-model-len of {self.max_len} tokens")
+        if max_tokens is None:
+            room = self.max_len - longest
+            if room < 1:
+                raise BadRequest(f"prompt ({longest} tokens) leaves no room for a new token in {limit}", "prompt",
+                                 code="context_length_exceeded")
+            max_tokens = room if default is None else min(default, room)
+        elif max_tokens > self.max_len:
+            raise BadRequest(f"max_tokens ({max_tokens}) exceeds {limit}", "max_tokens",
+                             code="context_length_exceeded")
         stop = [body.stop] if isinstance(body.stop, str) else list(body.stop or [])
         if len(stop) > 4 or any(not s for s in stop):
             raise BadRequest("stop must be up to 4 non-empty strings", "stop")
@@ -146,7 +161,8 @@ class Service:
             raise BadRequest(f"{len(prompts)} prompts x {'best_of' if best_of > body.n else 'n'}={best_of} exceed "
                              f"{MAX_CHOICES} choices per request", "n")
         if max_tokens == 0 and not echo:
-            raise BadRequest("max_tokens 0 needs echo: true (the prompt's own log-probs)", "max_tokens")
+            raise BadRequest("max_tokens 0 needs echo: true (the prompt's own log-probs)" if hasattr(body, "echo")
+                             else "max_tokens must be at least 1", "max_tokens")
         if body.min_tokens > max_tokens:
             raise BadRequest(f"min_tokens ({body.min_tokens}) exceeds max_tokens ({max_tokens})", "min_tokens")
         bias = {}
@@ -159,10 +175,7 @@ class Service:
             if not -100 <= value <= 100:
                 raise BadRequest(f"logit_bias: value {value} for token {key} is outside [-100, 100]", "logit_bias")
             bias[int(key)] = value
-        longest = max(len(p) for p in prompts)
         if longest + max_tokens > self.max_len:
-            limit = (f"the model's context of {self.max_len} tokens" if self.max_len == cfg.n_positions else
-                     f"this server's --max-model-len of {self.max_len} tokens")
             raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) = {longest + max_tokens} "
                              f"exceeds {limit}", "max_tokens", code="context_length_exceeded")
         # best_of: each token's log-prob ranks the candidates (the response shows them only if asked: want_lp)
