@@ -1024,3 +1024,31 @@ def test_defaults_fit_the_context_and_chat_takes_content_parts(server, client):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": m, "max_tokens": 0,
                                                               "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be at least 1"
+
+
+def test_chat_logprobs_in_openais_shape(server, client):
+    """logprobs / top_logprobs on chat: choices[].logprobs.content, one entry per token with its text, bytes
+    (joined: the answer's UTF-8) and top ones; equal to the completions' log-probs of the rendered prompt, and
+    a stream's chunks joined equal the whole answer's."""
+    m, messages = server.model, [{"role": "user", "content": "hi"}]
+    r = client.chat.completions.create(model=m, messages=messages, max_tokens=6, temperature=0, logprobs=True,
+                                       top_logprobs=2)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens and all(len(e.top_logprobs) == 2 for e in content)
+    assert all(e.top_logprobs[0].logprob >= e.top_logprobs[1].logprob and e.logprob <= 0 for e in content)
+    assert b"".join(bytes(e.bytes) for e in content).decode("utf-8", "replace") == r.choices[0].message.content
+    done = client.completions.create(model=m, prompt="user: hi\nassistant:",  # what CHAT_TEMPLATE renders
+                                     max_tokens=6, temperature=0, logprobs=2)
+    assert [e.logprob for e in content] == pytest.approx(done.choices[0].logprobs.token_logprobs, abs=1e-6)
+    chunks = list(client.chat.completions.create(model=m, messages=messages, max_tokens=6, temperature=0,
+                                                 logprobs=True, top_logprobs=2, stream=True))
+    streamed = [e for ch in chunks for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain = client.chat.completions.create(model=m, messages=messages, max_tokens=2, temperature=0,
+                                           response_format={"type": "text"}, parallel_tool_calls=False)
+    assert plain.choices[0].logprobs is None
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": m, "messages": messages,
+                                                              "response_format": {"type": "json_object"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
+    bad = httpx.post(server.url + "/v1/chat/completions", json={"model": m, "messages": messages, "top_logprobs": 2})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"

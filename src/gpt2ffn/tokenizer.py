@@ -22,6 +22,9 @@ def bytes_to_unicode() -> dict:
     return dict(zip(bs, map(chr, cs)))
 
 
+UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
+
+
 class ByteTokenizer:
     """Each UTF-8 byte is one token: GPT-2's single-byte token for it. Ids >= 256 decode as [id]."""
 
@@ -33,6 +36,10 @@ class ByteTokenizer:
 
     def encode(self, text: str) -> list:
         return [self.byte_to_id[b] for b in text.encode("utf-8")]
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (OpenAI's logprobs `bytes`): part of a character for some."""
+        return bytes([self.id_to_byte[i]]) if i in self.id_to_byte else f"[{i}]".encode()
 
     def decode(self, ids) -> str:
         out, pending = [], bytearray()
@@ -56,6 +63,14 @@ class HFTokenizer:
 
     def encode(self, text: str) -> list:
         return self.tok.encode(text).ids
+
+    def token_bytes(self, i: int) -> bytes:
+        """The bytes token i stands for (OpenAI's logprobs `bytes`): a byte-level token's own bytes (part of a
+        character for some), else its text's UTF-8."""
+        piece = self.tok.id_to_token(i)
+        if self.additive and piece is not None and all(c in UNICODE_TO_BYTE for c in piece):
+            return bytes(UNICODE_TO_BYTE[c] for c in piece)
+        return self.decode([i]).encode("utf-8")
 
     def decode(self, ids) -> str:
         return self.tok.decode(list(ids))

@@ -106,7 +106,7 @@ def unready(svc: Service, model: str):
 @router.get("/health", response_model=Health, responses={503: {"model": ErrorResponse}})
 async def health(svc: ServiceDep):
     if not svc.ready.is_set():
-        return error(503, "loading the model", kind="unavailable")
+        return loading()
     running, waiting, _ = svc.engine.counts()
     return {"status": "ok", "model": svc.name, "running": running, "waiting": waiting}
 
@@ -194,7 +194,14 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
         return refuse(svc, 400, f"messages: the chat template refused them: {e}", param="messages")
     try:
         prompts = svc.prompts(text)
-        samplings = svc.sampling(body, prompts, body.max_completion_tokens or body.max_tokens)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise BadRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        kind = (body.response_format or {}).get("type", "text")
+        if kind != "text":
+            raise BadRequest(f"response_format {kind!r} is not supported: this server decodes without a grammar "
+                             "(only 'text')", "response_format")
+        samplings = svc.sampling(body, prompts, body.max_completion_tokens or body.max_tokens,
+                                 (body.top_logprobs or 0) if body.logprobs else None)
     except BadRequest as e:
         return refuse(svc, e.status, str(e), param=e.param, code=e.code)
     return await respond(svc, request, body.stream, prompts, samplings, Choices(svc, body, prompts, samplings,

@@ -110,6 +110,11 @@ class Message(Body):
 
 class ChatRequest(SamplingFields):
     messages: list[Message] = Field(min_length=1)
+    logprobs: bool = Field(False, description="each generated token's log-prob (choices[].logprobs.content)")
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="with logprobs: this many likeliest tokens "
+                                     "at each position")
+    response_format: dict | None = Field(None, description="OpenAI's: {'type': 'text'} only (no grammar here)")
+    parallel_tool_calls: bool | None = Field(None, description="OpenAI's: accepted; there are no tools")
     max_completion_tokens: int | None = Field(None, ge=1)
 
 
@@ -179,6 +184,8 @@ class ChatMessage(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessage
+    logprobs: dict | None = Field(None, description="with logprobs: {content: [{token, logprob, bytes, "
+                                  "top_logprobs}]}, OpenAI's chat shape")
     finish_reason: str | None = None
     token_ids: list[int] | None = Field(None, description="with return_token_ids: the generated ids")
 

@@ -270,7 +270,7 @@ class Choices:
         self.per_prompt, self.keep = n // len(prompts), body.n
         self.cumulative = [0.0] * n                # sum of the generated tokens' log-probs (ranks best_of)
         self.prompt_tokens = sum(len(p) for p in prompts)  # once per prompt, whatever n or best_of (as OpenAI, vLLM)
-        self.want_lp = not chat and body.logprobs is not None
+        self.want_lp = bool(body.logprobs) if chat else body.logprobs is not None
         no_tok = svc.tok is None
         self.want_ids = no_tok if body.return_token_ids is None else body.return_token_ids
         self.lp_ids = not chat and (no_tok if body.return_tokens_as_token_ids is None else body.return_tokens_as_token_ids)
@@ -284,7 +284,7 @@ class Choices:
         self.lps = [[] for _ in range(n)]
         self.tops = [[] for _ in range(n)]
         self.streamed = [0] * n                    # entries of shown[c] a stream's chunks have carried
-        self.offsets = [Offsets(svc.tok) for _ in range(n)] if self.want_lp else None  # a stream's text_offsets
+        self.offsets = [Offsets(svc.tok) for _ in range(n)] if self.want_lp and not chat else None  # text_offsets
 
     def collect(self, c: int, ev) -> str:
         """Take one Token of choice c; return the text it adds (the echoed prompt first, when asked)."""
@@ -330,6 +330,7 @@ class Choices:
         """The whole answer: a completion or a chat completion, with usage."""
         if self.chat:
             choices = [{"index": i, "message": {"role": "assistant", "content": self.texts[c]},
+                        "logprobs": self.chat_logprobs(c) if self.want_lp else None,
                         "finish_reason": self.finish[c], **self.ids(c, prompt=False)}
                        for i, c in enumerate(self.kept())]
             return {**self.head("chat.completion", choices, self.usage()), **self.prompt_ids()}
@@ -339,6 +340,18 @@ class Choices:
                     if self.want_lp else None, **self.ids(c)}
                    for i, c in enumerate(self.kept())]
         return self.head("text_completion", choices, self.usage())
+
+    def chat_logprobs(self, c: int, start: int = 0) -> dict:
+        """OpenAI's chat logprobs of choice c's tokens from `start`: {content: [{token, logprob, bytes,
+        top_logprobs: [{token, logprob, bytes}]}]}, of the raw distribution (as the completions' are)."""
+        tok = self.svc.tok
+
+        def entry(t, lp):
+            raw = tok.token_bytes(t) if tok is not None else f"token_id:{t}".encode()
+            return {"token": tok.decode([t]) if tok is not None else f"token_id:{t}", "logprob": lp,
+                    "bytes": list(raw)}
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(i, v) for i, v in zip(*top)]}
+                            for t, lp, top in zip(self.shown[c][start:], self.lps[c][start:], self.tops[c][start:])]}
 
     def ids(self, c: int, start: int = 0, prompt: bool = True) -> dict:
         """With return_token_ids: choice c's generated ids from `start` (and its prompt's ids), else nothing."""
@@ -365,7 +378,10 @@ class Choices:
         for c, evs in by_choice.items():
             text = "".join(self.collect(c, ev) for ev in evs)
             lp, done = None, self.streamed[c]
-            if self.want_lp and len(self.shown[c]) > done:  # offsets in the decoded ids shown before these
+            if self.chat and self.want_lp and len(self.shown[c]) > done:
+                lp = self.chat_logprobs(c, done)
+                self.streamed[c] = len(self.shown[c])
+            elif self.want_lp and len(self.shown[c]) > done:  # offsets in the decoded ids shown before these
                 lp = self.svc.logprobs(self.shown[c][done:], self.lps[c][done:], self.tops[c][done:],
                                        self.offsets[c].of(self.shown[c], done), self.lp_ids)
                 self.streamed[c] = len(self.shown[c])
@@ -378,7 +394,7 @@ class Choices:
             self.sent_ids[c], self.id_chunks[c] = len(self.gen[c]), True
             if self.chat:
                 delta = {"index": c, "delta": {"content": text} if text or not finish else {},
-                         "finish_reason": finish, **ids}
+                         **({"logprobs": lp} if self.want_lp else {}), "finish_reason": finish, **ids}
             else:
                 delta = {"index": c, "text": text, "logprobs": lp, "finish_reason": finish, **ids}
             out.append(self.head(self.chunk_object, [delta]))
