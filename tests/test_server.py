@@ -996,6 +996,9 @@ def test_a_port_in_use_or_a_bad_host_is_one_line(capsys):
         assert capsys.readouterr().err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert main(["serve", "--model", "random:tiny", "--host", "999.1.1.1"]) == 2
     assert capsys.readouterr().err.startswith("error: --host '999.1.1.1' does not resolve: ")
+    assert main(["serve", "--model", "random:tiny", "--max-model-len", "2000"]) == 2  # before "serving on"
+    out, err = capsys.readouterr()
+    assert out == "" and err == "error: --max-model-len 2000 is outside [1, 128], the model's context (n_positions)\n"
     for flag, value in (("--max-batch", "0"), ("--max-waiting", "-1"), ("--threads", "0")):
         assert main(["serve", "--model", "random:tiny", flag, value]) == 2
         assert capsys.readouterr().err.startswith(f"error: {flag} must be in [")

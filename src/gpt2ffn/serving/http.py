@@ -34,8 +34,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..config import Config
 from ..errors import Gpt2ffnError
 from ..loading import resolve_device
+from ..model import parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
 from .engine import QueueFull
@@ -598,6 +600,12 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         raise Gpt2ffnError(f"--cuda-graph-seconds must be >= 0, got {graph_seconds}")
     api_keys = check_keys(api_keys)
     check_tls(ssl_certfile, ssl_keyfile)
+    if max_model_len is not None and model_spec and (model_spec.startswith("random:") or Path(model_spec).is_dir()):
+        context = (parse_random(model_spec)[0] if model_spec.startswith("random:") else
+                   Config.from_pretrained(model_spec)).n_positions  # said now, not after "serving on"
+        if max_model_len > context:
+            raise Gpt2ffnError(f"--max-model-len {max_model_len} is outside [1, {context}], the model's context "
+                               "(n_positions)")
     sock = listen(host, port) if rank == 0 else None  # bound before anything loads: a port in use is one line
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
                   dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,
