@@ -368,9 +368,8 @@ class GPT2(nn.Module):
         top_p = 1.0 if top_p is None else top_p
         repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
         eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        if pad_token_id is None:  # HF pads with the first EOS id
-            pad_token_id = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        pad = pad_token_id
+        first_eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+        pad = first_eos if pad_token_id is None else pad_token_id  # HF pads with the first EOS id
         seed = int(torch.randint(2**62, (1,))) if do_sample else None
         new = generate(self, prompts, Sampling(max_new_tokens=max_new_tokens,
                                                temperature=temperature if do_sample else 0.0,

@@ -56,7 +56,7 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from .service import MAX_CHOICES, BadRequest, Choices, Service
+from .service import MAX_CHOICES, BadRequest, Choices, Service, check_max_len
 
 MAX_BODY = 1 << 20  # 1 MiB: a GPT-2 context is 1024 tokens, a few KiB of text
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 499, 500, 503)}
@@ -601,11 +601,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     api_keys = check_keys(api_keys)
     check_tls(ssl_certfile, ssl_keyfile)
     if max_model_len is not None and model_spec and (model_spec.startswith("random:") or Path(model_spec).is_dir()):
-        context = (parse_random(model_spec)[0] if model_spec.startswith("random:") else
-                   Config.from_pretrained(model_spec)).n_positions  # said now, not after "serving on"
-        if max_model_len > context:
-            raise Gpt2ffnError(f"--max-model-len {max_model_len} is outside [1, {context}], the model's context "
-                               "(n_positions)")
+        check_max_len(max_model_len, (parse_random(model_spec)[0] if model_spec.startswith("random:") else
+                                      Config.from_pretrained(model_spec)).n_positions)  # not after "serving on"
     sock = listen(host, port) if rank == 0 else None  # bound before anything loads: a port in use is one line
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
                   dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,

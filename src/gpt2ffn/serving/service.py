@@ -62,9 +62,7 @@ class Service:
         if self.skip_tokenizer:
             self.tok = None
         context = self.model.config.n_positions
-        if self.max_model_len is not None and not 0 < self.max_model_len <= context:
-            raise Gpt2ffnError(f"--max-model-len {self.max_model_len} is outside [1, {context}], the model's "
-                               "context (n_positions)")
+        check_max_len(self.max_model_len, context)
         self.max_len = self.max_model_len or context
         self.max_batch = self.max_batch or 64  # a 64-client load never waits
         decode = self.tok.decode if self.tok is not None else None
@@ -235,6 +233,13 @@ class Offsets:
             if i - self.anchor >= self.WINDOW and not window.endswith("\ufffd"):
                 self.anchor, self.base = i, self.base + len(window)
         return out
+
+
+def check_max_len(max_model_len, context: int):
+    """--max-model-len within the model's context (serve checks it before binding where it can read the config)."""
+    if max_model_len is not None and not 0 < max_model_len <= context:
+        raise Gpt2ffnError(f"--max-model-len {max_model_len} is outside [1, {context}], the model's context "
+                           "(n_positions)")
 
 
 def load_template(path):
