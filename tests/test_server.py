@@ -754,8 +754,8 @@ def test_sigterm_over_tls_with_an_idle_pooled_client_exits_0(secure, secure_clie
 
 @pytest.fixture(scope="module")
 def guarded(model_dir):
-    """The key from the environment, /metrics public, at most 2 connections."""
-    s = Server(model_dir, "--metrics-public", "--limit-concurrency", "2",
+    """The key from the environment, /metrics public, at most 2 connections, served as gpt2 and tiny."""
+    s = Server(model_dir, "--metrics-public", "--limit-concurrency", "2", "--served-model-name", "gpt2", "tiny",
                env={"GPT2FFN_API_KEY": "sk-from-env"})
     yield s
     s.stop()
@@ -766,6 +766,20 @@ def test_env_key_and_public_metrics(guarded):
     assert_401(httpx.get(guarded.url + "/v1/models", headers={"Authorization": f"Bearer {KEYS[0]}"}))
     assert httpx.get(guarded.url + "/v1/models", headers={"Authorization": "Bearer sk-from-env"}).status_code == 200
     assert "gpt2ffn_requests_total" in httpx.get(guarded.url + "/metrics").text  # --metrics-public: no key
+
+
+def test_served_model_names(guarded, model_dir):
+    """vLLM's --served-model-name: each name is a model a request may ask for, answered under the name it asked by;
+    the directory's own name is then not one."""
+    from openai import NotFoundError, OpenAI
+    with OpenAI(base_url=guarded.url + "/v1", api_key="sk-from-env", max_retries=0) as client:  # --limit-concurrency
+        assert guarded.model == "gpt2" and [m.id for m in client.models.list().data] == ["gpt2", "tiny"]
+        for name in ("gpt2", "tiny"):
+            assert client.models.retrieve(name).id == name
+            r = client.completions.create(model=name, prompt="the quick", max_tokens=3, temperature=0)
+            assert r.model == name and r.usage.completion_tokens == 3
+        with pytest.raises(NotFoundError, match="model 'tiny-gpt2' does not exist; this server has 'gpt2' or 'tiny'"):
+            client.completions.create(model=model_dir.name, prompt="the quick", max_tokens=3)
 
 
 def test_limit_concurrency_is_503_in_openai_shape(guarded):
@@ -844,6 +858,8 @@ def test_loopback_and_authorized():
     (["--api-key", "two words"], "--api-key: a key must be non-empty"),
     (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile '/nonexistent.pem' / --ssl-keyfile None: cannot load"),
+    (["--served-model-name", "gpt2", "gpt2"], "--served-model-name takes distinct, non-empty names, got ['gpt2', 'gpt2']"),
+    (["--served-model-name", " "], "--served-model-name takes distinct, non-empty names"),
 ])
 def test_serve_flags_refused_in_one_line(capsys, argv, message):
     assert main(["serve", "--model", "random:tiny", *argv]) == 2

@@ -282,7 +282,8 @@ def cmd_serve(args):
           ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
           max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
           kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds,
-          cuda_graphs=not args.no_cuda_graphs, skip_tokenizer=args.skip_tokenizer_init)
+          cuda_graphs=not args.no_cuda_graphs, skip_tokenizer=args.skip_tokenizer_init,
+          served_names=args.served_model_name or ())
     return _leave(args.tp)
 
 
@@ -399,6 +400,9 @@ def build_parser() -> Parser:
     p = sub.add_parser("serve", help="serve OpenAI-compatible /v1/completions over HTTP")
     p.add_argument("--model", help="HF checkpoint directory or random:<preset>[:seed]; default: "
                    "openai-community/gpt2 from the local HF cache")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="vLLM's: the names requests give as "
+                   "\"model\" (the first is listed first; answers carry the name asked by); default: the model's own "
+                   "name (a directory's name, random:<preset>:<seed>)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-batch", type=int, help="sequences decoded together (default 64; the paged KV cache "

@@ -98,8 +98,9 @@ def unready(svc: Service, model: str):
     """503 while loading, 404 for another model's name, else None."""
     if not svc.ready.is_set():
         return loading()
-    if model != svc.name:
-        return refuse(svc, 404, f"model {model!r} does not exist; this server has {svc.name!r}",
+    if model not in svc.names:
+        names = " or ".join(map(repr, svc.names))
+        return refuse(svc, 404, f"model {model!r} does not exist; this server has {names}",
                       param="model", code="model_not_found")
     return None
 
@@ -125,17 +126,17 @@ async def metrics(svc: ServiceDep):
 async def models(svc: ServiceDep):
     if not svc.ready.is_set():  # its name and context are known once it has loaded
         return loading()
-    return {"object": "list", "data": [card(svc)]}
+    return {"object": "list", "data": [card(svc, name) for name in svc.names]}
 
 
-def card(svc: Service) -> dict:
-    return {"id": svc.name, "object": "model", "created": 0, "owned_by": "gpt2ffn", "max_model_len": svc.max_len}
+def card(svc: Service, name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "gpt2ffn", "max_model_len": svc.max_len}
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
 async def model_card(model: str, svc: ServiceDep):
     """OpenAI's models.retrieve: this server's one model, by its name."""
-    return unready(svc, model) or card(svc)
+    return unready(svc, model) or card(svc, model)
 
 
 @router.post("/tokenize", response_model=TokenizeResponse, responses=ERRORS)
@@ -572,12 +573,15 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
           precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
           rank=0, api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
           max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
-          skip_tokenizer=False):
+          skip_tokenizer=False, served_names=()):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
     tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes.
     skip_tokenizer (vLLM's --skip-tokenizer-init): no tokenizer is read; prompts are token ids, and each choice
-    carries its token_ids (its text is empty)."""
+    carries its token_ids (its text is empty). served_names (vLLM's --served-model-name): the names requests may
+    give as "model", the first the one /v1/models lists first; default the loaded model's own name."""
     import uvicorn
+    if any(not name.strip() for name in served_names) or len(set(served_names)) < len(served_names):
+        raise Gpt2ffnError(f"--served-model-name takes distinct, non-empty names, got {list(served_names)}")
     if model_spec and not model_spec.startswith("random:") and not Path(model_spec).is_dir():
         raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
     if chat_template and not Path(chat_template).is_file():
@@ -606,7 +610,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     sock = listen(host, port) if rank == 0 else None  # bound before anything loads: a port in use is one line
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
                   dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,
-                  skip_tokenizer)
+                  skip_tokenizer, served_names)
     if rank != 0:
         svc.load()
         svc.engine.follow()  # returns when rank 0's engine thread stops

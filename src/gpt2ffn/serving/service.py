@@ -37,7 +37,7 @@ class Service:
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
                  chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, max_model_len=None,
                  max_n=16, tp=1, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
-                 skip_tokenizer=False):
+                 skip_tokenizer=False, served_names=()):
         self.model_spec, self.tp, self.max_batch, self.max_waiting = model_spec, tp, max_batch, max_waiting
         self.device, self.dtype, self.kv_fraction, self.activations = device, dtype, kv_fraction, activations
         self.kv_dtype, self.graph_seconds, self.cuda_graphs = kv_dtype, graph_seconds, cuda_graphs
@@ -45,10 +45,12 @@ class Service:
         self.max_len = None  # prompt + max_tokens a request may reach: --max-model-len, or the model's context
         self.batch_invariant, self.precision = batch_invariant, precision
         self.skip_tokenizer = skip_tokenizer  # token ids in and out (vLLM's --skip-tokenizer-init): tok is None
+        self.served_names = list(served_names)  # vLLM's --served-model-name: what requests may call the model
+        self.names = []  # the names a request's "model" may be: served_names, else the loaded model's own name
         self.template = None
         if chat_template:
             self.template = load_template(chat_template)
-        self.model = self.tok = self.name = self.engine = self.loop = None
+        self.model = self.tok = self.name = self.loaded = self.engine = self.loop = None
         self.ready = threading.Event()
         self.metrics = Metrics()
 
@@ -59,6 +61,9 @@ class Service:
         self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device, self.tp,
                                                self.activations, self.kv_dtype,
                                                need_tokenizer=not self.skip_tokenizer)
+        self.loaded = self.name
+        self.names = self.served_names or [self.name]
+        self.name = self.names[0]  # the one /v1/models and /health give
         if self.skip_tokenizer:
             self.tok = None
         context = self.model.config.n_positions
@@ -80,7 +85,8 @@ class Service:
         try:
             self.load()
             cache = self.engine.cache
-            print(f"gpt2ffn: {self.name} loaded on {self.engine.device} ({self.model.transformer.wte.weight.dtype}), "
+            served = f" (served as {', '.join(map(repr, self.names))})" if self.served_names else ""
+            print(f"gpt2ffn: {self.loaded}{served} loaded on {self.engine.device} ({self.model.transformer.wte.weight.dtype}), "
                   f"ready (max batch {self.max_batch}, max waiting {self.max_waiting}, KV cache "
                   f"{cache.num_blocks * cache.block_size} positions, max model len {self.max_len}, max n {self.max_n}"
                   f"{', batch-invariant' if self.batch_invariant else ''}"
@@ -270,6 +276,7 @@ class Choices:
 
     def __init__(self, svc: Service, body, prompts: list, samplings: list, echo_text=None, chat=False):
         self.svc, self.chat, self.echo = svc, chat, echo_text
+        self.model = body.model  # one of the served names: answered with the name it was asked by, as vLLM does
         self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         n = self.n = len(samplings)
         self.per_prompt, self.keep = n // len(prompts), body.n
@@ -319,7 +326,7 @@ class Choices:
                 "total_tokens": self.prompt_tokens + done}
 
     def head(self, obj: str, choices: list, usage=None) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.svc.name, "choices": choices,
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
                 **({"usage": usage} if usage else {})}
 
     def kept(self) -> list:
