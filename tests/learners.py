@@ -300,6 +300,14 @@ MUTANTS = {
     "dropout": (NANOGPT, "att = self.attn_dropout(att)", "att = F.dropout(att, 0.1)  # training=True by default"),
     "qkv_bias_missing": (BOOK, 'qkv_bias=cfg["qkv_bias"])', "qkv_bias=False)"),
     "gelu_exact": (BOOK, "return self.layers(x)", "return self.layers[2](F.gelu(self.layers[0](x)))"),
+    "mask_off_by_one": (NANOGPT, "self.bias[:, :, :T, :T] == 0", "torch.ones(T, T).tril(diagonal=1) == 0"),
+    "heads_interleaved": (NANOGPT, "".join(f"        {t} = {t}.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)"
+                                           f"{'  # (B, nh, T, hs)' if t == 'k' else ''}\n" for t in "kqv"),
+                          "".join(f"        {t} = {t}.view(B, T, C // self.n_head, self.n_head).permute(0, 3, 1, 2)\n"
+                                  for t in "kqv")),
+    "positions_from_1": (BOOK, "torch.arange(seq_len, device=in_idx.device)",
+                         "torch.arange(1, seq_len + 1, device=in_idx.device)"),
+    "logits_without_ln_f": (NANOGPT, "        x = self.transformer.ln_f(x)\n", ""),
 }
 
 

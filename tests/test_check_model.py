@@ -7,8 +7,9 @@ import textwrap
 import pytest
 import torch
 
-from gpt2ffn.check_model import MISTAKES, block_forward, reference
+from gpt2ffn.check_model import reference
 from gpt2ffn.cli import main
+from gpt2ffn.diagnose import MISTAKES, MODEL_MISTAKES, block_forward
 from gpt2ffn.tolerances import GOLDEN_ATOL
 from learners import BOOK, HF, MINGPT, MUTANTS, NANOGPT, plant
 
@@ -55,7 +56,8 @@ FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "at
          "softmax_axis": "attn_probs", "ln_unbiased": "ln_1", "ln_eps_1e-06": "ln_1", "post_norm": "ln_1",
          "no_resid_attn": "attn_resid", "no_resid_mlp": "block",
          "positions_not_added": "embeddings", "attn_c_proj_not_transposed": "attn_resid",
-         "dropout": "attn_out", "qkv_bias_missing": "q", "gelu_exact": "gelu"}
+         "dropout": "attn_out", "qkv_bias_missing": "q", "gelu_exact": "gelu", "mask_off_by_one": "attn_probs",
+         "heads_interleaved": "attn_probs", "positions_from_1": "embeddings", "logits_without_ln_f": "logits"}
 
 
 @pytest.mark.parametrize("key", MUTANTS)
@@ -68,8 +70,8 @@ def test_each_planted_mistake_is_named_at_its_first_divergence(key, tmp_path, ca
     first = report["first_divergence"]
     assert first["stage"] == FIRST[key] and first["layer"] in (0, None), first
     assert report["verdict"].startswith("FAIL (first divergence: "), report["verdict"]
-    if key in MISTAKES:
-        assert MISTAKES[key][1] in report["verdict"]  # with what to change
+    if key in MISTAKES or key in MODEL_MISTAKES:
+        assert {**MISTAKES, **MODEL_MISTAKES}[key][1] in report["verdict"]  # with what to change
     statuses = [r["status"] for r in report["rows"]]
     assert statuses.count("FAIL") == 1 and statuses[statuses.index("FAIL") + 1:].count("PASS") == 0
 
@@ -95,6 +97,10 @@ def test_known_mistakes_are_computed_from_hf_and_differ_from_it():
         x = torch.from_numpy(t["embeddings"] if L == 0 else t[f"h{L - 1}_block"]).double()
         right = block_forward(x, w, cfg)
         for stage, value in right.items():
+            if stage.endswith("_heads"):  # q, k, v split by head, (1, H, T, d/H): the golden sets' layout
+                value = right[stage[0]].reshape(1, -1, cfg.n_head, cfg.n_embd // cfg.n_head).transpose(1, 2)
+                assert torch.equal(right[stage], value)
+                continue
             assert (value.numpy() - t[f"h{L}_{stage}"]).__abs__().max() < 1e-5, (L, stage)
         for key in MISTAKES:  # a LayerNorm's eps shows where the variance is small: block 0's embeddings
             if key in ("positions_not_added", "ln_eps_1e-05") or key.startswith("ln_") and L:

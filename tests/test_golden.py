@@ -131,7 +131,7 @@ def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
     assert code == 1
     assert rows["h0_ln_1"]["status"] == "MISSING"
-    assert rows["h0_c_fc"]["note"] == "dtype float64, expected float32"
+    assert rows["h0_c_fc"]["note"] == "dtype float64, expected float32: write float32 (arr.astype(np.float32))"
     assert rows["h0_gelu"]["note"] == "shape (1, 8, 128), expected (1, 8, 256)"
     assert rows["h1_ffn"]["note"] == "1 NaN/Inf values"
     assert rows["h1_block"]["status"] == "PASS"
@@ -158,7 +158,7 @@ def test_bin_and_safetensors_golden_sets_hold_the_npy_tensors(tiny_golden, tiny_
     st = tmp_path / "st"
     assert main(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(st), "--layers", "all", "--quiet",
                  "--format", "safetensors"]) == 0
-    assert sorted(p.name for p in st.iterdir()) == ["golden.safetensors", "manifest.json"]
+    assert sorted(p.name for p in st.iterdir()) == ["golden.safetensors", "manifest.json", "token_ids.txt"]
     ref = golden.Golden(tiny_golden)
     for d, fmt in ((tiny_golden_bin, "bin"), (st, "safetensors")):
         g = golden.Golden(d)

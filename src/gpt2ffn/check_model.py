@@ -13,7 +13,6 @@ the FFN's stages, block output; ln_f; logits; greedy next tokens. The first stag
 block and checkpoint, and compared with each known mistake computed from HF's weights and its input there.
 """
 
-import math
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -21,10 +20,9 @@ from functools import lru_cache
 import numpy as np
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from .config import Config
-from .diagnose import FFNCase, dropout_rate, named
+from .diagnose import EPS_TRIED, MISTAKES, MODEL_MISTAKES, FFNCase, block_forward, dropout_rate, layer_norm, named
 from .golden import CHECKPOINTS, Golden, capture, compare, load_reference
 from .learner import CheckError
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
@@ -428,98 +426,6 @@ def greedy(step, ids: list, n: int) -> list:
 
 # ---- the known mistakes at the first divergence ---------------------------------------------------------
 
-def _layer_norm(x, w, b, eps, unbiased=False):
-    mu = x.mean(-1, keepdim=True)
-    return (x - mu) / torch.sqrt(x.var(-1, keepdim=True, unbiased=unbiased) + eps) * w + b
-
-
-def _act(approximate):
-    return (lambda h: torch.relu(h)) if approximate == "relu" else (lambda h: F.gelu(h, approximate=approximate))
-
-
-EPS_TRIED = (1e-12, 1e-8, 1e-6, 1e-5, 1e-3)
-# key -> (name, what to change). Each is computed from HF's weights and HF's input to the block (float64).
-MISTAKES = {
-    "no_scale": ("attention scores not scaled by 1/sqrt(d_head)",
-                 "divide q @ k^T by math.sqrt(d_head), d_head = n_embd // n_head, before the mask and softmax"),
-    "scale_n_embd": ("attention scores scaled by 1/sqrt(n_embd) instead of 1/sqrt(d_head)",
-                     "divide by math.sqrt(n_embd // n_head), the head's width, not the model's"),
-    "no_mask": ("no causal mask: each position attends to later tokens",
-                "before the softmax set the scores of keys after the query to -inf: "
-                "att.masked_fill(torch.tril(torch.ones(T, T)) == 0, float('-inf'))"),
-    "inverted_mask": ("causal mask inverted: each position attends to itself and later tokens, not earlier ones",
-                      "mask the keys AFTER the query (the upper triangle, torch.triu(..., diagonal=1)), keep the lower"),
-    "softmax_axis": ("softmax over the wrong axis (dim=-2, the queries) instead of the keys (dim=-1)",
-                     "torch.softmax(att, dim=-1): each query's weights over the keys sum to 1"),
-    "ln_unbiased": ("LayerNorm with unbiased variance (divides by n - 1)",
-                    "x.var(dim=-1, keepdim=True, unbiased=False), or nn.LayerNorm: GPT-2 divides by n"),
-    "post_norm": ("post-norm: LayerNorm after the residual add (x = ln(x + attn(x))) instead of before the sublayer",
-                  "GPT-2 is pre-norm: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))"),
-    "no_resid_attn": ("missing residual around attention (x = attn(ln_1(x)))", "x = x + attn(ln_1(x))"),
-    "no_resid_mlp": ("missing residual around the FFN (x = mlp(ln_2(x)))", "x = x + mlp(ln_2(x))"),
-    "c_attn_not_transposed": ("c_attn weight not transposed ([in, out] Conv1D data used as [out, in])",
-                              "GPT-2's Conv1D stores c_attn.weight as [in, out]; copy its .T into nn.Linear.weight "
-                              "(a reshape or view is not a transpose)"),
-    "attn_c_proj_not_transposed": ("attn.c_proj weight not transposed ([in, out] Conv1D data used as [out, in])",
-                                   "GPT-2's Conv1D stores attn.c_proj.weight as [in, out]: copy its .T into "
-                                   "nn.Linear.weight, or compute x @ W for a Conv1D-layout W"),
-    "qkv_bias_missing": ("q/k/v bias missing (GPT-2's c_attn has one)",
-                         "build the q, k, v projections with bias=True (the book's qkv_bias=True when loading GPT-2)"),
-    "positions_not_added": ("position embeddings not added (wte only)", "x = wte(idx) + wpe(torch.arange(T))"),
-}
-for _eps in EPS_TRIED:
-    MISTAKES[f"ln_eps_{_eps:g}"] = (f"LayerNorm eps {_eps:g}", "use GPT-2's eps, 1e-5 (nn.LayerNorm's default)")
-
-
-def block_forward(x, w: dict, cfg: Config, mistake=None) -> dict:
-    """Every stage of GPT-2 block (HF weights w, HF layout) on x, float64, with one known mistake planted."""
-    d, H, T = cfg.n_embd, cfg.n_head, x.shape[1]
-    dh = d // H
-    eps, unbiased = cfg.layer_norm_epsilon, mistake == "ln_unbiased"
-    if mistake and mistake.startswith("ln_eps_"):
-        eps = float(mistake.removeprefix("ln_eps_"))
-    ln = lambda t, k: _layer_norm(t, w[f"{k}.weight"], w[f"{k}.bias"], eps, unbiased)  # noqa: E731
-    act = _act(cfg.gelu_approximate)
-
-    def attn(h):
-        wa, ba = w["attn.c_attn.weight"], w["attn.c_attn.bias"]
-        if mistake == "c_attn_not_transposed":
-            wa = wa.reshape(3 * d, d).T
-        if mistake == "qkv_bias_missing":
-            ba = 0 * ba
-        q, k, v = (h @ wa + ba).split(d, -1)                                   # (1, T, d) each
-        heads = lambda t: t.reshape(1, T, H, dh).transpose(1, 2)               # noqa: E731  (1, H, T, dh)
-        scale = {"no_scale": 1.0, "scale_n_embd": 1 / math.sqrt(d)}.get(mistake, 1 / math.sqrt(dh))
-        att = heads(q) @ heads(k).transpose(-1, -2) * scale                    # (1, H, T, T)
-        i = torch.arange(T)
-        mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None]}.get(mistake, i[None, :] > i[:, None])
-        if mask is not None:
-            att = att.masked_fill(mask, float("-inf"))
-        p = torch.softmax(att, dim=-2 if mistake == "softmax_axis" else -1)
-        ctx = (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
-        wp = w["attn.c_proj.weight"].T if mistake == "attn_c_proj_not_transposed" else w["attn.c_proj.weight"]
-        return {"q": q, "k": k, "v": v, "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
-
-    def mlp(h):
-        c_fc = h @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]
-        g = act(c_fc)
-        return {"c_fc": c_fc, "gelu": g, "ffn": g @ w["mlp.c_proj.weight"] + w["mlp.c_proj.bias"]}
-
-    if mistake == "post_norm":
-        a = attn(x)
-        h1 = ln(x + a["attn_out"], "ln_1")
-        m = mlp(h1)
-        out = ln(h1 + m["ffn"], "ln_2")
-        return {"ln_1": h1, **a, "attn_resid": h1 + m["ffn"], "ln_2": out, **m, "block": out}
-    h1 = ln(x, "ln_1")
-    a = attn(h1)
-    r = a["attn_out"] if mistake == "no_resid_attn" else x + a["attn_out"]
-    h2 = ln(r, "ln_2")
-    m = mlp(h2)
-    return {"ln_1": h1, **a, "attn_resid": r, "ln_2": h2, **m,
-            "block": m["ffn"] if mistake == "no_resid_mlp" else r + m["ffn"]}
-
-
 @dataclass
 class Reference:
     """HF GPT-2 on the prompt: its model, config, every stage (float32 numpy), and its greedy tokens."""
@@ -563,21 +469,20 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
     def offer(k, want):
         want = want.detach().numpy() if isinstance(want, torch.Tensor) else want
         if want.shape == got.shape and np.isfinite(want).all():
-            found.append((float(np.abs(got - want).max()), k, *MISTAKES[k]))
+            found.append((float(np.abs(got - want).max()), k, *{**MISTAKES, **MODEL_MISTAKES}[k]))
 
     def norm_alone(x, w, b):  # one LayerNorm wrong on HF's own input to it (the block's others may be right)
-        offer("ln_unbiased", _layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True))
+        offer("ln_unbiased", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True))
         for eps in EPS_TRIED:
             if eps != cfg.layer_norm_epsilon:
-                offer(f"ln_eps_{eps:g}", _layer_norm(_float64(x), w, b, eps))
+                offer(f"ln_eps_{eps:g}", layer_norm(_float64(x), w, b, eps))
 
     if layer is not None:
         hf = ref.model.transformer.h[layer]
         w = {k: v.detach().double() for k, v in hf.state_dict().items() if k not in ("attn.bias", "attn.masked_bias")}
         x = _float64(t["embeddings"] if layer == 0 else t[f"h{layer - 1}_block"])
         for k in MISTAKES:
-            if k != "positions_not_added":
-                offer(k, block_forward(x, w, cfg, k)[stage])
+            offer(k, block_forward(x, w, cfg, k, layer)[stage])
         if stage == "ln_2":
             norm_alone(t[f"h{layer}_attn_resid"], w["ln_2.weight"], w["ln_2.bias"])
         if stage in ("c_fc", "gelu", "ffn"):
@@ -589,10 +494,18 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
             if hits:
                 return named(hits[0][1], stage, hits[0][0])
     elif stage == "embeddings":
-        offer("positions_not_added", ref.model.transformer.wte.weight[ref.ids].detach().double()[None])
+        tr = ref.model.transformer
+        offer("positions_not_added", tr.wte.weight[ref.ids].detach().double()[None])
+        T = len(ref.ids)
+        if T < cfg.n_positions:
+            offer("positions_from_1", (tr.wte.weight[ref.ids] + tr.wpe.weight[1:T + 1]).detach().double()[None])
     elif stage == "ln_f":
-        ln = ref.model.transformer.ln_f
-        norm_alone(t[f"h{cfg.n_layer - 1}_block"], ln.weight.detach().double(), ln.bias.detach().double())
+        ln, last = ref.model.transformer.ln_f, t[f"h{cfg.n_layer - 1}_block"]
+        norm_alone(last, ln.weight.detach().double(), ln.bias.detach().double())
+        offer("no_ln_f", last)
+    elif stage == "logits":
+        wte = ref.model.transformer.wte.weight.detach().double()
+        offer("logits_without_ln_f", (_float64(t[f"h{cfg.n_layer - 1}_block"]) @ wte.T)[:, -got.shape[1]:])
     hits = sorted(f for f in found if f[0] <= atol)
     if hits:
         dist, k, name, fix = hits[0]
@@ -800,8 +713,8 @@ def block_function_mistake(fn, source: str, layer: int, atol: float = GOLDEN_ATO
         return None
     hf = ref.model.transformer.h[layer]
     w = {k: v.detach().double() for k, v in hf.state_dict().items() if k not in ("attn.bias", "attn.masked_bias")}
-    hits = sorted((float(np.abs(got - block_forward(_float64(x), w, cfg, k)["block"].numpy()).max()), k)
-                  for k in MISTAKES if k != "positions_not_added")
+    hits = sorted((float(np.abs(got - block_forward(_float64(x), w, cfg, k, layer)["block"].numpy()).max()), k)
+                  for k in MISTAKES)
     if hits and hits[0][0] <= atol:
         name, fix = MISTAKES[hits[0][1]]
         return f"{name} (within {hits[0][0]:.1e} of it): {fix}"

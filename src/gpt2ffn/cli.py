@@ -110,9 +110,10 @@ def cmd_extract(args):
     from .golden import extract
     m = extract(args.model, args.out, ids=args.ids, prompt=args.prompt, layers=args.layers,
                 progress=not args.quiet, file_format=args.format)
-    n = sum(e["kind"] != "alias" for e in m["tensors"].values())
+    n, aliases = (sum((e["kind"] == "alias") == a for e in m["tensors"].values()) for a in (False, True))
     how = {"npy": ".npy files", "bin": "raw float32 .bin files", "safetensors": "golden.safetensors"}[args.format]
-    print(f"wrote {n} tensors for {len(m['token_ids'])} tokens, layers {m['layers']}, "
+    print(f"wrote {n} tensors{f' (and {aliases} under seed 001 names)' if aliases else ''} for "
+          f"{len(m['token_ids'])} tokens, layers {m['layers']}, "
           f"from {m['model']['source']} to {args.out} ({how}, manifest.json)")
     return 0
 
@@ -125,7 +126,23 @@ def cmd_verify(args):
 
     gold = g.Golden(args.golden)
     tolerances = dict(args.tol)
+    known = set(gold.tensors) | {e["stage"] for e in gold.tensors.values()} | set(g.CHECKPOINTS)
+    for key, value in tolerances.items():
+        if key not in known:
+            raise Gpt2ffnError(f"--tol {key}={value:g}: {key!r} names no tensor, stage or checkpoint of {args.golden} "
+                               "(a tensor as h0_ffn, a stage of every block as ffn, or a checkpoint as 06 for c_fc, "
+                               "GELU and the FFN output)")
     cand = g.Candidate(args.candidate) if args.candidate else None
+    notes = []  # said after the table: what was not judged, and why
+    if cand is not None:
+        names, hint = g.unmatched(gold, cand)
+        if names:
+            notes.append(f"not judged: {len(names)} candidate tensor{'s match' if len(names) > 1 else ' matches'} no golden "
+                         f"name: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} ({hint})")
+        if cand.keys is None and not cand.names() and (inner := sorted(cand.path.glob("*.safetensors"))):
+            notes.append(f"{cand.path} holds {inner[0].name}: pass the file itself, --candidate {inner[0]}")
+        if cand.path.resolve() == gold.dir.resolve() or cand.path.resolve() == (gold.dir / g.BUNDLE).resolve():
+            notes.append("the candidate is the golden set itself: it passes by construction")
     if args.negative:
         rows, title = g.verify_negative(gold, args.atol), "negative controls: each known-wrong FFN must FAIL"
     elif cand:
@@ -137,7 +154,7 @@ def cmd_verify(args):
     first = failed[0] if failed else None
     if args.json:
         print(json.dumps({"golden": str(args.golden), "mode": title, "passed": not failed and bool(judged),
-                          "first_failure": first.as_dict() if first else None,
+                          "first_failure": first.as_dict() if first else None, "notes": notes,
                           "rows": [r.as_dict() for r in rows]}, indent=1))
     else:
         print(g.format_rows(rows, f"{title} vs golden {args.golden} ({gold.manifest['model']['source']}, "
@@ -147,12 +164,21 @@ def cmd_verify(args):
         print(f"\n{len(judged) - len([r for r in judged if r.status == 'FAIL'])} passed, "
               f"{sum(r.status == 'FAIL' for r in rows)} failed" + (f", {missing} missing" if missing else "")
               + (f", {skipped} skipped" if skipped else ""))
+        for note in notes:
+            print(note)
         if first:
             size = f"max abs {first.max_abs:.3e} > {first.atol:g}" if first.max_abs == first.max_abs else ""
-            print(f"first failing checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)}), "
-                  f"layer {first.layer}, {first.name}: {'; '.join(t for t in (size, first.note) if t)}")
+            where = (f"checkpoint: {first.checkpoint} ({g.CHECKPOINTS[first.checkpoint]}), layer {first.layer}"
+                     if first.checkpoint else "tensor: a weight as the engine loaded it")
+            print(f"first failing {where}, {first.name}: {'; '.join(t for t in (size, first.note) if t)}")
         elif not judged:
             found = sorted(cand.names()) if cand else []
+            if cand and cand.keys is None and not found:  # files, but none .npy or .bin
+                other = sorted(p.name for p in cand.path.iterdir() if p.is_file() and p.suffix != ".safetensors")
+                if other:
+                    notes.append(f"{cand.path} holds {', '.join(other[:4])}{', ...' if len(other) > 4 else ''}: "
+                                 "name each tensor NAME.npy or NAME.bin (raw little-endian float32)")
+                    print(notes[-1])
             print("nothing was judged: no candidate tensor matches a golden name (they are named as "
                   "h0_ln_2, h0_ffn, logits, ...: see manifest.json)"
                   + (f"; found {', '.join(found[:8])}{', ...' if len(found) > 8 else ''}" if found else ""))

@@ -12,7 +12,10 @@ import math
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
+import torch.nn.functional as F
 
+from .config import Config
 from .reference import gelu_exact, gelu_tanh, relu
 
 STAGES = ("c_fc", "gelu", "ffn")
@@ -286,3 +289,116 @@ class FFNCase:
         w = [np.asarray(self.weights[k], np.float64) for k in KEYS]
         right = forward(np.asarray(x, np.float64), *w, FORMS[TARGET[self.approximate]][0])
         return FFNCase(self.source, self.layer, self.approximate, self.weights, x, None, right)
+
+
+# ---- the known mistakes of a whole block (attention, layer norms, residuals), computed in float64 ----------
+
+def layer_norm(x, w, b, eps, unbiased=False):
+    mu = x.mean(-1, keepdim=True)
+    return (x - mu) / torch.sqrt(x.var(-1, keepdim=True, unbiased=unbiased) + eps) * w + b
+
+
+def _act(approximate):
+    return (lambda h: torch.relu(h)) if approximate == "relu" else (lambda h: F.gelu(h, approximate=approximate))
+
+
+EPS_TRIED = (1e-12, 1e-8, 1e-6, 1e-5, 1e-3)
+# key -> (name, what to change). Each is computed from HF's weights and HF's input to the block (float64).
+MISTAKES = {
+    "no_scale": ("attention scores not scaled by 1/sqrt(d_head)",
+                 "divide q @ k^T by math.sqrt(d_head), d_head = n_embd // n_head, before the mask and softmax"),
+    "scale_n_embd": ("attention scores scaled by 1/sqrt(n_embd) instead of 1/sqrt(d_head)",
+                     "divide by math.sqrt(n_embd // n_head), the head's width, not the model's"),
+    "no_mask": ("no causal mask: each position attends to later tokens",
+                "before the softmax set the scores of keys after the query to -inf: "
+                "att.masked_fill(torch.tril(torch.ones(T, T)) == 0, float('-inf'))"),
+    "inverted_mask": ("causal mask inverted: each position attends to itself and later tokens, not earlier ones",
+                      "mask the keys AFTER the query (the upper triangle, torch.triu(..., diagonal=1)), keep the lower"),
+    "softmax_axis": ("softmax over the wrong axis (dim=-2, the queries) instead of the keys (dim=-1)",
+                     "torch.softmax(att, dim=-1): each query's weights over the keys sum to 1"),
+    "ln_unbiased": ("LayerNorm with unbiased variance (divides by n - 1)",
+                    "x.var(dim=-1, keepdim=True, unbiased=False), or nn.LayerNorm: GPT-2 divides by n"),
+    "post_norm": ("post-norm: LayerNorm after the residual add (x = ln(x + attn(x))) instead of before the sublayer",
+                  "GPT-2 is pre-norm: x = x + attn(ln_1(x)); x = x + mlp(ln_2(x))"),
+    "no_resid_attn": ("missing residual around attention (x = attn(ln_1(x)))", "x = x + attn(ln_1(x))"),
+    "no_resid_mlp": ("missing residual around the FFN (x = mlp(ln_2(x)))", "x = x + mlp(ln_2(x))"),
+    "c_attn_not_transposed": ("c_attn weight not transposed ([in, out] Conv1D data used as [out, in])",
+                              "GPT-2's Conv1D stores c_attn.weight as [in, out]; copy its .T into nn.Linear.weight "
+                              "(a reshape or view is not a transpose)"),
+    "attn_c_proj_not_transposed": ("attn.c_proj weight not transposed ([in, out] Conv1D data used as [out, in])",
+                                   "GPT-2's Conv1D stores attn.c_proj.weight as [in, out]: copy its .T into "
+                                   "nn.Linear.weight, or compute x @ W for a Conv1D-layout W"),
+    "qkv_bias_missing": ("q/k/v bias missing (GPT-2's c_attn has one)",
+                         "build the q, k, v projections with bias=True (the book's qkv_bias=True when loading GPT-2)"),
+    "mask_off_by_one": ("causal mask off by one: each position also attends to the next token",
+                        "mask every key after the query: torch.triu(ones(T, T), diagonal=1), not diagonal=2"),
+    "heads_interleaved": ("heads split wrongly: q/k/v reshaped as (T, d_head, n_head), head index fastest",
+                          "split each of q, k, v into heads as t.view(T, n_head, d_head).transpose(0, 1): head h is "
+                          "columns h*d_head .. (h+1)*d_head - 1"),
+}
+# Mistakes of the model outside its blocks: key -> (name, what to change).
+MODEL_MISTAKES = {
+    "positions_not_added": ("position embeddings not added (wte only)", "x = wte(idx) + wpe(torch.arange(T))"),
+    "positions_from_1": ("positions counted from 1 (wpe[1 .. T]) instead of 0",
+                         "x = wte(idx) + wpe(torch.arange(T)): the first token's position is 0"),
+    "no_ln_f": ("ln_f not applied: the last block's output taken as is", "x = ln_f(x) after the last block"),
+    "logits_without_ln_f": ("logits computed without ln_f (last block's output @ wte^T)",
+                            "logits = ln_f(x) @ wte.weight.T"),
+}
+for _eps in EPS_TRIED:
+    MISTAKES[f"ln_eps_{_eps:g}"] = (f"LayerNorm eps {_eps:g}", "use GPT-2's eps, 1e-5 (nn.LayerNorm's default)")
+
+
+def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
+    """Every stage of GPT-2 block `layer` (HF weights w, HF layout) on x, float64, with one known mistake planted."""
+    d, H, T = cfg.n_embd, cfg.n_head, x.shape[1]
+    dh = d // H
+    eps, unbiased = cfg.layer_norm_epsilon, mistake == "ln_unbiased"
+    if mistake and mistake.startswith("ln_eps_"):
+        eps = float(mistake.removeprefix("ln_eps_"))
+    ln = lambda t, k: layer_norm(t, w[f"{k}.weight"], w[f"{k}.bias"], eps, unbiased)  # noqa: E731
+    act = _act(cfg.gelu_approximate)
+
+    def attn(h):
+        wa, ba = w["attn.c_attn.weight"], w["attn.c_attn.bias"]
+        if mistake == "c_attn_not_transposed":
+            wa = wa.reshape(3 * d, d).T
+        if mistake == "qkv_bias_missing":
+            ba = 0 * ba
+        c_attn = h @ wa + ba                                                   # (1, T, 3d)
+        q, k, v = c_attn.split(d, -1)                                          # (1, T, d) each
+        heads = lambda t: t.reshape(1, T, H, dh).transpose(1, 2)               # noqa: E731  (1, H, T, dh)
+        if mistake == "heads_interleaved":
+            heads = lambda t: t.reshape(1, T, dh, H).permute(0, 3, 1, 2)       # noqa: E731
+        right = cfg.attn_scale(layer)
+        scale = {"no_scale": 1.0, "scale_n_embd": 1 / math.sqrt(d)}.get(mistake, 1 / math.sqrt(dh) if right is None
+                                                                         else right)
+        att = heads(q) @ heads(k).transpose(-1, -2) * scale                    # (1, H, T, T)
+        i = torch.arange(T)
+        mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None],
+                "mask_off_by_one": i[None, :] > i[:, None] + 1}.get(mistake, i[None, :] > i[:, None])
+        if mask is not None:
+            att = att.masked_fill(mask, float("-inf"))
+        p = torch.softmax(att, dim=-2 if mistake == "softmax_axis" else -1)
+        ctx = (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
+        wp = w["attn.c_proj.weight"].T if mistake == "attn_c_proj_not_transposed" else w["attn.c_proj.weight"]
+        return {"c_attn": c_attn, "q": q, "k": k, "v": v, "q_heads": heads(q), "k_heads": heads(k), "v_heads": heads(v), "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
+
+    def mlp(h):
+        c_fc = h @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]
+        g = act(c_fc)
+        return {"c_fc": c_fc, "gelu": g, "ffn": g @ w["mlp.c_proj.weight"] + w["mlp.c_proj.bias"]}
+
+    if mistake == "post_norm":
+        a = attn(x)
+        h1 = ln(x + a["attn_out"], "ln_1")
+        m = mlp(h1)
+        out = ln(h1 + m["ffn"], "ln_2")
+        return {"ln_1": h1, **a, "attn_resid": h1 + m["ffn"], "ln_2": out, **m, "block": out}
+    h1 = ln(x, "ln_1")
+    a = attn(h1)
+    r = a["attn_out"] if mistake == "no_resid_attn" else x + a["attn_out"]
+    h2 = ln(r, "ln_2")
+    m = mlp(h2)
+    return {"ln_1": h1, **a, "attn_resid": r, "ln_2": h2, **m,
+            "block": m["ffn"] if mistake == "no_resid_mlp" else r + m["ffn"]}

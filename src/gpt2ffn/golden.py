@@ -9,6 +9,7 @@ diverges.
 """
 
 import hashlib
+import itertools
 import json
 import platform
 from dataclasses import dataclass
@@ -75,8 +76,43 @@ BLOCK_WEIGHTS = {
     "mlp.c_fc.weight": "c_fc_weight", "mlp.c_fc.bias": "c_fc_bias",
     "mlp.c_proj.weight": "ffn_c_proj_weight", "mlp.c_proj.bias": "ffn_c_proj_bias",
 }
+# The model's weights outside the blocks: with the block weights, all an engine needs to run end to end.
+MODEL_WEIGHTS = {
+    "wte.weight": ("wte", "token embeddings [vocab, d]; also the LM head (tied): logits = ln_f(x) @ wte^T"),
+    "wpe.weight": ("wpe", "position embeddings [n_positions, d]; row p for the token at position p, from 0"),
+    "ln_f.weight": ("ln_f_weight", "final LayerNorm's gain [d]"),
+    "ln_f.bias": ("ln_f_bias", "final LayerNorm's bias [d]"),
+}
 # Seed 001's own file names for block 0, written as copies so its tests run unchanged.
 SEED_ALIASES = {"checkpoint_05_output": "h0_ln_2", "checkpoint_06_ffn": "h0_ffn"}
+IDS_FILE = "token_ids.txt"  # the token ids, space-separated: an engine in C or Rust needs no JSON to read them
+
+
+def conventions(cfg: Config) -> dict:
+    """What an engine must do to reproduce each tensor, said once in the manifest, for this config."""
+    d, H = cfg.n_embd, cfg.n_head
+    dh = d // H
+    scale = ("1" if not cfg.scale_attn_weights else f"1/sqrt(d/H) = 1/sqrt({dh})") + \
+        (" / (L + 1) in block L (scale_attn_by_inverse_layer_idx)" if cfg.scale_attn_by_inverse_layer_idx else "")
+    gelu = {"tanh": "GELU, tanh form (HF's gelu_new): 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3)))",
+            "none": "GELU, exact form: 0.5 x (1 + erf(x / sqrt(2)))", "relu": "ReLU: max(x, 0)"}[cfg.gelu_approximate]
+    return {
+        "files": "float32 tensors in C (row-major) order; a .bin file is raw little-endian IEEE 754 float32 with "
+                 f"no header, its shape in tensors[name].shape; the token ids are also in {IDS_FILE}",
+        "batch": "one sequence: activations carry a leading batch dim of 1; the model runs in eval mode, so no "
+                 "dropout (the *_pdrop fields are for training)",
+        "linear": "HF's Conv1D layout: a weight is [in, out] and y = x @ W + b (nn.Linear stores [out, in])",
+        "embeddings": "x = wte[ids] + wpe[p] for positions p = 0 .. T-1",
+        "layer_norm": f"(x - mean) / sqrt(var + {cfg.layer_norm_epsilon:g}) * weight + bias over the last axis; var is "
+                      "the biased variance (divides by d, not d - 1)",
+        "attention": f"c_attn's {3 * d} output columns are [q | k | v], {d} each; head h of each is its columns "
+                     f"h*{dh} .. h*{dh}+{dh - 1} (q by head: (1, H, T, d/H)); scores = q k^T * {scale}; scores of keys "
+                     "after the query are -inf, so their probabilities are exactly 0; softmax over the keys; "
+                     "the heads' outputs are concatenated in head order back to (1, T, d), then attn.c_proj",
+        "ffn": f"c_fc (d -> {cfg.hidden}; n_inner, or 4 d when it is null), then {gelu}, then c_proj ({cfg.hidden} -> d)",
+        "block": "pre-norm: x = x + attn(ln_1(x)); x = x + ffn(ln_2(x))",
+        "logits": "ln_f after the last block; logits = ln_f(x) @ wte^T at every position (the LM head is wte)",
+    }
 
 
 def sha256(path) -> str:
@@ -216,6 +252,10 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
             tensors[f"h{L}_{name}"] = sd[key].float().numpy()
             entries[f"h{L}_{name}"] = dict(kind="weight", checkpoint=None, stage=key, layer=L,
                                            what=f"h.{L}.{key}, HF layout")
+    sd = model.transformer.state_dict()
+    for key, (name, what) in MODEL_WEIGHTS.items():
+        tensors[name] = sd[key].float().numpy()
+        entries[name] = dict(kind="weight", checkpoint=None, stage=key, layer=None, what=what)
     if 0 in layers:
         for alias, name in SEED_ALIASES.items():
             tensors[alias] = tensors[name]
@@ -239,13 +279,16 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
                 arrays[name].tofile(file)
             entries[name].update(file=file.name, shape=list(arrays[name].shape), dtype="float32",
                                  sha256=sha256(file))
+    (out_dir / IDS_FILE).write_text(" ".join(map(str, ids)) + "\n")
     import transformers
     manifest = {
         "format": FORMAT,
         "file_format": file_format,
         "model": model_info,
         "config": cfg.to_hf_dict(),
+        "conventions": conventions(cfg),
         "token_ids": ids,
+        "token_ids_file": IDS_FILE,
         "prompt": prompt,
         "layers": layers,
         "checkpoints": CHECKPOINTS,
@@ -279,7 +322,7 @@ class Golden:
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise Gpt2ffnError(f"{file} is corrupt: {e}") from None
         self.manifest = m
-        self._cache, self._cases, self._checked = {}, {}, set()
+        self._cache, self._cases, self._checked, self._planted = {}, {}, set(), {}
 
     def __contains__(self, name):
         return name in self.tensors
@@ -305,6 +348,31 @@ class Golden:
         acts = [n for n, e in self.tensors.items() if e["kind"] == "activation"]
         aliases = [n for n, e in self.tensors.items() if e["kind"] == "alias"]
         return sorted(acts, key=lambda n: order.get(n, len(order))) + aliases
+
+    def weights(self) -> list:
+        """Weight tensors: the model's (wte, wpe, ln_f) first, then block by block."""
+        ws = [n for n, e in self.tensors.items() if e["kind"] == "weight"]
+        return sorted(ws, key=lambda n: -1 if self.tensors[n]["layer"] is None else self.tensors[n]["layer"])
+
+    def block_input(self, layer: int):
+        """HF's input to block `layer` (embeddings, or the block before's output), float64; None if not in the set."""
+        name = "embeddings" if layer == 0 else f"h{layer - 1}_block"
+        return torch.from_numpy(self.load(name)).double() if name in self else None
+
+    def block_weights(self, layer: int) -> dict:
+        """Block `layer`'s weights under HF's state-dict keys (HF layout), float64 torch tensors."""
+        return {k: torch.from_numpy(self.load(f"h{layer}_{v}")).double() for k, v in BLOCK_WEIGHTS.items()}
+
+    def planted(self, layer: int) -> dict:
+        """Every stage of block `layer` with each known block mistake planted (gpt2ffn.diagnose.MISTAKES), on HF's
+        input to it: {mistake: {stage: tensor}}; {} when the set lacks that input."""
+        from .diagnose import MISTAKES, block_forward
+        if layer not in self._planted:
+            x = self.block_input(layer)
+            w = self.block_weights(layer)
+            self._planted[layer] = {} if x is None else {
+                k: block_forward(x, w, self.config, k, layer) for k in MISTAKES}
+        return self._planted[layer]
 
     def ffn_weights(self, layer: int) -> dict:
         """Block `layer`'s FFN as a GPT2MLP state dict of torch tensors."""
@@ -364,8 +432,11 @@ def compare(name, entry, actual, expected, atol) -> Row:
     def fail(note):
         return Row(name, ck, layer, shape, float("nan"), float("nan"), atol, "FAIL", note)
 
+    if actual.dtype.kind == "f" and actual.dtype.itemsize == 4:
+        actual = actual.astype(expected.dtype)  # float32 of either byte order (a .npy file says which)
     if actual.dtype != expected.dtype:
-        return fail(f"dtype {actual.dtype}, expected {expected.dtype}")
+        return fail(f"dtype {actual.dtype}, expected {expected.dtype}: write float32" +
+                    (" (arr.astype(np.float32))" if actual.dtype.kind == "f" else ""))
     if actual.shape != expected.shape:
         squeeze = lambda s: tuple(s)[next((i for i, n in enumerate(s) if n != 1), len(s)):]  # noqa: E731
         if squeeze(actual.shape) != squeeze(expected.shape):
@@ -391,6 +462,150 @@ def tolerance_for(name, entry, tolerances: dict, default: float, expected=None) 
     if rtol is not None and expected is not None and expected.size:
         return max(default, rtol * float(np.abs(expected).max()))
     return default
+
+
+# ---- what a failing tensor got wrong -----------------------------------------------------------------------
+
+def _core(shape) -> tuple:
+    """shape without its leading 1s: [T, d] and [1, T, d] hold the same tensor."""
+    shape = tuple(shape)
+    return shape[next((i for i, n in enumerate(shape) if n != 1), len(shape)):]
+
+
+def _axis_labels(entry: dict, ndim: int) -> list:
+    """Names of a tensor's axes (its leading 1s dropped) from the manifest's description: T, H, d/H, ..."""
+    if entry["kind"] == "weight":
+        return ["in", "out"] if ndim == 2 else [f"axis {i}" for i in range(ndim)]
+    labels = [t.strip() for t in entry["what"].rsplit("(", 1)[-1].rstrip(")").split(",")]
+    labels = labels[next((i for i, t in enumerate(labels) if t != "1"), len(labels)):]
+    return labels if len(labels) == ndim else [f"axis {i}" for i in range(ndim)]
+
+
+def layout_hint(entry: dict, actual, expected, atol: float) -> str | None:
+    """When the values are right but laid out otherwise: the same axes in another order (q as (T, H, d/H), the
+    attention probabilities as (keys, queries), a weight as [out, in]), or the right C order under another shape."""
+    if actual.size != expected.size or not np.isfinite(actual).all():
+        return None
+    want = np.asarray(expected, np.float64).reshape(_core(expected.shape))
+    flat = np.asarray(actual, np.float64).reshape(-1)
+    labels = _axis_labels(entry, want.ndim)
+    if want.ndim > 4:
+        return None
+    for perm in itertools.permutations(range(want.ndim)):
+        stored = tuple(want.shape[i] for i in perm)
+        if np.abs(flat.reshape(stored).transpose(np.argsort(perm)) - want).max() > atol:
+            continue
+        if perm == tuple(range(want.ndim)):
+            if _core(actual.shape) == want.shape:
+                return None  # the same layout: nothing to say
+            return f"the values are right in C order; only the shape differs: write shape {tuple(expected.shape)}"
+        return (f"the values are right, stored as ({', '.join(labels[i] for i in perm)}) = {stored}: write them as "
+                f"({', '.join(labels)}) = {tuple(want.shape)}, C order")
+    return None
+
+
+def number_hint(actual, expected, atol: float) -> str | None:
+    """A failure the numbers' encoding explains: bytes in big-endian order, or every value a float16 or bfloat16
+    (computed or stored in half precision)."""
+    a = np.asarray(actual)
+    if a.dtype != np.float32 or a.size == 0:
+        return None
+    swapped = a.byteswap()
+    if np.isfinite(swapped).all() and swapped.size == expected.size \
+            and np.abs(swapped.reshape(expected.shape).astype(np.float64) - expected).max() <= atol:
+        return "big-endian: the values match with each float's 4 bytes reversed; write little-endian float32"
+    finite = a[np.isfinite(a)]
+    exp = np.asarray(expected, np.float32)
+    if finite.size < 16 or not finite.any():
+        return None
+    for name, on_grid in (("bfloat16", lambda t: (t.view(np.uint32) & 0xFFFF) == 0),
+                          ("float16", lambda t: t.astype(np.float16).astype(np.float32) == t)):
+        if on_grid(finite).all() and not on_grid(exp).all():
+            return (f"every value is a {name} (each survives a round trip through {name} unchanged): computed or "
+                    f"stored in half precision; compute in float32 and write float32")
+    return None
+
+
+def worst_element(actual, expected) -> str | None:
+    """Where a failing tensor is furthest off: index, got, expected."""
+    if _core(actual.shape) != _core(expected.shape) or not np.isfinite(actual).all():
+        return None
+    g = np.asarray(actual, np.float64).reshape(expected.shape)
+    diff = np.abs(g - expected)
+    i = np.unravel_index(int(np.argmax(diff)), diff.shape)
+    return f"worst element {list(map(int, i))}: got {g[i]:.6g}, expected {float(expected[i]):.6g}"
+
+
+def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False) -> tuple | None:
+    """The known mistake (gpt2ffn.diagnose's MISTAKES, MODEL_MISTAKES) a tensor outside the FFN equals, computed
+    from the set's weights and HF's input to that stage: (distance, name, what to change), closest first; None if
+    none is within atol. near: instead the closest LayerNorm variant (eps, unbiased) whatever its distance."""
+    from .diagnose import EPS_TRIED, MISTAKES, MODEL_MISTAKES, layer_norm
+    stage, L, cfg = entry["stage"], entry["layer"], golden.config
+    got = np.asarray(got, np.float64)
+    found = []
+
+    def offer(key, want):
+        want = want.numpy() if isinstance(want, torch.Tensor) else np.asarray(want, np.float64)
+        if _core(got.shape) == _core(want.shape) and np.isfinite(want).all():
+            found.append((float(np.abs(got.reshape(want.shape) - want).max()), key))
+
+    def norm_alone(x, w, b):  # one LayerNorm wrong, on HF's own input to it
+        x, eps = torch.from_numpy(np.asarray(x, np.float64)), cfg.layer_norm_epsilon
+        offer("ln_unbiased", layer_norm(x, w, b, eps, True))
+        for e in EPS_TRIED:
+            if e != eps:
+                offer(f"ln_eps_{e:g}", layer_norm(x, w, b, e))
+
+    last = f"h{cfg.n_layer - 1}_block"
+    if L is not None:
+        w = golden.block_weights(L)
+        if stage == "ln_1" and (x := golden.block_input(L)) is not None:
+            norm_alone(x, w["ln_1.weight"], w["ln_1.bias"])
+        elif stage == "ln_2" and f"h{L}_attn_resid" in golden:
+            norm_alone(golden.load(f"h{L}_attn_resid"), w["ln_2.weight"], w["ln_2.bias"])
+        if not near:
+            key = {"q": "q_heads", "k": "k_heads", "v": "v_heads"}.get(stage, stage)
+            for k, out in golden.planted(L).items():
+                if key in out:
+                    offer(k, out[key])
+    elif stage == "embeddings" and "wte" in golden:
+        wte, wpe, ids = golden.load("wte"), golden.load("wpe"), golden.token_ids
+        offer("positions_not_added", wte[ids][None])
+        if len(ids) < len(wpe):
+            offer("positions_from_1", (wte[ids] + wpe[1:len(ids) + 1].astype(np.float64))[None])
+    elif stage == "ln_f" and last in golden and "ln_f_weight" in golden:
+        w, b = (torch.from_numpy(golden.load(n)).double() for n in ("ln_f_weight", "ln_f_bias"))
+        norm_alone(golden.load(last), w, b)
+        if not near:
+            offer("no_ln_f", golden.load(last))
+    elif stage == "logits" and last in golden and "wte" in golden and not near:
+        logits = golden.load(last).astype(np.float64) @ golden.load("wte").T.astype(np.float64)
+        offer("logits_without_ln_f", logits[:, -got.reshape(-1, logits.shape[-1]).shape[0]:])
+    table = {**MISTAKES, **MODEL_MISTAKES}
+    hits = sorted(f for f in found if near or f[0] <= atol)
+    if not hits:
+        return None
+    best = hits[0][0]
+    eps = list(dict.fromkeys(k.removeprefix("ln_eps_") for dist, k in hits
+                             if k.startswith("ln_eps_") and dist <= 2 * best + 1e-6))
+    if not near and hits[0][1].startswith("ln_eps_") and len(eps) > 1:  # the output cannot tell them apart
+        return hits[0][0], f"LayerNorm eps other than GPT-2's (each of {', '.join(eps)} fits)", table[hits[0][1]][1]
+    return (hits[0][0], *table[hits[0][1]])
+
+
+def near_miss(golden: Golden, entry: dict, actual, expected) -> str | None:
+    """A LayerNorm output that passes, but is far closer to a known-wrong LayerNorm (another eps, the unbiased
+    variance) than to GPT-2's: the cause of a failure downstream, where the residual stream grows the error."""
+    if entry["stage"] not in ("ln_1", "ln_2", "ln_f") or _core(actual.shape) != _core(expected.shape):
+        return None
+    off = float(np.abs(np.asarray(actual, np.float64).reshape(expected.shape) - expected).max())
+    hit = stage_mistake(golden, entry, actual, 0.0, near=True)
+    if hit is None or not hit[0] < off / 10 or hit[0] > 1e-5:
+        return None
+    dist, name, fix = hit
+    return (f"within tolerance, but it is {name} (within {dist:.1e} of it, {off:.1e} of GPT-2's): {fix}; the "
+            "difference grows downstream")
 
 
 def rebuild_model(golden: Golden):
@@ -453,26 +668,67 @@ def run_ours(golden: Golden) -> tuple:
     return {k: v.numpy() for k, v in ours.items()}, skipped
 
 
-def diagnosed(row: Row, golden: Golden, entry: dict, actual, own_input=None) -> Row:
-    """A failing FFN stage row (c_fc, GELU, FFN output) with what went wrong in its note: the known mistake
-    the output equals, or its worst element. own_input, an engine's own ln_2 output for this block, is tried
-    when the golden input explains nothing: an FFN may be right and only inherit an earlier error."""
+def _ffn_text(row: Row, golden: Golden, entry: dict, actual, own: dict, failed: set) -> str | None:
+    """What a failing FFN stage (c_fc, GELU, FFN output) is: the known mistake it equals on the golden input, else
+    given the engine's own input to it where that one already failed (its own ln_2 for the whole FFN, its own
+    c_fc or GELU output for the stage alone): right for that input (it only inherits an earlier error), or a
+    mistake of its own there. None when nothing explains it."""
+    from .diagnose import named
     stage, L = entry["stage"], entry["layer"]
-    if row.status != "FAIL" or stage not in FFN_STAGES or L not in golden.layers \
-            or not np.isfinite(actual).all() or actual.dtype != np.float32:
-        return row
     case = golden.ffn_case(L)
     d = case.diagnose(stage, actual, row.atol)
-    text = d.text if d.key or not row.note else ""  # a shape note says it already when no mistake explains it
-    if own_input is not None and own_input.shape == case.x.shape and not np.array_equal(own_input, case.x) \
-            and not d.key:
-        own = case.given(own_input)
-        got = actual.reshape(own.expected[stage].shape) if actual.size == own.expected[stage].size else None
-        if got is not None and np.abs(got - own.expected[stage]).max() <= row.atol:
-            text = (f"right for its own input: what GPT-2 computes from the candidate's h{L}_ln_2, which is "
-                    "already off; fix the first failing checkpoint before it")
-        elif (d := own.diagnose(stage, actual, row.atol)).key:
-            text = f"{d.text} (given the candidate's own h{L}_ln_2)"
+    if d.key:
+        return d.text
+    prev = {"c_fc": f"h{L}_ln_2", "gelu": f"h{L}_c_fc", "ffn": f"h{L}_gelu"}[stage]
+    for name in dict.fromkeys((f"h{L}_ln_2", prev)):
+        inp = own.get(name)
+        if name not in failed or inp is None or inp.dtype != np.float32 or not np.isfinite(inp).all() \
+                or _core(inp.shape) != _core(golden.tensors[name]["shape"]):
+            continue
+        inp = inp.reshape(golden.tensors[name]["shape"])
+        right_for_own = (f"right for its own input: what GPT-2 computes from the candidate's {name}, which is "
+                         "already off; fix the first failing checkpoint before it")
+        if name == f"h{L}_ln_2":
+            given = case.given(inp)
+            want = given.expected[stage]
+            if _core(actual.shape) == _core(want.shape) and \
+                    np.abs(actual.reshape(want.shape) - want).max() <= row.atol:
+                return right_for_own
+            if (d2 := given.diagnose(stage, actual, row.atol)).key:
+                return f"{d2.text} (given the candidate's own {name})"
+        else:
+            ok, hits = case.local(stage, inp, actual, row.atol)
+            if ok:
+                return right_for_own
+            if hits:
+                return f"{named(hits[0][1], stage, hits[0][0]).text} (given the candidate's own {name})"
+    return None if row.note else d.text  # a shape note says it already when no mistake explains it
+
+
+def diagnosed(row: Row, golden: Golden, entry: dict, actual, expected=None, own=None, failed=()) -> Row:
+    """A failing row with what went wrong in its note: for an FFN stage the known FFN mistake (_ffn_text), for
+    another activation a known block or model mistake (stage_mistake); else what the numbers' encoding or layout
+    explains (big-endian, half precision, axes in another order); else the worst element. own: the engine's
+    tensors so far by name, failed: the names among them that failed (own inputs are tried only where off)."""
+    if row.status != "FAIL":
+        return row
+    stage, L = entry["stage"], entry["layer"]
+    expected = golden.load(entry.get("alias_of", row.name.removesuffix(" (chain)"))) if expected is None else expected
+    a = np.asarray(actual)
+    clean = a.dtype == np.float32 and np.isfinite(a).all()
+    text = None
+    if clean and entry["kind"] != "weight":
+        if stage in FFN_STAGES and L in golden.layers:
+            text = _ffn_text(row, golden, entry, a, own or {}, set(failed))
+        elif (hit := stage_mistake(golden, entry, a, row.atol)) is not None:
+            text = f"{hit[1]} (within {hit[0]:.1e} of it): {hit[2]}"
+    if text is None or "matches no known mistake" in text:
+        hint = layout_hint(entry, a, expected, row.atol) if clean else None
+        hint = hint or number_hint(a, expected, row.atol)
+        if hint:
+            text = hint
+        elif text is None and not row.note and clean:
+            text = worst_element(a, expected)
     row.note = "; ".join(t for t in (row.note, text) if t)
     return row
 
@@ -488,7 +744,7 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
         for name in (n, f"{n} (chain)"):
             if name in first:
                 rows.append(diagnosed(compare(name, entry, first[name], golden.load(n), tol), golden, entry,
-                                      first[name]))
+                                      first[name], golden.load(n)))
         if n in skipped:
             rows.append(Row(n, entry["checkpoint"], entry["layer"], tuple(entry["shape"]), float("nan"),
                             float("nan"), tol, "SKIP", skipped[n]))
@@ -562,24 +818,50 @@ class Candidate:
 
 def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATOL) -> list:
     """Judge another engine's tensors (Candidate: .npy or .bin files, or a .safetensors file) under the golden
-    names against the golden set; failing FFN stages are diagnosed."""
+    names against the golden set, weights first (those the engine wrote: as it loaded them), then activations in
+    forward order; seed 001's aliases are judged when present, never missing. Failing rows are diagnosed."""
     cand = candidate if isinstance(candidate, Candidate) else Candidate(candidate)
     tolerances = tolerances or {}
-    rows, loaded = [], {}  # loaded: the candidate's arrays so far (forward order), for its own FFN inputs
-    for name in golden.activations():
+    rows, loaded, failed = [], {}, set()  # loaded: the candidate's arrays so far (forward order), for own inputs
+    for name in golden.weights() + golden.activations():
         entry, expected = golden.tensors[name], golden.load(name)
         tol = tolerance_for(name, entry, tolerances, atol, expected)
         actual, why = cand.read(name, expected)
         if actual is None:
-            absent = f"no {name} in {cand.path.name}" if cand.keys is not None else f"no {name}.npy or .bin"
-            status, note = ("FAIL", why) if why else ("MISSING", absent)
-            rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
-                            float("nan"), float("nan"), tol, status, note))
+            if why or entry["kind"] == "activation":
+                absent = f"no {name} in {cand.path.name}" if cand.keys is not None else f"no {name}.npy or .bin"
+                rows.append(Row(name, entry["checkpoint"], entry["layer"], tuple(expected.shape),
+                                float("nan"), float("nan"), tol, "FAIL" if why else "MISSING", why or absent))
             continue
-        own = loaded.get(f"h{entry['layer']}_ln_2")
-        rows.append(diagnosed(compare(name, entry, actual, expected, tol), golden, entry, actual, own))
+        last = ""
+        if name == "logits" and actual.size == expected.shape[-1] and expected.shape[1] > 1:
+            expected, last = expected[:, -1:], "the last position's logits only"
+        row = diagnosed(compare(name, entry, actual, expected, tol), golden, entry, actual, expected, loaded, failed)
+        if row.status == "PASS" and (near := near_miss(golden, entry, actual, expected)):
+            row.note = near
+        row.note = "; ".join(t for t in (last, row.note) if t)
+        failed |= {name} if row.status == "FAIL" else set()
         loaded[name] = actual
+        rows.append(row)
+    first = next((r for r in rows if r.status == "FAIL"), None)
+    near = next((r for r in rows if r.status == "PASS" and r.note.startswith("within tolerance, but")), None)
+    if first is not None and near is not None and rows.index(near) < rows.index(first) and "(within " not in first.note:
+        first.note = "; ".join(t for t in (first.note, f"{near.name} passed {near.note}") if t)
     return rows
+
+
+def unmatched(golden: Golden, cand: Candidate) -> tuple:
+    """(the candidate's tensor names that match no golden name, a hint at why): they are not judged."""
+    import re
+    have = cand.names()
+    names = sorted(have - set(golden.tensors))
+    hint = ""
+    shifted = {re.sub(r"^h(\d+)_", lambda m: f"h{int(m[1]) - 1}_", n) for n in names if re.match(r"h\d+_", n)}
+    if shifted & set(golden.tensors) and not any(n.startswith("h0_") for n in have):
+        hint = "layers count from 0 (h0_ is the first block); these look 1-based"
+    elif names:
+        hint = "the golden names are h0_ln_2, h0_ffn, logits, ...: see manifest.json"
+    return names, hint
 
 
 def verify_negative(golden: Golden, atol=GOLDEN_ATOL) -> list:
