@@ -295,13 +295,24 @@ def test_train_or_autograd_on_a_packed_only_model_says_how_to_get_fp32(precision
     with pytest.raises(PackedOnlyError, match=rf"Conv1D holds only its packed {precision} weights, so train\(\) "
                                               r"cannot run: load the model with precision='fp32'"):
         ours.train()
-    ours.eval()
-    emb = ours.transformer.wte(torch.tensor([[1, 2]])).requires_grad_()
-    with pytest.raises(PackedOnlyError, match=r"so autograd or a non-fp32 input cannot run"):
-        ours.transformer.h[0](emb)
+    assert not ours.training and not any(m.training for m in ours.modules())  # refused before any mode changed
+    # Autograd in eval() runs on the packed weights: the input's gradient goes through the weights the forward
+    # computed with, as a plain fp32 model holding those (dequantized) values gives it.
+    plain = GPT2(SMALL).eval()
+    plain.load_state_dict(ours.state_dict())
+    emb = ours.transformer.wte(torch.tensor([[1, 2, 3]])).detach()
+    grads = []
+    for model in (ours, plain):
+        x = emb.clone().requires_grad_()
+        model.transformer.h[0](x).square().sum().backward()
+        grads.append(x.grad)
+    rel = float((grads[0] - grads[1]).abs().max() / grads[1].abs().max())
+    assert rel < (1e-5 if precision == "bf16" else 5e-2), rel  # int8 / int4: activations quantized in the forward
     ffn = quantize(ffn_for(SHAPES[0]), precision)
-    with pytest.raises(PackedOnlyError, match=r"keep_fp32=True"):
-        ffn(torch.randn(2, 768, requires_grad=True))
+    ffn.c_fc.weight.requires_grad_(True)  # a gradient for a weight held only packed: said, not made up
+    with pytest.raises(PackedOnlyError, match=rf"holds only its packed {precision} weights, so a gradient for its "
+                                              r"weight cannot run: .*keep_fp32=True"):
+        ffn(torch.randn(2, 768)).sum().backward()
 
 
 @held_once
@@ -348,3 +359,62 @@ def test_load_state_dict_into_a_held_once_gpt2_repacks():
     with torch.no_grad():
         assert torch.equal(ours(ids), fresh(ids))
     assert ours.lm_head.dropped and not holds_data(ours.lm_head.weight)
+
+
+@held_once
+def test_a_model_held_once_behaves_as_hf_for_an_hf_user():
+    """What an HF user does with a loaded model, on the default fp32 one held once: every Parameter asks for
+    gradients; a forward without no_grad is the forward; training in eval() (no dropout) matches HF's step for
+    step; freezing survives train(); `weight.data = ...` is taken; inference_mode loads and runs; .to(bf16) runs
+    in bf16; an empty batch is one error."""
+    hf, ours = gpt2_pair()
+    quantize(ours, "fp32")
+    assert all(p.requires_grad for p in ours.parameters())
+    ids = torch.randint(0, SMALL.vocab_size, (2, 9), generator=torch.Generator().manual_seed(9))
+    y = ours(ids)
+    with torch.no_grad():
+        torch.testing.assert_close(y, ours(ids), rtol=1e-5, atol=1e-5)
+    hf.eval()
+    opts = [torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-3) for m in (ours, hf)]
+    for _ in range(3):
+        losses = []
+        for m, opt in zip((ours, hf), opts):
+            logits = m(ids) if m is ours else m(ids).logits
+            loss = torch.nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        assert abs(losses[0] - losses[1]) < 1e-5, losses
+    with torch.no_grad():
+        torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)  # the trained weights serve
+    ours.requires_grad_(False)
+    ours.transformer.h[-1].requires_grad_(True)
+    ours.train()
+    assert [n for n, p in ours.named_parameters() if p.requires_grad] == \
+        [n for n, p in ours.named_parameters() if n.startswith(f"transformer.h.{SMALL.n_layer - 1}.")]
+    ours.eval()
+    fc = ours.transformer.h[0].mlp.c_fc
+    with torch.no_grad():
+        before = ours(ids)
+        fc.weight.data = torch.randn(fc.weight.shape)
+        assert not torch.equal(ours(ids), before)
+    with torch.inference_mode():
+        m = quantize(GPT2(SMALL), "int8")
+        assert m(ids).shape == (2, 9, SMALL.vocab_size)
+    with torch.no_grad():
+        assert ours.to(torch.bfloat16)(ids).dtype == torch.bfloat16
+    with pytest.raises(Exception, match=r"ids has shape \(0, 5\); expected \(batch, tokens\), both >= 1"):
+        ours(torch.zeros(0, 5, dtype=torch.long))
+
+
+@held_once
+def test_a_model_held_only_at_a_precision_refuses_another():
+    _, ours = gpt2_pair()
+    quantize(ours, "int8")
+    with pytest.raises(ConfigError, match="holds only its packed int8 weights: its fp32 values are gone"):
+        quantize(ours, "fp32")
+    quantize(ours, "int8")  # the same precision again is fine
+    kept = quantize(gpt2_pair()[1], "int8", keep_fp32=True)
+    assert all(p.requires_grad for p in kept.parameters())  # keep_fp32: its Parameters still train
+    quantize(kept, "fp32")

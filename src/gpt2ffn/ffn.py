@@ -8,7 +8,7 @@ from .config import Config
 from .errors import InputError, ShapeError
 from .gelu import activation
 from .kernels import packed
-from .linear import Conv1D
+from .linear import Conv1D, check_trainable
 from .precision import quantize
 
 
@@ -26,10 +26,19 @@ class FeedForward(nn.Module):
         self.c_proj = Conv1D(cfg.hidden, cfg.n_embd, cfg.initializer_range)
         self.dropout = nn.Dropout(cfg.resid_pdrop)
 
+    def train(self, mode: bool = True):
+        if mode:
+            check_trainable(self)
+        return super().train(mode)
+
     def forward(self, x):
         """x: (..., n_embd) float tensor -> (..., n_embd), through the fastest path that fits (kernels/)."""
         self.check_input(x)
         c_fc, c_proj = self._modules["c_fc"], self._modules["c_proj"]
+        if c_fc.runs_packed(x) and c_proj.packed is not None and (c_fc.needs_grad(x) or c_proj.needs_grad(x)):
+            h = c_fc.matmul(x.reshape(-1, x.shape[-1]))       # autograd on: each layer through PackedMatmul
+            y = c_proj.matmul(self.act(h))
+            return y.view(*x.shape[:-1], y.shape[-1])
         if c_fc.runs_packed(x) and c_proj.packed is not None:  # after quantize(): packed weights, no dropout
             x2 = x.reshape(-1, x.shape[-1])
             approximate = self.config.gelu_approximate

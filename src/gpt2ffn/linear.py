@@ -6,7 +6,12 @@ fp32 weight go once the packed copy exists. The Parameter stays (same object, sh
 optimizers, tying and `named_parameters` see what they saw) over a single zero element, and
 `state_dict()` answers in HF's layout by unpacking the packed weights (exact for fp32 and bf16, the
 dequantized q * s for int8 and int4). An fp32 layer gets its Parameter back in train() and re-packs in eval()
-(one copy at any time); a bf16/int8/int4 layer has nothing to train and says so (PackedOnlyError)."""
+(one copy at any time); a bf16/int8/int4 layer has nothing to train and says so (PackedOnlyError).
+
+In eval() the packed weights serve with autograd on as well (PackedMatmul): the input's gradient goes through
+the weights the layer computed with, and an fp32 weight held once gets its gradient x^T dy and its values back
+(unpacked, exact) in the backward, so an optimizer can write them; the next packed call re-packs. The
+Parameters' requires_grad is the user's throughout."""
 
 import torch
 import torch.nn as nn
@@ -25,7 +30,6 @@ class PackedLayer:
     hold_once = False  # the packed weights are the only copy in eval()
     dropped = False    # the fp32 weight was let go: the Parameter is one zero element, expanded to its shape
     _stash = None      # (precision, group, route) while an fp32 layer held once trains on its Parameter
-    _grad = False      # whether the weight asked for gradients before it was let go
 
     @property
     def packed(self) -> Packed | None:
@@ -47,6 +51,8 @@ class PackedLayer:
 
     def pack(self, precision: str, group: int | None = None, activations: str = "fp32"):
         old = self.packed
+        if self.dropped and any(self.weight.stride()) and bool(self.weight.detach().any()):
+            self.dropped = False  # `weight.data = values` gave it values again (a deepcopy's clone is all zeros)
         source = old.weights() if self.dropped else self.weight_kn()
         self.packed = Packed(source, self.bias, precision, group, activations)
         if old is not None:
@@ -58,18 +64,13 @@ class PackedLayer:
     def drop_weight(self):
         """Let the fp32 weight go; the packed weights become the only copy."""
         w = self.weight
-        if not self.dropped:
-            self._grad = w.requires_grad
         w.data = w.new_zeros(()).expand(w.shape)   # same Parameter, shape, dtype and device; 4 bytes of storage
-        w.requires_grad_(False)
         self.dropped = True
         self.packed.made_from(self.weight_kn(), self.bias)
 
     def restore_weight(self, values=None):
         """Give the Parameter its fp32 values back: `values` in its layout, or the packed weights unpacked."""
-        w = self.weight
-        w.data = values if values is not None else self.param_layout(self.packed.weights())
-        w.requires_grad_(self._grad)
+        self.weight.data = values if values is not None else self.param_layout(self.packed.weights())
         self.dropped = False
 
     def weight_value(self) -> torch.Tensor:
@@ -90,6 +91,14 @@ class PackedLayer:
             raise PackedOnlyError(f"{type(self).__name__} holds only its packed {p.precision} weights, so {why} "
                                   f"cannot run: {way}, or keep both copies with quantize(module, precision, "
                                   "keep_fp32=True)")
+
+    def weight_for_grad(self, why: str):
+        """Before a gradient reaches the weight: bf16/int8/int4 held only packed have no fp32 values to train
+        (PackedOnlyError); an fp32 weight held once gets its values back, so an optimizer can write them."""
+        if self.packed.precision != "fp32":
+            self.check_fp32(why)
+        if self.dropped:
+            self.restore_weight()
 
     def train(self, mode: bool = True):
         if self.hold_once and mode != self.training:
@@ -124,12 +133,24 @@ class PackedLayer:
     def _apply(self, fn, *args, **kwargs):
         if self.dropped:  # .to(), .float(), ...: on the real values; the next packed call re-packs
             self.restore_weight()
-        return super()._apply(fn, *args, **kwargs)
+        out = super()._apply(fn, *args, **kwargs)
+        if self.packed is not None and self.weight.dtype != torch.float32:  # .half(), .to(bf16): torch's path
+            self.packed, self.hold_once = None, False                       # in that dtype; quantize re-packs
+        return out
 
     def runs_packed(self, x) -> bool:
-        """eval(), fp32 input, and no gradient asked of this layer: the packed weights serve."""
-        return (self.packed is not None and not self.training and x.dtype == torch.float32
-                and not (torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad)))
+        """eval() and an fp32 input: the packed weights serve (with autograd on too, through PackedMatmul)."""
+        return self.packed is not None and not self.training and x.dtype == torch.float32
+
+    def needs_grad(self, x) -> bool:
+        return torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
+                                            or (self.bias is not None and self.bias.requires_grad))
+
+    def matmul(self, x2):
+        """(M, K) -> (M, N) on the packed weights, through autograd when a gradient may be asked."""
+        if self.needs_grad(x2):
+            return PackedMatmul.apply(x2, self.weight, self.bias, self)
+        return self.packed_forward(x2)
 
     def current(self) -> Packed:
         """The packed weights, re-packed first if the Parameters changed since they were packed."""
@@ -144,6 +165,41 @@ class PackedLayer:
         p = self.current()
         return linear(x2, p, None if self.dropped else self.weight_kn(), self.bias, p.route[regime(x2.shape[0])],
                       gelu)
+
+
+def check_trainable(module):
+    """Raise PackedOnlyError before train() changes anything when a layer of `module` holds only bf16/int8/int4
+    weights (nn.Module.train would set the modules before it to training first)."""
+    for m in module.modules():
+        if isinstance(m, PackedLayer) and m.hold_once and m.packed is not None and m.packed.precision != "fp32":
+            m.check_fp32("train()")
+
+
+class PackedMatmul(torch.autograd.Function):
+    """x W + b on a layer's packed weights, with gradients: x's through the weights the forward computed with
+    (unpacked: fp32 and bf16 exactly, int8/int4 the dequantized q * s), the bias's the sum over rows, an fp32
+    weight's x^T dy, its values given back first when only the packed copy held them (so an optimizer step can
+    write them; the next packed call re-packs). A bf16/int8/int4 weight has no fp32 values to train:
+    PackedOnlyError."""
+
+    @staticmethod
+    def forward(ctx, x2, weight, bias, layer):
+        ctx.layer = layer
+        ctx.save_for_backward(x2)
+        return layer.packed_forward(x2)
+
+    @staticmethod
+    def backward(ctx, dy):
+        layer, (x2,) = ctx.layer, ctx.saved_tensors
+        dx = dw = db = None
+        if ctx.needs_input_grad[0]:
+            dx = dy @ layer.packed.weights().t()                            # (M, N) @ (N, K)
+        if ctx.needs_input_grad[1]:
+            layer.weight_for_grad("a gradient for its weight")
+            dw = layer.param_layout(x2.t() @ dy)                            # (K, M) @ (M, N), in its layout
+        if ctx.needs_input_grad[2]:
+            db = dy.sum(0)
+        return dx, dw, db, None
 
 
 class Conv1D(PackedLayer, nn.Module):
@@ -166,7 +222,7 @@ class Conv1D(PackedLayer, nn.Module):
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
         if self.runs_packed(x):
-            y = self.packed_forward(x2)
+            y = self.matmul(x2)
         else:
             self.check_fp32("autograd or a non-fp32 input")
             y = torch.addmm(self.bias, x2, self.weight)  # (N, in) -> (N, out)

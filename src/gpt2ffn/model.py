@@ -16,7 +16,7 @@ from .config import Config
 from .errors import ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
-from .linear import Conv1D, PackedLayer
+from .linear import Conv1D, PackedLayer, check_trainable
 from .precision import quantize
 from .weights import Checkpoint, load_tensors
 
@@ -106,7 +106,7 @@ class LMHead(PackedLayer, nn.Linear):
 
     def forward(self, x):
         if self.runs_packed(x):
-            y = self.packed_forward(x.reshape(-1, x.shape[-1]))     # (N, d) -> (N, vocab)
+            y = self.matmul(x.reshape(-1, x.shape[-1]))             # (N, d) -> (N, vocab)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         self.check_fp32("autograd or a non-fp32 input")
         return super().forward(x)
@@ -124,8 +124,11 @@ class TiedEmbedding(nn.Embedding):
     def forward(self, ids):
         h = self.head
         if h.dropped or (h.hold_once and h.packed is not None and not h.training):  # re-packed first if stale
+            if torch.is_grad_enabled() and h.weight.requires_grad:
+                return PackedRows.apply(ids, h.weight, h)
             return h.rows(ids)                                     # (...) -> (..., d)
         return super().forward(ids)
+
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
@@ -142,6 +145,24 @@ class TiedEmbedding(nn.Embedding):
         if self.head.dropped:
             self.head.restore_weight()
         return super()._apply(fn, *args, **kwargs)
+
+
+class PackedRows(torch.autograd.Function):
+    """wte's rows read from the packed lm_head, with wte's gradient (its rows' sums of dy), the fp32 values
+    given back first as PackedMatmul gives them."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, head):
+        ctx.head = head
+        ctx.save_for_backward(ids)
+        return head.rows(ids)
+
+    @staticmethod
+    def backward(ctx, dy):
+        head, (ids,) = ctx.head, ctx.saved_tensors
+        head.weight_for_grad("a gradient for wte")
+        dw = torch.zeros(head.weight.shape, dtype=dy.dtype, device=dy.device)
+        return None, dw.index_add_(0, ids.reshape(-1), dy.reshape(-1, dy.shape[-1])), None
 
 
 class Block(nn.Module):
@@ -161,6 +182,11 @@ class Block(nn.Module):
 
 class GPT2(nn.Module):
     """GPT-2 with HF GPT2LMHeadModel's names; lm_head shares wte's weight."""
+
+    def train(self, mode: bool = True):
+        if mode:
+            check_trainable(self)  # a bf16/int8/int4 model refuses before any module is set to training
+        return super().train(mode)
 
     def __init__(self, cfg):
         super().__init__()
@@ -325,8 +351,8 @@ class GPT2(nn.Module):
         if not isinstance(ids, torch.Tensor) or ids.dtype not in (torch.int64, torch.int32):
             raise InputError(f"ids must be an int64 tensor of token ids (B, T), got "
                              f"{getattr(ids, 'dtype', type(ids).__name__)}")
-        if ids.dim() != 2 or ids.shape[1] == 0:
-            raise ShapeError(f"ids has shape {tuple(ids.shape)}; expected (batch, tokens) with tokens >= 1")
+        if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
+            raise ShapeError(f"ids has shape {tuple(ids.shape)}; expected (batch, tokens), both >= 1")
         V = self.config.vocab_size
         if int(ids.min()) < 0 or int(ids.max()) >= V:
             raise InputError(f"token ids must be in [0, {V}); got min {int(ids.min())}, max {int(ids.max())}")

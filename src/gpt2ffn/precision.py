@@ -47,7 +47,7 @@ def pack_layer(m, precision: str, group, activations: str, once: bool, auto: boo
     if m.dropped and not once:
         m.restore_weight()
     m.hold_once = once  # then pack() lets the fp32 weight go at once: the peak is one layer over the model
-    if precision != "fp32":
+    if precision != "fp32" and once:  # held only packed: nothing to train (keep_fp32 trains its Parameters)
         for p in m.parameters():
             p.requires_grad_(False)
     # int4 keeps the tied lm_head (= wte, the most sensitive matrix) at int8, as llama.cpp's q4_0 keeps it
@@ -78,8 +78,10 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
     one raises PackedOnlyError. keep_fp32=True (or no native kernels: the torch route reads fp32 weights)
     keeps the Parameters beside the packed copy, as before: train() and autograd run on them, and eval()
     reads the packed weights through the route the probe measured fastest on this machine.
-    For bf16/int8/int4 the Parameters stop asking for gradients, so no_grad or not, eval() computes at the
-    chosen precision.
+    For bf16/int8/int4 held once the Parameters stop asking for gradients (a fp32 one keeps the user's
+    requires_grad); no_grad or not, eval() computes at the chosen precision. A module held only at bf16/int8/
+    int4 is refused another precision: its fp32 values are gone, and re-quantizing its rounded ones would
+    pass for what it is not.
 
     activations ('fp32' or, for int8 / int4, 'int8': integer dot products on activations quantized per
     group, kernels/formats.py): None takes kernels.packed.default_activations(precision), and fp32 ones in a
@@ -92,6 +94,12 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
     layers = packable(module)
     if not layers:
         raise ConfigError(f"{type(module).__name__} has no GPT-2 linear layers (Conv1D, lm_head) to quantize")
+    held = {m.packed.precision for m in layers if m.dropped and m.packed.precision != "fp32"}
+    target = {"int8" if precision == "int4" and m.keeps_int8 else precision for m in layers}
+    if held and held - target:
+        raise ConfigError(f"{type(module).__name__} holds only its packed {'/'.join(sorted(held))} weights: "
+                          f"its fp32 values are gone, so {precision} would be made from rounded ones; load it "
+                          f"again with precision={precision!r} (or quantize with keep_fp32=True to switch later)")
     for m in layers:
         if m.weight.dtype != torch.float32:
             raise ConfigError(f"precision {precision!r} packs fp32 Parameters; {type(m).__name__} weight is "

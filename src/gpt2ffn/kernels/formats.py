@@ -353,4 +353,5 @@ def _words(q, precision: str):
 
 def _stamp(weight, bias):
     """What identifies the values a Packed was made from: storage, version counter, dtype of each tensor."""
-    return tuple((t.data_ptr(), t._version, t.dtype) if t is not None else None for t in (weight, bias))
+    return tuple((t.data_ptr(), -1 if t.is_inference() else t._version, t.dtype) if t is not None else None
+                 for t in (weight, bias))  # an inference-mode tensor has no version counter
