@@ -644,3 +644,76 @@ def test_diagnose_names_the_residual_stream_input_and_dropout():
     d = diagnose("ffn", noise, expected, known, 1e-4)
     assert d.key is None and d.text.startswith("matches no known mistake; worst element [0, ")
     assert FFNCase("s", 0, "tanh", w, x, resid, {"ffn": expected}).diagnose("ffn", fed_resid, 1e-4).key == "residual_input"
+
+
+# ---- doors an outside round found shut ------------------------------------------------------------------
+
+MLP_SHAPES = '''
+from dataclasses import dataclass
+
+@dataclass
+class GPTConfig:
+    n_embd: int = 768
+
+class MLP(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.c_proj = nn.Linear(HIDDEN, config.n_embd)   # defined first, run second
+        self.c_fc = nn.Linear(config.n_embd, HIDDEN)
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+class GELU(nn.Module):
+    def forward(self, x):  # in place
+        return x.mul_(0.5 * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3))))
+'''
+
+
+@pytest.mark.parametrize("hidden, verdict", [
+    ("4 * config.n_embd", "PASS"),
+    ("3 * config.n_embd", "FAIL (after c_fc (1st linear)): hidden width 192 (3x n_embd) instead of 256 (4x)"),
+    ("config.n_embd", "FAIL (after c_fc (1st linear)): hidden width 64 (1x n_embd) instead of 256 (4x)"),
+])
+def test_hidden_widths_and_layers_defined_out_of_order(golden, tmp_path, capsys, hidden, verdict):
+    """c_proj defined before c_fc is judged in the order they run; a hidden width of 3x (c_attn's shape in both
+    layers: once taken for attention) or 1x (once a numpy error from the diagnoser) is named."""
+    f = learner_file(tmp_path, MLP_SHAPES.replace("HIDDEN", hidden))
+    code, out, err = run(["check", f"{f}:MLP", "--golden", golden], capsys)
+    assert out.splitlines()[-1].startswith(verdict) and code == (0 if verdict == "PASS" else 1), out + err
+
+
+def test_an_in_place_gelu_is_judged_and_said(tmp_path, capsys):
+    code, out, err = run(["check", f"{learner_file(tmp_path, MLP_SHAPES.replace('HIDDEN', '1'))}:GELU"], capsys)
+    assert code == 0 and "writes its result into its input (in place)" in out, out + err
+
+
+def test_a_script_that_exits_at_import_is_one_line(tmp_path, capsys):
+    f = learner_file(tmp_path, MLP_SHAPES.replace("HIDDEN", "4 * config.n_embd") + "\nimport sys\nsys.exit(0)\n")
+    code, out, err = run(["check", f"{f}:MLP"], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1
+    assert "called sys.exit(0) (line " in err and 'under `if __name__ == "__main__":`' in err
+
+
+SEED_001_PARAMS = '''
+class FFN(nn.Module):
+    """Seed 001's FFN struct as a torch module: its weights its own Parameters, [in, out]."""
+    def __init__(self, dim):
+        super().__init__()
+        self.c_fc_weight = nn.Parameter(torch.empty(dim, 4 * dim))
+        self.c_fc_bias = nn.Parameter(torch.zeros(4 * dim))
+        self.c_proj_weight = nn.Parameter(torch.empty(4 * dim, dim))
+        self.c_proj_bias = nn.Parameter(torch.zeros(dim))
+
+    def forward(self, x):
+        return F.gelu(x @ self.c_fc_weight + self.c_fc_bias, approximate=APPROX) @ self.c_proj_weight + self.c_proj_bias
+'''
+
+
+@pytest.mark.parametrize("approx, verdict", [("'tanh'", "PASS"), ("'none'", "FAIL (output): exact GELU (erf)")])
+def test_an_ffn_holding_its_weights_as_parameters(golden, tmp_path, capsys, approx, verdict):
+    """Seed 001's struct (c_fc_weight, c_fc_bias, ... as the module's own Parameters) is an FFN, not 'a LayerNorm?':
+    loaded through its own Parameters and its output judged (no stage inside it can be hooked)."""
+    f = learner_file(tmp_path, SEED_001_PARAMS.replace("APPROX", approx))
+    code, out, err = run(["check", f"{f}:FFN", "--golden", golden], capsys)
+    assert out.splitlines()[-1].startswith(verdict), out + err
+    assert "c_fc = c_fc (OwnParameters, [in, out]), c_proj = c_proj (OwnParameters, [in, out])" in out

@@ -368,3 +368,13 @@ def test_a_reference_with_a_short_context(tmp_path, capsys):
                                                                        n_positions={n}, vocab_size=257))
             """, "model", "--model", str(tmp_path / f"p{n}"))
         assert code == 0 and f"greedy next {new} token{'s' * (new > 1)}" in out, out + err
+
+
+def test_a_head_its_forward_never_applies_is_said(tmp_path, capsys):
+    """A model holding lm_head that returns the hidden state is refused in one line (it was taken for HF's
+    GPT2Model, given GPT-2's tied head, and passed); HF's GPT2Model itself, with no head, still passes."""
+    source = NANOGPT.replace("logits = self.lm_head(x[:, [-1], :])", "logits = x[:, [-1], :]")
+    assert source != NANOGPT
+    code, out, err = run(tmp_path, capsys, source, "GPT")
+    assert code == 2 and err.count("\n") == 1, out + err
+    assert "the hidden state, not logits (1, T, 512): it holds an LM head, lm_head, that its forward never" in err

@@ -11,7 +11,9 @@ diagnosed (gpt2ffn.diagnose). A GELU (a module or function with no linear layer)
 which form it computes.
 """
 
+import dataclasses
 import inspect
+import re
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -213,13 +215,15 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
                          f"whole GPT), or wrap it in an nn.Module whose forward is the FFN")
     if not linears and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
         raise CheckError(f"{name} is one linear layer ({tuple(module.weight.shape)}); check judges {part}")
+    linears = linears or raw_linears(module)
     if not linears:
         if any(p.dim() == 1 for p in module.parameters()) or isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             raise CheckError(f"{name} holds parameters but no linear layer: a LayerNorm? check judges {part}, "
                              "which checks every LayerNorm it holds")
         return check_gelu(module, name, ref_cfg.gelu_approximate, built)
     c_attn = sorted((ref_cfg.n_embd, 3 * ref_cfg.n_embd))
-    attention = any(sorted(m.weight.shape) == c_attn for _, m in linears)
+    # c_attn's shape in both layers is an FFN of hidden width 3 * n_embd (a hard-coded 3072 at n_embd 1024)
+    attention = sum(sorted(m.weight.shape) == c_attn for _, m in linears) == 1
     if len(linears) != 2:
         more = f": attention or a whole block? check judges {part}" if len(linears) > 2 or attention else ""
         raise CheckError(f"{name} has {len(linears)} linear layers ({', '.join(n for n, _ in linears)}); "
@@ -227,7 +231,41 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     if attention:
         raise CheckError(f"{name} has a layer of shape {ref_cfg.n_embd} x {3 * ref_cfg.n_embd} (c_attn: q, k and v): "
                          f"it is attention, not an FFN; check judges {part}")
-    return check_ffn(module, linears, name, built, case_of(layer))
+    return check_ffn(module, in_order(linears, ref_cfg.n_embd), name, built, case_of(layer))
+
+
+class OwnParameters(nn.Module):
+    """A linear layer's weight and bias that a module holds as its own Parameters (never called: no stage)."""
+
+
+def raw_linears(module: nn.Module) -> list:
+    """A module holding an FFN's weights as its own Parameters, two matrices and their biases (seed 001's FFN
+    struct: c_fc_weight [d, 4d], c_fc_bias, c_proj_weight, c_proj_bias): (name, a stand-in module holding the
+    same Parameters) per layer, for check_ffn to load and judge; [] for any other module."""
+    own = list(module.named_parameters(recurse=False))
+    mats = [(n, p) for n, p in own if p.dim() == 2]
+    if len(mats) != 2 or any(p.dim() > 2 for _, p in own) or any(True for _ in module.children()):
+        return []
+    stem = lambda n, tail: re.sub(rf"[._]?({tail})$", "", n, flags=re.I)  # noqa: E731
+    vecs = [p for _, p in own if p.dim() == 1]
+    out = []
+    for i, (n, w) in enumerate(mats):
+        layer = OwnParameters()
+        layer.weight = w  # the module's own Parameter: loading it loads the learner's
+        by_name = next((p for m, p in own if p.dim() == 1 and stem(m, "bias|b") == stem(n, "weight|w")), None)
+        by_order = vecs[i] if len(vecs) == 2 and vecs[i].shape[0] in w.shape else None  # W1, b1, W2, b2
+        layer.bias = by_name if by_name is not None else by_order
+        out.append((stem(n, "weight|w") or n, layer))
+    return out
+
+
+def in_order(linears: list, d: int) -> list:
+    """The two linear layers in the order they run, c_fc first: a module may define c_proj first (by name, or
+    nn.Linear layers whose first does not take n_embd while the second does)."""
+    (n1, l1), (n2, l2) = linears
+    named = (n1.rsplit(".", 1)[-1], n2.rsplit(".", 1)[-1]) == ("c_proj", "c_fc")
+    shaped = isinstance(l1, nn.Linear) and isinstance(l2, nn.Linear) and l1.in_features != d == l2.in_features
+    return linears[::-1] if named or shaped else linears
 
 
 def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase,
@@ -245,6 +283,8 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
     if lay2 is None or (i2, o2) != (o1, d):
         raise CheckError(f"{name}'s second linear layer {n2} has weight {tuple(l2._parameters['weight'].shape)}; "
                          f"after {n1} ({d} -> {o1}) c_proj maps {o1} -> {d}")
+    if hidden // 2 != o1 < hidden:  # named as a variant of its own width
+        case = dataclasses.replace(case, width=o1, _known=None)
     if o1 > hidden:
         raise CheckError(f"{name}'s hidden width is {o1} ({o1 / d:g}x n_embd), wider than GPT-2's {hidden} "
                          f"({hidden / d:g}x): no GPT-2 weights fit it; use nn.Linear(emb_dim, 4 * emb_dim)")
@@ -419,6 +459,9 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                         f"{layout}" + (" (F.linear's layout)" if layout == "[out, in]" else " (x @ w, HF's Conv1D)"),
                         f"fed {case.source} layer {case.layer}'s ln_2 output ({T}, {d}); compared with HF GPT-2's "
                         f"own stages, tolerance {atol:.0e}"]
+                if first_error:  # picoGPT's own gpt2() calls it with numpy arrays, weights [in, out]
+                    info.append(f"note: called with numpy arrays and weights [in, out], as picoGPT's own gpt2() calls "
+                                f"it, it fails: {first_error}")
                 first, again = ({"ffn": o[None]} for o in out)
                 return _judge(name, info, first, again, case, atol, "not seen: a function's inner values")
     raise CheckError(f"{name}({', '.join(['x', *names])}) failed in every calling style check knows "
@@ -476,9 +519,12 @@ def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDE
         fn.eval()
     try:
         x = torch.tensor(GELU_GRID, dtype=torch.float32)
-        got = _apply(fn, x, name)
+        arg = x.clone()  # each call its own tensor: a GELU may write its result into its input (x.mul_(...))
+        got = _apply(fn, arg, name)
+        if not torch.equal(arg, x):
+            built = built + ["it writes its result into its input (in place): the caller's tensor is overwritten"]
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        if not np.allclose(_apply(fn, x[perm], name), got[perm.numpy()], atol=1e-6, equal_nan=True):
+        if not np.allclose(_apply(fn, x[perm].clone(), name), got[perm.numpy()], atol=1e-6, equal_nan=True):
             raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but its output at a point "
                              "depends on the other points: not elementwise")
         spot = np.round(_apply(fn, torch.tensor(SPOT_X), name), 4) + 0.0  # + 0.0: -0.0 prints as 0.0

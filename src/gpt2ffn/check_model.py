@@ -339,15 +339,26 @@ def _tensor(o):
     return logits if isinstance(logits, torch.Tensor) else None
 
 
-def _logits(o, s: Structure, cfg: Config):
+def _head(model: nn.Module, s: Structure, cfg: Config) -> str | None:
+    """The name of a module of the model's that is an LM head (a weight of wte's shape, other than wte)."""
+    shapes = {(cfg.vocab_size, cfg.n_embd), (cfg.n_embd, cfg.vocab_size)}
+    return next((n for n, m in model.named_modules() if m is not s.wte.module and isinstance(
+        getattr(m, "weight", None), torch.Tensor) and tuple(m.weight.shape) in shapes), None)
+
+
+def _logits(o, s: Structure, cfg: Config, head: str | None = None):
     """(logits, note) from a model's output. A trunk with no LM head (HF's GPT2Model, a last_hidden_state of
-    (1, T, n_embd)) gets GPT-2's tied head, hidden @ wte.T, and a note saying so."""
+    (1, T, n_embd)) gets GPT-2's tied head, hidden @ wte.T, and a note saying so; a model that has a head
+    (`head`, its name) and returns the hidden state is refused: its forward never applies it."""
     t = _tensor(o)
     if t is None:
         t = getattr(o, "last_hidden_state", None)
         t = t if isinstance(t, torch.Tensor) else None
     if t is None or t.dim() != 3 or t.shape[-1] != cfg.n_embd or cfg.n_embd == cfg.vocab_size:
         return t, None
+    if head is not None:
+        raise CheckError(f"the model returned {tuple(t.shape)}, the hidden state, not logits (1, T, "
+                         f"{cfg.vocab_size}): it holds an LM head, {head}, that its forward never applies")
     return t @ s.wte.module.weight.T, (f"no LM head: its output {tuple(t.shape)} taken as the last hidden state, "
                                        "logits by GPT-2's tied head (hidden @ wte.T)")
 
@@ -399,7 +410,9 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
     hooks.append(s.ln_f.module.register_forward_hook(out("ln_f")))
     try:
         with torch.no_grad():
-            logits, headless = _logits(model(torch.tensor([ids])), s, cfg)
+            logits, headless = _logits(model(torch.tensor([ids])), s, cfg, _head(model, s, cfg))
+    except CheckError:
+        raise
     except Exception as e:
         raise CheckError(f"{name} failed on token ids of shape (1, {T}): {type(e).__name__}: {e}".splitlines()[0]) \
             from None
@@ -469,7 +482,10 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
     def offer(k, want):
         want = want.detach().numpy() if isinstance(want, torch.Tensor) else want
         if want.shape == got.shape and np.isfinite(want).all():
-            found.append((float(np.abs(got - want).max()), k, *{**MISTAKES, **MODEL_MISTAKES}[k]))
+            dist = float(np.abs(got - want).max())
+            if stage == "logits":  # O(100): float32 rounding alone reaches 1e-5 of max |logits|
+                dist *= atol / max(atol, 1e-5 * float(np.abs(want).max()))
+            found.append((dist, k, *{**MISTAKES, **MODEL_MISTAKES}[k]))
 
     def norm_alone(x, w, b):  # one LayerNorm wrong on HF's own input to it (the block's others may be right)
         offer("ln_unbiased", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True))

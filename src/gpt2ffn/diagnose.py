@@ -115,10 +115,11 @@ def forward(x, w1, b1, w2, b2, act) -> dict:
     return {"c_fc": h, "gelu": g, "ffn": g @ w2 + b2}   # (..., hidden) -> (..., d)
 
 
-def variants(x, weights: dict, approximate: str = "tanh", resid=None) -> list:
+def variants(x, weights: dict, approximate: str = "tanh", resid=None, width=None) -> list:
     """Every known-wrong FFN on input x (the ln_2 output), from GPT2MLP-keyed weights in HF layout.
 
-    resid, the residual stream ln_2 normalised, adds the variant "fed the residual stream"."""
+    resid, the residual stream ln_2 normalised, adds the variant "fed the residual stream"; width, a learner's
+    narrower hidden width other than half, the variant of that width (the first `width` units)."""
     x = np.asarray(x, np.float64)
     w1, b1, w2, b2 = (np.asarray(weights[k], np.float64) for k in KEYS)
     d, hidden = w1.shape
@@ -141,6 +142,11 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None) -> list:
         f"expand to the full hidden width: nn.Linear(emb_dim, {hidden // d if hidden % d == 0 else hidden} * emb_dim)"
         if hidden % d == 0 else f"use hidden width {hidden}",
         forward(x, w1[:, :half], b1[:half], w2[:half], b2, act))
+    if width is not None and width < hidden and width != half:
+        add("hidden_width", f"hidden width {width}{times(width)} instead of {hidden}{times(hidden).replace(' n_embd', '')}",
+            f"use hidden width {hidden}" + (f": nn.Linear(emb_dim, {hidden // d} * emb_dim), not a fixed number"
+                                            if hidden % d == 0 else ""),
+            forward(x, w1[:, :width], b1[:width], w2[:width], b2, act))
     layouts = {
         "c_fc": (w1, "[n_embd, hidden]", lambda w: forward(x, w, b1, w2, b2, act)),
         "c_proj": (w2, "[hidden, n_embd]", lambda w: forward(x, w1, b1, w, b2, act)),
@@ -182,6 +188,7 @@ def local_variants(stage: str, inp, x, weights: dict, approximate: str, known: l
         tensors = {f"gelu_{k}": f(inp) for k, (f, *_) in FORMS.items() if k != target}
     else:  # ffn: c_proj of the module's own activation output
         w2, b2 = (np.asarray(weights[k], np.float64) for k in ("c_proj.weight", "c_proj.bias"))
+        w2 = w2[:inp.shape[-1]]  # a narrower hidden width: the rows of c_proj it was loaded with
         n_in, n_out = w2.shape
         right = inp @ w2 + b2
         tensors = {"c_proj_bias_missing": inp @ w2, "c_proj_not_transposed": inp @ w2.reshape(n_out, n_in).T + b2,
@@ -263,12 +270,13 @@ class FFNCase:
     x: np.ndarray       # ln_2 output (1, T, d), the FFN's input
     resid: np.ndarray   # the residual stream ln_2 normalised (1, T, d)
     expected: dict      # c_fc, gelu, ffn as HF's modules returned them
+    width: int | None = None  # a learner's narrower hidden width: its variant is known too
     _known: list = field(default=None, repr=False)
 
     @property
     def known(self) -> list:
         if self._known is None:
-            self._known = variants(self.x, self.weights, self.approximate, self.resid)
+            self._known = variants(self.x, self.weights, self.approximate, self.resid, self.width)
         return self._known
 
     def diagnose(self, stage, got, atol) -> Diagnosis:

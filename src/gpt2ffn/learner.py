@@ -107,6 +107,10 @@ def load_object(target: str):
         if len(dotted) > 1:
             importlib.import_module(".".join(dotted[:-1]))  # its package's __init__ first, as an import runs it
         spec.loader.exec_module(module)
+    except SystemExit as e:  # a script's sys.exit(main()) at top level: it would end check with its own code
+        del sys.modules[spec.name]
+        raise CheckError(f"importing {file} called sys.exit({e.code!r}){_where(e, path)}: a script's run belongs "
+                         "under `if __name__ == \"__main__\":`, which check does not run") from None
     except Exception as e:
         del sys.modules[spec.name]
         who = super_missing(e)
