@@ -308,6 +308,10 @@ MUTANTS = {
     "positions_from_1": (BOOK, "torch.arange(seq_len, device=in_idx.device)",
                          "torch.arange(1, seq_len + 1, device=in_idx.device)"),
     "logits_without_ln_f": (NANOGPT, "        x = self.transformer.ln_f(x)\n", ""),
+    "q_k_swapped": (NANOGPT, "q, k, v = self.c_attn(x).split(self.n_embd, dim=2)",
+                    "k, q, v = self.c_attn(x).split(self.n_embd, dim=2)"),
+    "ln_std_eps_biased": (BOOK, "norm_x = (x - mean) / torch.sqrt(var + self.eps)",
+                          "norm_x = (x - mean) / (torch.sqrt(var) + self.eps)"),
 }
 
 

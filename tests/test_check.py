@@ -332,6 +332,13 @@ WRONG = {
     "gelu_sigmoid": sequential(act="nn.SiLU()").replace("nn.SiLU()", "GELU()").replace(
         "return 0.5 * x * (1 + torch.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))",
         "return x * torch.sigmoid(1.702 * x)"),
+    "gelu_coefficient_04715": sequential().replace("0.044715", "0.04715"),
+    "gelu_coefficient_0044715": sequential().replace("0.044715", "0.0044715"),
+    "gelu_scale_0797": sequential().replace("math.sqrt(2 / math.pi)", "0.797"),
+    "gelu_sqrt_2pi": sequential().replace("math.sqrt(2 / math.pi)", "math.sqrt(2 * math.pi)"),
+    "gelu_twice": sequential(act="GELU(), GELU()"),
+    "gelu_after_c_proj": sequential(act="", forward="return GELU()(self.layers(x))"),
+    "softmax_activation": sequential(act="nn.Softmax(dim=-1)"),
     "gelu_identity": sequential(act=""),
     "gelu_relu": sequential(act="nn.ReLU()"),
     "expansion_2x": sequential(first="nn.Linear(d, 2 * d)", last="nn.Linear(2 * d, d)"),

@@ -57,7 +57,7 @@ FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "at
          "no_resid_attn": "attn_resid", "no_resid_mlp": "block",
          "positions_not_added": "embeddings", "attn_c_proj_not_transposed": "attn_resid",
          "dropout": "attn_out", "qkv_bias_missing": "q", "gelu_exact": "gelu", "mask_off_by_one": "attn_probs",
-         "heads_interleaved": "attn_probs", "positions_from_1": "embeddings", "logits_without_ln_f": "logits"}
+         "heads_interleaved": "attn_probs", "q_k_swapped": "attn_probs", "ln_std_eps_biased": "ln_1", "positions_from_1": "embeddings", "logits_without_ln_f": "logits"}
 
 
 @pytest.mark.parametrize("key", MUTANTS)

@@ -373,7 +373,7 @@ def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float) ->
     if best:
         return [named(best[1], best[2], best[3])]
     plain = [case.diagnose(stage, outputs[stage], atol) for stage in failing]
-    return [next((d for d in plain if d.key), plain[-1])] if plain else []
+    return [next((d for d in plain if d.key), plain[0])] if plain else []  # else the most upstream failure
 
 
 def _run(module, l1, l2, x, name) -> dict:

@@ -489,6 +489,8 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
 
     def norm_alone(x, w, b):  # one LayerNorm wrong on HF's own input to it (the block's others may be right)
         offer("ln_unbiased", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True))
+        offer("ln_std_eps", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True, True))
+        offer("ln_std_eps_biased", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, False, True))
         for eps in EPS_TRIED:
             if eps != cfg.layer_norm_epsilon:
                 offer(f"ln_eps_{eps:g}", layer_norm(_float64(x), w, b, eps))

@@ -39,6 +39,11 @@ def erf_form(h):
     return gelu_exact(math.sqrt(2.0) * np.asarray(h, np.float64)) / math.sqrt(2.0)
 
 
+def softmax(h):
+    e = np.exp(h - h.max(-1, keepdims=True))
+    return e / e.sum(-1, keepdims=True)
+
+
 def sigmoid_form(h):
     return h / (1.0 + np.exp(-1.702 * h))
 
@@ -53,6 +58,18 @@ FORMS = {
     "sqrt2_over_pi": (tanh_form(scale=math.sqrt(2.0) / math.pi), "sqrt(2)/pi instead of sqrt(2/pi)",
                       "tanh form scaled by sqrt(2)/pi instead of sqrt(2/pi)",
                       "scale by sqrt(2/pi) = 0.7979 (math.sqrt(2 / math.pi)), not sqrt(2)/pi = 0.4502"),
+    "coefficient_04715": (tanh_form(coefficient=0.04715), "cubic coefficient 0.04715 instead of 0.044715",
+                          "tanh form with cubic coefficient 0.04715 (GPT-2's is 0.044715)",
+                          "use 0.044715 for the cubic coefficient: a 4 is missing"),
+    "coefficient_0044715": (tanh_form(coefficient=0.0044715), "cubic coefficient 0.0044715 instead of 0.044715",
+                            "tanh form with cubic coefficient 0.0044715 (GPT-2's is 0.044715)",
+                            "use 0.044715 for the cubic coefficient: one zero too many"),
+    "scale_0797": (tanh_form(scale=0.797), "sqrt(2/pi) written as 0.797",
+                   "tanh form scaled by 0.797 instead of sqrt(2/pi) = 0.7978845608",
+                   "write math.sqrt(2 / math.pi), not a rounded 0.797"),
+    "sqrt_2pi": (tanh_form(scale=math.sqrt(2.0 * math.pi)), "sqrt(2*pi) instead of sqrt(2/pi)",
+                 "tanh form scaled by sqrt(2*pi) = 2.5066 instead of sqrt(2/pi) = 0.7979",
+                 "divide: math.sqrt(2 / math.pi), not math.sqrt(2 * math.pi)"),
     "two_over_pi": (tanh_form(scale=2.0 / math.pi), "2/pi instead of sqrt(2/pi)",
                     "tanh form scaled by 2/pi instead of sqrt(2/pi)",
                     "scale by sqrt(2/pi) = 0.7979, not 2/pi = 0.6366: the square root is missing"),
@@ -71,6 +88,8 @@ FORMS = {
     "sigmoid": (sigmoid_form, "sigmoid approximation x*sigmoid(1.702x) instead of GELU",
                 "sigmoid approximation x*sigmoid(1.702x)", TANH_FIX),
     "relu": (relu, "ReLU instead of GELU", "ReLU", TANH_FIX),
+    "twice": (lambda h: gelu_tanh(gelu_tanh(h)), "GELU applied twice", "tanh GELU applied twice, gelu(gelu(x))",
+              "apply GELU once, between c_fc and c_proj"),
     "identity": (lambda h: h, "GELU left out", "no activation (identity)",
                  "apply GELU between c_fc and c_proj: c_proj(gelu(c_fc(x)))"),
 }
@@ -159,6 +178,13 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None, width=None
             run(w.reshape(n_out, n_in).T))
         add(f"{layer}_viewed", f"{layer} weight not transposed ([out, in] weight viewed as [in, out])", fix,
             run(w.T.reshape(n_in, n_out)))
+    linear = forward(x, w1, b1, w2, b2, lambda h: h)
+    add("gelu_after_c_proj", "GELU applied after c_proj instead of between c_fc and c_proj",
+        "c_proj(gelu(c_fc(x))): the activation goes between the two linear layers, not after the second",
+        {"c_fc": linear["c_fc"], "gelu": linear["c_fc"], "ffn": act(linear["ffn"])})
+    add("softmax_activation", "softmax over the hidden units instead of GELU",
+        "apply GELU elementwise between c_fc and c_proj, not a softmax over the hidden units",
+        forward(x, w1, b1, w2, b2, softmax))
     add("c_fc_bias_missing", "c_fc bias missing", "add c_fc's bias (nn.Linear(..., bias=True), GPT-2 has one)",
         forward(x, w1, 0 * b1, w2, b2, act))
     add("c_proj_bias_missing", "c_proj bias missing", "add c_proj's bias (nn.Linear(..., bias=True), GPT-2 has one)",
@@ -301,8 +327,12 @@ class FFNCase:
 
 # ---- the known mistakes of a whole block (attention, layer norms, residuals), computed in float64 ----------
 
-def layer_norm(x, w, b, eps, unbiased=False):
+def layer_norm(x, w, b, eps, unbiased=False, std_eps=False):
+    """GPT-2's LayerNorm; unbiased: the variance divided by n - 1; std_eps: (x - mean) / (std + eps), eps
+    outside the square root (the std unbiased when `unbiased`, as torch.std's default)."""
     mu = x.mean(-1, keepdim=True)
+    if std_eps:
+        return (x - mu) / (x.std(-1, keepdim=True, unbiased=unbiased) + eps) * w + b
     return (x - mu) / torch.sqrt(x.var(-1, keepdim=True, unbiased=unbiased) + eps) * w + b
 
 
@@ -340,6 +370,12 @@ MISTAKES = {
                          "build the q, k, v projections with bias=True (the book's qkv_bias=True when loading GPT-2)"),
     "mask_off_by_one": ("causal mask off by one: each position also attends to the next token",
                         "mask every key after the query: torch.triu(ones(T, T), diagonal=1), not diagonal=2"),
+    "q_k_swapped": ("q and k swapped: c_attn's output split as k, q, v",
+                    "split c_attn's output in GPT-2's order: q, k, v = qkv.split(n_embd, dim=-1)"),
+    "ln_std_eps": ("LayerNorm as (x - mean) / (std + eps), with torch.std's unbiased default",
+                   "(x - mean) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + eps), or nn.LayerNorm"),
+    "ln_std_eps_biased": ("LayerNorm with eps outside the square root: (x - mean) / (std + eps)",
+                          "(x - mean) / torch.sqrt(var + eps): eps goes under the square root, or nn.LayerNorm"),
     "heads_interleaved": ("heads split wrongly: q/k/v reshaped as (T, d_head, n_head), head index fastest",
                           "split each of q, k, v into heads as t.view(T, n_head, d_head).transpose(0, 1): head h is "
                           "columns h*d_head .. (h+1)*d_head - 1"),
@@ -361,10 +397,11 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
     """Every stage of GPT-2 block `layer` (HF weights w, HF layout) on x, float64, with one known mistake planted."""
     d, H, T = cfg.n_embd, cfg.n_head, x.shape[1]
     dh = d // H
-    eps, unbiased = cfg.layer_norm_epsilon, mistake == "ln_unbiased"
+    eps, unbiased = cfg.layer_norm_epsilon, mistake in ("ln_unbiased", "ln_std_eps")
     if mistake and mistake.startswith("ln_eps_"):
         eps = float(mistake.removeprefix("ln_eps_"))
-    ln = lambda t, k: layer_norm(t, w[f"{k}.weight"], w[f"{k}.bias"], eps, unbiased)  # noqa: E731
+    ln = lambda t, k: layer_norm(t, w[f"{k}.weight"], w[f"{k}.bias"], eps, unbiased,  # noqa: E731
+                                 mistake in ("ln_std_eps", "ln_std_eps_biased"))
     act = _act(cfg.gelu_approximate)
 
     def attn(h):
@@ -375,6 +412,8 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
             ba = 0 * ba
         c_attn = h @ wa + ba                                                   # (1, T, 3d)
         q, k, v = c_attn.split(d, -1)                                          # (1, T, d) each
+        if mistake == "q_k_swapped":
+            q, k = k, q
         heads = lambda t: t.reshape(1, T, H, dh).transpose(1, 2)               # noqa: E731  (1, H, T, dh)
         if mistake == "heads_interleaved":
             heads = lambda t: t.reshape(1, T, dh, H).permute(0, 3, 1, 2)       # noqa: E731

@@ -553,6 +553,8 @@ def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False) -> 
     def norm_alone(x, w, b):  # one LayerNorm wrong, on HF's own input to it
         x, eps = torch.from_numpy(np.asarray(x, np.float64)), cfg.layer_norm_epsilon
         offer("ln_unbiased", layer_norm(x, w, b, eps, True))
+        offer("ln_std_eps", layer_norm(x, w, b, eps, True, True))
+        offer("ln_std_eps_biased", layer_norm(x, w, b, eps, False, True))
         for e in EPS_TRIED:
             if e != eps:
                 offer(f"ln_eps_{e:g}", layer_norm(x, w, b, e))
