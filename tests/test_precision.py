@@ -388,6 +388,20 @@ def test_a_model_held_once_behaves_as_hf_for_an_hf_user():
         assert abs(losses[0] - losses[1]) < 1e-5, losses
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), hf(ids).logits, rtol=1e-5, atol=1e-5)  # the trained weights serve
+    # a forward between backward and step (a metric under no_grad) leaves the step its values to write; train()
+    # between forward and backward leaves the backward the weights its forward used
+    loss = ours(ids).logsumexp(-1).mean()
+    loss.backward()
+    with torch.no_grad():
+        ours(ids)
+    opts[0].step()
+    opts[0].zero_grad()
+    loss = ours(ids).logsumexp(-1).mean()
+    ours.train()
+    loss.backward()
+    ours.eval()
+    big = [m for m in copy.deepcopy(ours).modules() if getattr(m, "dropped", False)]
+    assert big and all(not holds_data(m.weight) for m in big)  # a copy lets its weights go again
     ours.requires_grad_(False)
     ours.transformer.h[-1].requires_grad_(True)
     ours.train()
@@ -402,6 +416,9 @@ def test_a_model_held_once_behaves_as_hf_for_an_hf_user():
     with torch.inference_mode():
         m = quantize(GPT2(SMALL), "int8")
         assert m(ids).shape == (2, 9, SMALL.vocab_size)
+        before = m(ids)
+        m.load_state_dict(gpt2_pair(seed=5)[1].state_dict())  # inference tensors have no version counter
+        assert not torch.equal(m(ids), before)
     with torch.no_grad():
         assert ours.to(torch.bfloat16)(ids).dtype == torch.bfloat16
     with pytest.raises(Exception, match=r"ids has shape \(0, 5\); expected \(batch, tokens\), both >= 1"):
@@ -412,9 +429,30 @@ def test_a_model_held_once_behaves_as_hf_for_an_hf_user():
 def test_a_model_held_only_at_a_precision_refuses_another():
     _, ours = gpt2_pair()
     quantize(ours, "int8")
-    with pytest.raises(ConfigError, match="holds only its packed int8 weights: its fp32 values are gone"):
+    with pytest.raises(ConfigError, match="GPT2 holds only int8 weights: their fp32 values are gone"):
         quantize(ours, "fp32")
+    with pytest.raises(ConfigError, match="holds only int8 weights"):
+        quantize(ours, "int4")  # the blocks: int4 keeps only the lm_head at int8
+    ours.to("cpu")  # unpacks the int8 values into the Parameters: still int8's rounding
+    with pytest.raises(ConfigError, match="holds only int8 weights"):
+        quantize(ours, "fp32")
+    with pytest.raises(PackedOnlyError, match="train"):
+        ours.train()
     quantize(ours, "int8")  # the same precision again is fine
     kept = quantize(gpt2_pair()[1], "int8", keep_fp32=True)
     assert all(p.requires_grad for p in kept.parameters())  # keep_fp32: its Parameters still train
     quantize(kept, "fp32")
+
+
+@held_once
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_torch_save_and_load_of_a_packed_model(precision, tmp_path):
+    """torch.save of a whole packed model (int8/int4 packed side by side in one arena, under two dtypes, was
+    refused by torch.save) loads back and computes the same logits."""
+    _, ours = gpt2_pair()
+    quantize(ours, precision)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 7), generator=torch.Generator().manual_seed(3))
+    torch.save(ours, tmp_path / "m.pt")
+    back = torch.load(tmp_path / "m.pt", weights_only=False)
+    with torch.no_grad():
+        assert torch.equal(back(ids), ours(ids))

@@ -215,7 +215,7 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
                          f"whole GPT), or wrap it in an nn.Module whose forward is the FFN")
     if not linears and getattr(module, "weight", None) is not None and module.weight.dim() == 2:
         raise CheckError(f"{name} is one linear layer ({tuple(module.weight.shape)}); check judges {part}")
-    linears = linears or raw_linears(module)
+    linears = linears or raw_linears(module, ref_cfg.n_embd)
     if not linears:
         if any(p.dim() == 1 for p in module.parameters()) or isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             raise CheckError(f"{name} holds parameters but no linear layer: a LayerNorm? check judges {part}, "
@@ -238,7 +238,7 @@ class OwnParameters(nn.Module):
     """A linear layer's weight and bias that a module holds as its own Parameters (never called: no stage)."""
 
 
-def raw_linears(module: nn.Module) -> list:
+def raw_linears(module: nn.Module, d: int) -> list:
     """A module holding an FFN's weights as its own Parameters, two matrices and their biases (seed 001's FFN
     struct: c_fc_weight [d, 4d], c_fc_bias, c_proj_weight, c_proj_bias): (name, a stand-in module holding the
     same Parameters) per layer, for check_ffn to load and judge; [] for any other module."""
@@ -253,8 +253,9 @@ def raw_linears(module: nn.Module) -> list:
         layer = OwnParameters()
         layer.weight = w  # the module's own Parameter: loading it loads the learner's
         by_name = next((p for m, p in own if p.dim() == 1 and stem(m, "bias|b") == stem(n, "weight|w")), None)
-        by_order = vecs[i] if len(vecs) == 2 and vecs[i].shape[0] in w.shape else None  # W1, b1, W2, b2
-        layer.bias = by_name if by_name is not None else by_order
+        # else by length (W1, b1, W2, b2 in any order): c_fc's bias is the hidden width, c_proj's n_embd
+        fits = [p for p in vecs if (p.shape[0] == d) == (i == 1)] if len(vecs) == 2 else []
+        layer.bias = by_name if by_name is not None else fits[0] if len(fits) == 1 else None
         out.append((stem(n, "weight|w") or n, layer))
     return out
 

@@ -342,8 +342,9 @@ def _tensor(o):
 def _head(model: nn.Module, s: Structure, cfg: Config) -> str | None:
     """The name of a module of the model's that is an LM head (a weight of wte's shape, other than wte)."""
     shapes = {(cfg.vocab_size, cfg.n_embd), (cfg.n_embd, cfg.vocab_size)}
-    return next((n for n, m in model.named_modules() if m is not s.wte.module and isinstance(
-        getattr(m, "weight", None), torch.Tensor) and tuple(m.weight.shape) in shapes), None)
+    return next((n for n, m in model.named_modules() if not isinstance(m, nn.Embedding) and m is not s.wte.module
+                 and m is not s.wpe.module and isinstance(getattr(m, "weight", None), torch.Tensor)
+                 and tuple(m.weight.shape) in shapes), None)
 
 
 def _logits(o, s: Structure, cfg: Config, head: str | None = None):

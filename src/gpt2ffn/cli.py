@@ -168,8 +168,8 @@ def cmd_verify(args):
             print(note)
         if first:
             size = f"max abs {first.max_abs:.3e} > {first.atol:g}" if first.max_abs == first.max_abs else ""
-            where = (f"checkpoint: {first.checkpoint} ({g.CHECKPOINTS[first.checkpoint]}), layer {first.layer}"
-                     if first.checkpoint else "tensor: a weight as the engine loaded it")
+            where = (f"checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)}), layer "
+                     f"{first.layer}" if first.checkpoint else "tensor: a weight as the engine loaded it")
             print(f"first failing {where}, {first.name}: {'; '.join(t for t in (size, first.note) if t)}")
         elif not judged:
             found = sorted(cand.names()) if cand else []
@@ -198,7 +198,10 @@ def cmd_check(args):
     with contextlib.redirect_stdout(sys.stderr):  # what the learner's file prints must not mix into the report
         obj, label = load_object(args.target)
         model = args.model or (f"random:{args.preset}:0" if args.preset else None)
-        report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label, model=model)
+        try:
+            report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label, model=model)
+        except SystemExit as e:  # from the learner's __init__ or forward: it would end check with its own code
+            raise Gpt2ffnError(f"{label} called sys.exit({e.code!r}) while check built or ran it") from None
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.passed else 1
 
@@ -426,9 +429,9 @@ def build_parser() -> Parser:
     p = sub.add_parser("serve", help="serve OpenAI-compatible /v1/completions over HTTP")
     p.add_argument("--model", help="HF checkpoint directory or random:<preset>[:seed]; default: "
                    "openai-community/gpt2 from the local HF cache")
-    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="vLLM's: the names requests give as "
-                   "\"model\" (the first is listed first; answers carry the name asked by); default: the model's own "
-                   "name (a directory's name, random:<preset>:<seed>)")
+    p.add_argument("--served-model-name", nargs="+", metavar="NAME", help="vLLM's: the names requests may give as "
+                   "\"model\"; answers carry the first; default: the model's own name (a directory's name, "
+                   "random:<preset>:<seed>)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000)
     p.add_argument("--max-batch", type=int, help="sequences decoded together (default 64; the paged KV cache "

@@ -35,11 +35,12 @@ class FeedForward(nn.Module):
         """x: (..., n_embd) float tensor -> (..., n_embd), through the fastest path that fits (kernels/)."""
         self.check_input(x)
         c_fc, c_proj = self._modules["c_fc"], self._modules["c_proj"]
-        if c_fc.runs_packed(x) and c_proj.packed is not None and (c_fc.needs_grad(x) or c_proj.needs_grad(x)):
+        on_packed = c_fc.runs_packed(x) and c_proj.packed is not None  # after quantize(): packed weights, no dropout
+        if on_packed and torch.is_grad_enabled() and (c_fc.needs_grad(x) or c_proj.needs_grad(x)):
             h = c_fc.matmul(x.reshape(-1, x.shape[-1]))       # autograd on: each layer through PackedMatmul
             y = c_proj.matmul(self.act(h))
             return y.view(*x.shape[:-1], y.shape[-1])
-        if c_fc.runs_packed(x) and c_proj.packed is not None:  # after quantize(): packed weights, no dropout
+        if on_packed:
             x2 = x.reshape(-1, x.shape[-1])
             approximate = self.config.gelu_approximate
             p1, p2 = c_fc.current(), c_proj.current()
@@ -51,8 +52,8 @@ class FeedForward(nn.Module):
             else:
                 y = c_proj.packed_forward(c_fc.packed_forward(x2, gelu=approximate))  # (N, d) -> (N, hidden) -> (N, d)
             return y.view(*x.shape[:-1], y.shape[-1])
-        c_fc.check_fp32("autograd or a non-fp32 input")
-        c_proj.check_fp32("autograd or a non-fp32 input")
+        c_fc.check_fp32("a non-fp32 input (or train())")
+        c_proj.check_fp32("a non-fp32 input (or train())")
         # Parameters through the dicts: nn.Module.__getattr__ costs ~1.5 us each, a decode step's budget.
         fc, proj = self._modules["c_fc"]._parameters, self._modules["c_proj"]._parameters
         y = kernels.ffn(x.reshape(-1, x.shape[-1]), fc["weight"], fc["bias"],  # (N, d) -> (N, d)

@@ -29,6 +29,7 @@ class PackedLayer:
     keeps_int8 = False
     hold_once = False  # the packed weights are the only copy in eval()
     dropped = False    # the fp32 weight was let go: the Parameter is one zero element, expanded to its shape
+    rounded = None     # the precision whose rounding the Parameter's values carry, when unpacked from bf16/int8/int4
     _stash = None      # (precision, group, route) while an fp32 layer held once trains on its Parameter
 
     @property
@@ -51,15 +52,15 @@ class PackedLayer:
 
     def pack(self, precision: str, group: int | None = None, activations: str = "fp32"):
         old = self.packed
-        if self.dropped and any(self.weight.stride()) and bool(self.weight.detach().any()):
-            self.dropped = False  # `weight.data = values` gave it values again (a deepcopy's clone is all zeros)
+        if self.dropped and any(self.weight.stride()):  # `weight.data = values` gave it values of its own
+            self.dropped, self.rounded = False, None
         source = old.weights() if self.dropped else self.weight_kn()
         self.packed = Packed(source, self.bias, precision, group, activations)
         if old is not None:
             on_cpu = self.weight.device.type == "cpu"
             self.packed.route = {k: r if on_cpu or r == "torch" else "torch" for k, r in old.route.items()}
-        if self.hold_once and not self.training:
-            self.drop_weight()
+        if self.hold_once and not self.training and self.weight.grad is None:  # (a gradient not yet stepped
+            self.drop_weight()                                                # keeps its values writable)
 
     def drop_weight(self):
         """Let the fp32 weight go; the packed weights become the only copy."""
@@ -71,7 +72,17 @@ class PackedLayer:
     def restore_weight(self, values=None):
         """Give the Parameter its fp32 values back: `values` in its layout, or the packed weights unpacked."""
         self.weight.data = values if values is not None else self.param_layout(self.packed.weights())
+        if values is None and self.packed.precision != "fp32":
+            self.rounded = self.packed.precision
         self.dropped = False
+
+    def __setstate__(self, state):
+        """copy.deepcopy and pickle clone the one-element placeholder of a weight let go to its full shape: let
+        it go again (a weight with storage of its own means values the user gave)."""
+        super().__setstate__(state)
+        if self.dropped and any(self.weight.stride()):
+            w = self.weight
+            w.data = w.new_zeros(()).expand(w.shape)
 
     def weight_value(self) -> torch.Tensor:
         """The weight in the Parameter's layout, unpacked from the packed copy if the layer holds only that."""
@@ -82,29 +93,39 @@ class PackedLayer:
         lm_head: wte's embeddings of those tokens, at the precision the lm_head holds)."""
         return self.current().weights(ids.reshape(-1)).view(*ids.shape, self.packed.K)
 
+    def packed_only(self, why: str, precision: str) -> PackedOnlyError:
+        way = ("call train() to get the fp32 Parameters back (eval() re-packs them)" if precision == "fp32"
+               else "load the model with precision='fp32' to train or take gradients")
+        return PackedOnlyError(f"{type(self).__name__} holds only its packed {precision} weights, so {why} cannot "
+                               f"run: {way}, or keep both copies with quantize(module, precision, keep_fp32=True)")
+
+    def held_at(self) -> str | None:
+        """The bf16/int8/int4 precision this layer's only values carry (packed and let go, or unpacked from
+        there): they have no fp32 values to train or to re-quantize from. None for fp32 or both copies kept."""
+        p = self.packed
+        if self.hold_once and p is not None and p.precision != "fp32":
+            return p.precision
+        return self.rounded
+
     def check_fp32(self, why: str):
         """Raise PackedOnlyError if the fp32 weight is gone: `why` is what needed it."""
-        if self.dropped:
-            p = self.packed
-            way = ("call train() to get the fp32 Parameters back (eval() re-packs them)" if p.precision == "fp32"
-                   else "load the model with precision='fp32' to train or take gradients")
-            raise PackedOnlyError(f"{type(self).__name__} holds only its packed {p.precision} weights, so {why} "
-                                  f"cannot run: {way}, or keep both copies with quantize(module, precision, "
-                                  "keep_fp32=True)")
+        if self.dropped or self.rounded:
+            raise self.packed_only(why, self.rounded or self.packed.precision)
 
-    def weight_for_grad(self, why: str):
-        """Before a gradient reaches the weight: bf16/int8/int4 held only packed have no fp32 values to train
-        (PackedOnlyError); an fp32 weight held once gets its values back, so an optimizer can write them."""
-        if self.packed.precision != "fp32":
-            self.check_fp32(why)
+    def weight_for_grad(self, why: str, packed: Packed):
+        """Before a gradient reaches the weight, `packed` the weights the forward used: bf16/int8/int4 held once
+        have no fp32 values to train (PackedOnlyError); an fp32 weight let go gets its values back, so an
+        optimizer can write them (the next packed call re-packs)."""
+        if packed.precision != "fp32":
+            raise self.packed_only(why, packed.precision)
         if self.dropped:
             self.restore_weight()
 
     def train(self, mode: bool = True):
         if self.hold_once and mode != self.training:
             if mode and self.packed is not None:
-                if self.packed.precision != "fp32":
-                    self.check_fp32("train()")
+                if self.held_at():
+                    raise self.packed_only("train()", self.held_at())
                 p, self.packed = self.packed, None
                 self._stash = (p.precision, p.group, p.route)
                 self.restore_weight(self.param_layout(p.weights()))
@@ -129,6 +150,9 @@ class PackedLayer:
             w = self.weight
             self.restore_weight(torch.empty(w.shape, dtype=w.dtype, device=w.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        if prefix + "weight" in state_dict:
+            self.rounded = None
+            self.__dict__["_reload"] = True  # re-pack on the next call, whatever the version counters say
 
     def _apply(self, fn, *args, **kwargs):
         if self.dropped:  # .to(), .float(), ...: on the real values; the next packed call re-packs
@@ -139,8 +163,10 @@ class PackedLayer:
         return out
 
     def runs_packed(self, x) -> bool:
-        """eval() and an fp32 input: the packed weights serve (with autograd on too, through PackedMatmul)."""
-        return self.packed is not None and not self.training and x.dtype == torch.float32
+        """eval() and an fp32 input: the packed weights serve; with a gradient asked, only where they are the
+        model's weights (held once: through PackedMatmul), while both copies kept compute on the Parameters."""
+        return (self.packed is not None and not self.training and x.dtype == torch.float32
+                and (self.hold_once or not self.needs_grad(x)))
 
     def needs_grad(self, x) -> bool:
         return torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
@@ -155,7 +181,7 @@ class PackedLayer:
     def current(self) -> Packed:
         """The packed weights, re-packed first if the Parameters changed since they were packed."""
         p = self.packed
-        if p.stale(self.weight_kn(), self.bias):
+        if p.stale(self.weight_kn(), self.bias) or self.__dict__.pop("_reload", False):
             self.pack(p.precision, p.group, p.activations)
             p = self.packed
         return p
@@ -169,10 +195,10 @@ class PackedLayer:
 
 def check_trainable(module):
     """Raise PackedOnlyError before train() changes anything when a layer of `module` holds only bf16/int8/int4
-    weights (nn.Module.train would set the modules before it to training first)."""
+    values (nn.Module.train would set the modules before it to training first)."""
     for m in module.modules():
-        if isinstance(m, PackedLayer) and m.hold_once and m.packed is not None and m.packed.precision != "fp32":
-            m.check_fp32("train()")
+        if isinstance(m, PackedLayer) and m.held_at():
+            raise m.packed_only("train()", m.held_at())
 
 
 class PackedMatmul(torch.autograd.Function):
@@ -184,18 +210,19 @@ class PackedMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x2, weight, bias, layer):
-        ctx.layer = layer
-        ctx.save_for_backward(x2)
-        return layer.packed_forward(x2)
+        y = layer.packed_forward(x2)
+        ctx.layer, ctx.packed = layer, layer.packed  # the weights this forward computed with
+        ctx.save_for_backward(x2 if ctx.needs_input_grad[1] else None)
+        return y
 
     @staticmethod
     def backward(ctx, dy):
         layer, (x2,) = ctx.layer, ctx.saved_tensors
         dx = dw = db = None
         if ctx.needs_input_grad[0]:
-            dx = dy @ layer.packed.weights().t()                            # (M, N) @ (N, K)
+            dx = dy @ ctx.packed.weights().t()                              # (M, N) @ (N, K)
         if ctx.needs_input_grad[1]:
-            layer.weight_for_grad("a gradient for its weight")
+            layer.weight_for_grad("a gradient for its weight", ctx.packed)
             dw = layer.param_layout(x2.t() @ dy)                            # (K, M) @ (M, N), in its layout
         if ctx.needs_input_grad[2]:
             db = dy.sum(0)
@@ -224,7 +251,7 @@ class Conv1D(PackedLayer, nn.Module):
         if self.runs_packed(x):
             y = self.matmul(x2)
         else:
-            self.check_fp32("autograd or a non-fp32 input")
+            self.check_fp32("a non-fp32 input (or train())")
             y = torch.addmm(self.bias, x2, self.weight)  # (N, in) -> (N, out)
         return y.view(*x.shape[:-1], y.shape[-1])
 

@@ -108,7 +108,7 @@ class LMHead(PackedLayer, nn.Linear):
         if self.runs_packed(x):
             y = self.matmul(x.reshape(-1, x.shape[-1]))             # (N, d) -> (N, vocab)
             return y.reshape(*x.shape[:-1], y.shape[-1])
-        self.check_fp32("autograd or a non-fp32 input")
+        self.check_fp32("a non-fp32 input (or train())")
         return super().forward(x)
 
 
@@ -153,14 +153,15 @@ class PackedRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, ids, weight, head):
-        ctx.head = head
+        rows = head.rows(ids)
+        ctx.head, ctx.packed = head, head.packed
         ctx.save_for_backward(ids)
-        return head.rows(ids)
+        return rows
 
     @staticmethod
     def backward(ctx, dy):
         head, (ids,) = ctx.head, ctx.saved_tensors
-        head.weight_for_grad("a gradient for wte")
+        head.weight_for_grad("a gradient for wte", ctx.packed)
         dw = torch.zeros(head.weight.shape, dtype=dy.dtype, device=dy.device)
         return None, dw.index_add_(0, ids.reshape(-1), dy.reshape(-1, dy.shape[-1])), None
 

@@ -9,10 +9,12 @@ products); only the linear layers' weights (c_attn, attn.c_proj, c_fc, mlp.c_pro
 wte) are rounded. int4 keeps the tied lm_head at
 int8, as llama.cpp's q4_0 keeps it at q6_K.
 
-The packed copy is never silently stale: every packed call checks the Parameter's version counter and data
-pointer, and re-packs after `load_state_dict`, `copy_`, an optimizer step or `.to()`. In train() mode, or
-when autograd needs gradients, layers run on the fp32 Parameters: an fp32 model held once gets them back in
-train() (and re-packs in eval()); a bf16/int8/int4 one has none and raises PackedOnlyError.
+Every packed call checks the Parameter's version counter and data pointer, and re-packs after an optimizer
+step, `copy_`, `weight.data = ...` or `.to()`; `load_state_dict` re-packs on the next call whatever the
+counters say (an inference-mode tensor has none). In train() mode layers run on the fp32 Parameters: an fp32
+model held once gets them back in train() (and re-packs in eval()); a bf16/int8/int4 one has none and raises
+PackedOnlyError. In eval() a layer held once computes on its packed weights with autograd on too
+(linear.PackedMatmul); one that keeps both copies computes on the Parameters when a gradient is asked.
 
 `quantize` walks a module tree by what a layer can do (it has `pack`: linear.PackedLayer), so it knows no
 class above it.
@@ -78,8 +80,9 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
     one raises PackedOnlyError. keep_fp32=True (or no native kernels: the torch route reads fp32 weights)
     keeps the Parameters beside the packed copy, as before: train() and autograd run on them, and eval()
     reads the packed weights through the route the probe measured fastest on this machine.
-    For bf16/int8/int4 held once the Parameters stop asking for gradients (a fp32 one keeps the user's
-    requires_grad); no_grad or not, eval() computes at the chosen precision. A module held only at bf16/int8/
+    For bf16/int8/int4 held once the Parameters stop asking for gradients (an fp32 one keeps the user's
+    requires_grad); no_grad or not, eval() computes at the chosen precision (with both copies kept, a gradient
+    asked in eval() runs on the fp32 Parameters). A module held only at bf16/int8/
     int4 is refused another precision: its fp32 values are gone, and re-quantizing its rounded ones would
     pass for what it is not.
 
@@ -94,12 +97,12 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
     layers = packable(module)
     if not layers:
         raise ConfigError(f"{type(module).__name__} has no GPT-2 linear layers (Conv1D, lm_head) to quantize")
-    held = {m.packed.precision for m in layers if m.dropped and m.packed.precision != "fp32"}
-    target = {"int8" if precision == "int4" and m.keeps_int8 else precision for m in layers}
-    if held and held - target:
-        raise ConfigError(f"{type(module).__name__} holds only its packed {'/'.join(sorted(held))} weights: "
-                          f"its fp32 values are gone, so {precision} would be made from rounded ones; load it "
-                          f"again with precision={precision!r} (or quantize with keep_fp32=True to switch later)")
+    for m in layers:
+        held, target = m.held_at(), "int8" if precision == "int4" and m.keeps_int8 else precision
+        if held and held != target:
+            raise ConfigError(f"{type(module).__name__} holds only {held} weights: their fp32 values are gone, so "
+                              f"{precision} would be made from {held}-rounded ones; load it again with "
+                              f"precision={precision!r} (or quantize with keep_fp32=True to switch later)")
     for m in layers:
         if m.weight.dtype != torch.float32:
             raise ConfigError(f"precision {precision!r} packs fp32 Parameters; {type(m).__name__} weight is "

@@ -182,6 +182,15 @@ class Packed:
             b = bias.detach().float()
             self.bias = torch.cat([b, b.new_zeros(-self.N % SUPER)]).contiguous()
 
+    def __getstate__(self):
+        """pickle, torch.save, copy.deepcopy: each tensor on a storage of its own (in a packing arena they share
+        one under different dtypes, which torch.save refuses); they load back as ordinary tensors."""
+        state = self.__dict__.copy()
+        for k in ("w", "scale", "bias"):
+            if isinstance(state.get(k), torch.Tensor):
+                state[k] = state[k].clone()
+        return state
+
     @property
     def route(self) -> dict:
         """The kernel route per regime ({"decode": ..., "prefill": ...}); assigning a new dict counts as a change

@@ -276,7 +276,6 @@ class Choices:
 
     def __init__(self, svc: Service, body, prompts: list, samplings: list, echo_text=None, chat=False):
         self.svc, self.chat, self.echo = svc, chat, echo_text
-        self.model = body.model  # one of the served names: answered with the name it was asked by, as vLLM does
         self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
         n = self.n = len(samplings)
         self.per_prompt, self.keep = n // len(prompts), body.n
@@ -326,7 +325,7 @@ class Choices:
                 "total_tokens": self.prompt_tokens + done}
 
     def head(self, obj: str, choices: list, usage=None) -> dict:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model, "choices": choices,
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.svc.name, "choices": choices,
                 **({"usage": usage} if usage else {})}
 
     def kept(self) -> list:
