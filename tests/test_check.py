@@ -724,3 +724,27 @@ def test_an_ffn_holding_its_weights_as_parameters(golden, tmp_path, capsys, appr
     code, out, err = run(["check", f"{f}:FFN", "--golden", golden], capsys)
     assert out.splitlines()[-1].startswith(verdict), out + err
     assert "c_fc = c_fc (OwnParameters, [in, out]), c_proj = c_proj (OwnParameters, [in, out])" in out
+
+
+def test_layers_are_taken_in_the_order_the_forward_calls_them(golden, tmp_path, capsys):
+    """Conv1D-style layers named w2 then w1 (no name or nn.Linear shape to tell): one probe forward on zeros sees
+    w1 run first."""
+    f = learner_file(tmp_path, '''
+        class C(nn.Module):
+            def __init__(self, i, o):
+                super().__init__()
+                self.weight = nn.Parameter(torch.randn(i, o) * 0.02)
+                self.bias = nn.Parameter(torch.zeros(o))
+            def forward(self, x):
+                return x @ self.weight + self.bias
+
+        class FFN(nn.Module):
+            def __init__(self, n_embd):
+                super().__init__()
+                self.w2 = C(4 * n_embd, n_embd)
+                self.w1 = C(n_embd, 4 * n_embd)
+            def forward(self, x):
+                return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        ''')
+    code, out, err = run(["check", f"{f}:FFN", "--golden", golden], capsys)
+    assert code == 0 and "c_fc = w1 (C, [in, out]), c_proj = w2 (C, [in, out])" in out, out + err

@@ -231,7 +231,7 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     if attention:
         raise CheckError(f"{name} has a layer of shape {ref_cfg.n_embd} x {3 * ref_cfg.n_embd} (c_attn: q, k and v): "
                          f"it is attention, not an FFN; check judges {part}")
-    return check_ffn(module, in_order(linears, ref_cfg.n_embd), name, built, case_of(layer))
+    return check_ffn(module, in_order(module, linears, ref_cfg.n_embd), name, built, case_of(layer))
 
 
 class OwnParameters(nn.Module):
@@ -260,10 +260,26 @@ def raw_linears(module: nn.Module, d: int) -> list:
     return out
 
 
-def in_order(linears: list, d: int) -> list:
-    """The two linear layers in the order they run, c_fc first: a module may define c_proj first (by name, or
-    nn.Linear layers whose first does not take n_embd while the second does)."""
+def in_order(module: nn.Module, linears: list, d: int) -> list:
+    """The two linear layers in the order they run, c_fc first: a module may define c_proj first. Seen by one
+    forward on zeros with the module's own weights; where it does not run them both (or fails), by name, or by
+    nn.Linear layers whose first does not take n_embd while the second does."""
     (n1, l1), (n2, l2) = linears
+    calls = []
+    hooks = [m.register_forward_pre_hook(lambda m, a, i=i: calls.append(i)) for i, (_, m) in enumerate(linears)]
+    was_training = module.training
+    try:
+        param = next(module.parameters())
+        with torch.no_grad():
+            module.eval()(torch.zeros(1, 1, d, dtype=param.dtype, device=param.device))
+    except Exception:
+        calls = []
+    finally:
+        for h in hooks:
+            h.remove()
+        module.train(was_training)
+    if sorted(calls[:2]) == [0, 1]:
+        return linears if calls[0] == 0 else linears[::-1]
     named = (n1.rsplit(".", 1)[-1], n2.rsplit(".", 1)[-1]) == ("c_proj", "c_fc")
     shaped = isinstance(l1, nn.Linear) and isinstance(l2, nn.Linear) and l1.in_features != d == l2.in_features
     return linears[::-1] if named or shaped else linears
