@@ -55,6 +55,7 @@ class PackedLayer:
         if self.dropped and any(self.weight.stride()):  # `weight.data = values` gave it values of its own
             self.dropped, self.rounded = False, None
         source = old.weights() if self.dropped else self.weight_kn()
+        self.__dict__.pop("_reload", None)
         self.packed = Packed(source, self.bias, precision, group, activations)
         if old is not None:
             on_cpu = self.weight.device.type == "cpu"
@@ -152,7 +153,8 @@ class PackedLayer:
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         if prefix + "weight" in state_dict:
             self.rounded = None
-            self.__dict__["_reload"] = True  # re-pack on the next call, whatever the version counters say
+            if self.packed is not None:
+                self.__dict__["_reload"] = True  # re-pack on the next call, whatever the version counters say
 
     def _apply(self, fn, *args, **kwargs):
         if self.dropped:  # .to(), .float(), ...: on the real values; the next packed call re-packs
