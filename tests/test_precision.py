@@ -456,3 +456,24 @@ def test_torch_save_and_load_of_a_packed_model(precision, tmp_path):
     back = torch.load(tmp_path / "m.pt", weights_only=False)
     with torch.no_grad():
         assert torch.equal(back(ids), ours(ids))
+
+
+@held_once
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_dtype_changes_and_autocast_on_a_packed_model(precision):
+    """autocast's bf16 activations reach layers held only packed: computed in fp32, as without autocast (they
+    raised); .half() makes torch layers in fp16 and .float() brings them back (an int8 model raised on both);
+    train(), .to(bf16), eval() gives a bf16 model (eval() re-packed bf16 weights as fp32 ones and failed)."""
+    _, ours = gpt2_pair()
+    quantize(ours, precision)
+    ids = torch.randint(0, SMALL.vocab_size, (2, 7), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = ours(ids)
+        with torch.autocast("cpu", torch.bfloat16):
+            torch.testing.assert_close(ours(ids).float(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+        assert ours.half()(ids).dtype == torch.float16
+        assert ours.float()(ids).dtype == torch.float32
+    if precision == "fp32":
+        ours.train().to(torch.bfloat16).eval()
+        with torch.no_grad():
+            assert ours(ids).dtype == torch.bfloat16

@@ -37,11 +37,11 @@ class FeedForward(nn.Module):
         c_fc, c_proj = self._modules["c_fc"], self._modules["c_proj"]
         on_packed = c_fc.runs_packed(x) and c_proj.packed is not None  # after quantize(): packed weights, no dropout
         if on_packed and torch.is_grad_enabled() and (c_fc.needs_grad(x) or c_proj.needs_grad(x)):
-            h = c_fc.matmul(x.reshape(-1, x.shape[-1]))       # autograd on: each layer through PackedMatmul
-            y = c_proj.matmul(self.act(h))
+            h = c_fc.matmul(x.reshape(-1, x.shape[-1]).float())  # autograd on: each layer through PackedMatmul
+            y = c_proj.matmul(self.act(h)).to(x.dtype)
             return y.view(*x.shape[:-1], y.shape[-1])
         if on_packed:
-            x2 = x.reshape(-1, x.shape[-1])
+            x2 = x.reshape(-1, x.shape[-1]).float()  # (autocast's bf16 input: computed in fp32)
             approximate = self.config.gelu_approximate
             p1, p2 = c_fc.current(), c_proj.current()
             route = packed.regime(x2.shape[0])
@@ -51,7 +51,7 @@ class FeedForward(nn.Module):
                 y = c_proj.packed_forward(c_fc.packed_forward(x2).relu_())
             else:
                 y = c_proj.packed_forward(c_fc.packed_forward(x2, gelu=approximate))  # (N, d) -> (N, hidden) -> (N, d)
-            return y.view(*x.shape[:-1], y.shape[-1])
+            return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
         c_fc.check_fp32("a non-fp32 input (or train())")
         c_proj.check_fp32("a non-fp32 input (or train())")
         # Parameters through the dicts: nn.Module.__getattr__ costs ~1.5 us each, a decode step's budget.

@@ -109,9 +109,9 @@ class PackedLayer:
         return self.rounded
 
     def check_fp32(self, why: str):
-        """Raise PackedOnlyError if the fp32 weight is gone: `why` is what needed it."""
-        if self.dropped or self.rounded:
-            raise self.packed_only(why, self.rounded or self.packed.precision)
+        """Raise PackedOnlyError if the weight's values are gone (held only packed): `why` is what needed them."""
+        if self.dropped:
+            raise self.packed_only(why, self.packed.precision)
 
     def weight_for_grad(self, why: str, packed: Packed):
         """Before a gradient reaches the weight, `packed` the weights the forward used: bf16/int8/int4 held once
@@ -132,6 +132,8 @@ class PackedLayer:
                 self.restore_weight(self.param_layout(p.weights()))
                 del p
                 release_freed_memory()
+            elif not mode and self._stash is not None and self.weight.dtype != torch.float32:
+                self._stash, self.hold_once = None, False  # .to(bf16) while training: torch's layer in that dtype
             elif not mode and self._stash is not None:
                 precision, group, route = self._stash
                 self._stash = None
@@ -165,10 +167,12 @@ class PackedLayer:
         return out
 
     def runs_packed(self, x) -> bool:
-        """eval() and an fp32 input: the packed weights serve; with a gradient asked, only where they are the
-        model's weights (held once: through PackedMatmul), while both copies kept compute on the Parameters."""
-        return (self.packed is not None and not self.training and x.dtype == torch.float32
-                and (self.hold_once or not self.needs_grad(x)))
+        """eval() and an fp32 input (any float input where the packed weights are the only ones, as autocast's
+        bf16: computed in fp32, given back in its dtype): the packed weights serve; with a gradient asked, only
+        where they are the model's weights (held once: through PackedMatmul), both copies kept compute on the
+        Parameters."""
+        return (self.packed is not None and not self.training and (x.dtype == torch.float32 or self.dropped and
+                x.is_floating_point()) and (self.hold_once or not self.needs_grad(x)))
 
     def needs_grad(self, x) -> bool:
         return torch.is_grad_enabled() and (x.requires_grad or self.weight.requires_grad
@@ -251,7 +255,7 @@ class Conv1D(PackedLayer, nn.Module):
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
         if self.runs_packed(x):
-            y = self.matmul(x2)
+            y = self.matmul(x2.float()).to(x.dtype)  # (autocast's bf16 input: computed in fp32)
         else:
             self.check_fp32("a non-fp32 input (or train())")
             y = torch.addmm(self.bias, x2, self.weight)  # (N, in) -> (N, out)

@@ -109,8 +109,7 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
                               f"{m.weight.dtype} (load with dtype=torch.float32)")
     device = layers[0].weight.device
     once = not keep_fp32 and any(r in PACKED_ROUTES for r in routes(precision, device))
-    if once:
-        module.eval()
+    module.eval()  # as the docstring says, with both copies kept too
     with packing_arena():  # the packed weights side by side on huge pages (kernels/formats.py: on_huge_pages)
         for m in layers:
             pack_layer(m, precision, group, activations, once, auto)
