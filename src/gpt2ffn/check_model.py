@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from .config import Config
-from .diagnose import EPS_TRIED, MISTAKES, MODEL_MISTAKES, FFNCase, block_forward, dropout_rate, layer_norm, named
+from .diagnose import MISTAKES, MODEL_MISTAKES, FFNCase, block_forward, dropout_rate, layer_norm_mistakes, named
 from .golden import CHECKPOINTS, Golden, capture, compare, load_reference
 from .learner import CheckError
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
@@ -489,12 +489,8 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
             found.append((dist, k, *{**MISTAKES, **MODEL_MISTAKES}[k]))
 
     def norm_alone(x, w, b):  # one LayerNorm wrong on HF's own input to it (the block's others may be right)
-        offer("ln_unbiased", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True))
-        offer("ln_std_eps", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, True, True))
-        offer("ln_std_eps_biased", layer_norm(_float64(x), w, b, cfg.layer_norm_epsilon, False, True))
-        for eps in EPS_TRIED:
-            if eps != cfg.layer_norm_epsilon:
-                offer(f"ln_eps_{eps:g}", layer_norm(_float64(x), w, b, eps))
+        for k, want in layer_norm_mistakes(x, w, b, cfg.layer_norm_epsilon):
+            offer(k, want)
 
     if layer is not None:
         hf = ref.model.transformer.h[layer]

@@ -393,6 +393,18 @@ for _eps in EPS_TRIED:
     MISTAKES[f"ln_eps_{_eps:g}"] = (f"LayerNorm eps {_eps:g}", "use GPT-2's eps, 1e-5 (nn.LayerNorm's default)")
 
 
+def layer_norm_mistakes(x, w, b, eps: float):
+    """(key, output) of each known-wrong LayerNorm (MISTAKES' ln_ keys) on x, float64: one LayerNorm judged
+    alone on its own input."""
+    x = torch.as_tensor(np.asarray(x), dtype=torch.float64)
+    yield "ln_unbiased", layer_norm(x, w, b, eps, True)
+    yield "ln_std_eps", layer_norm(x, w, b, eps, True, True)
+    yield "ln_std_eps_biased", layer_norm(x, w, b, eps, False, True)
+    for e in EPS_TRIED:
+        if e != eps:
+            yield f"ln_eps_{e:g}", layer_norm(x, w, b, e)
+
+
 def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
     """Every stage of GPT-2 block `layer` (HF weights w, HF layout) on x, float64, with one known mistake planted."""
     d, H, T = cfg.n_embd, cfg.n_head, x.shape[1]

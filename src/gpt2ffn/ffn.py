@@ -35,13 +35,11 @@ class FeedForward(nn.Module):
         """x: (..., n_embd) float tensor -> (..., n_embd), through the fastest path that fits (kernels/)."""
         self.check_input(x)
         c_fc, c_proj = self._modules["c_fc"], self._modules["c_proj"]
-        on_packed = c_fc.runs_packed(x) and c_proj.packed is not None  # after quantize(): packed weights, no dropout
-        if on_packed and torch.is_grad_enabled() and (c_fc.needs_grad(x) or c_proj.needs_grad(x)):
-            h = c_fc.matmul(x.reshape(-1, x.shape[-1]).float())  # autograd on: each layer through PackedMatmul
-            y = c_proj.matmul(self.act(h)).to(x.dtype)
-            return y.view(*x.shape[:-1], y.shape[-1])
-        if on_packed:
+        if c_fc.runs_packed(x) and c_proj.packed is not None:  # after quantize(): packed weights, no dropout
             x2 = x.reshape(-1, x.shape[-1]).float()  # (autocast's bf16 input: computed in fp32)
+            if torch.is_grad_enabled() and (c_fc.needs_grad(x) or c_proj.needs_grad(x)):
+                y = c_proj.matmul(self.act(c_fc.matmul(x2)))  # autograd on: each layer through PackedMatmul
+                return y.to(x.dtype).view(*x.shape[:-1], y.shape[-1])
             approximate = self.config.gelu_approximate
             p1, p2 = c_fc.current(), c_proj.current()
             route = packed.regime(x2.shape[0])

@@ -541,7 +541,7 @@ def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False) -> 
     """The known mistake (gpt2ffn.diagnose's MISTAKES, MODEL_MISTAKES) a tensor outside the FFN equals, computed
     from the set's weights and HF's input to that stage: (distance, name, what to change), closest first; None if
     none is within atol. near: instead the closest LayerNorm variant (eps, unbiased) whatever its distance."""
-    from .diagnose import EPS_TRIED, MISTAKES, MODEL_MISTAKES, layer_norm
+    from .diagnose import MISTAKES, MODEL_MISTAKES, layer_norm_mistakes
     stage, L, cfg = entry["stage"], entry["layer"], golden.config
     got = np.asarray(got, np.float64)
     found = []
@@ -552,13 +552,8 @@ def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False) -> 
             found.append((float(np.abs(got.reshape(want.shape) - want).max()), key))
 
     def norm_alone(x, w, b):  # one LayerNorm wrong, on HF's own input to it
-        x, eps = torch.from_numpy(np.asarray(x, np.float64)), cfg.layer_norm_epsilon
-        offer("ln_unbiased", layer_norm(x, w, b, eps, True))
-        offer("ln_std_eps", layer_norm(x, w, b, eps, True, True))
-        offer("ln_std_eps_biased", layer_norm(x, w, b, eps, False, True))
-        for e in EPS_TRIED:
-            if e != eps:
-                offer(f"ln_eps_{e:g}", layer_norm(x, w, b, e))
+        for k, want in layer_norm_mistakes(x, w, b, cfg.layer_norm_epsilon):
+            offer(k, want)
 
     last = f"h{cfg.n_layer - 1}_block"
     if L is not None:

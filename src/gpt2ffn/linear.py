@@ -179,10 +179,11 @@ class PackedLayer:
                                             or (self.bias is not None and self.bias.requires_grad))
 
     def matmul(self, x2):
-        """(M, K) -> (M, N) on the packed weights, through autograd when a gradient may be asked."""
-        if self.needs_grad(x2):
-            return PackedMatmul.apply(x2, self.weight, self.bias, self)
-        return self.packed_forward(x2)
+        """(M, K) -> (M, N) on the packed weights, through autograd when a gradient may be asked; a bf16 or fp16
+        input (autocast's) is computed in fp32 and given back in its dtype."""
+        x32 = x2.float()
+        y = PackedMatmul.apply(x32, self.weight, self.bias, self) if self.needs_grad(x2) else self.packed_forward(x32)
+        return y.to(x2.dtype)
 
     def current(self) -> Packed:
         """The packed weights, re-packed first if the Parameters changed since they were packed."""
@@ -255,7 +256,7 @@ class Conv1D(PackedLayer, nn.Module):
     def forward(self, x):
         x2 = x.reshape(-1, x.shape[-1])
         if self.runs_packed(x):
-            y = self.matmul(x2.float()).to(x.dtype)  # (autocast's bf16 input: computed in fp32)
+            y = self.matmul(x2)
         else:
             self.check_fp32("a non-fp32 input (or train())")
             y = torch.addmm(self.bias, x2, self.weight)  # (N, in) -> (N, out)

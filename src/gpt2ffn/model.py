@@ -106,7 +106,7 @@ class LMHead(PackedLayer, nn.Linear):
 
     def forward(self, x):
         if self.runs_packed(x):
-            y = self.matmul(x.reshape(-1, x.shape[-1]).float()).to(x.dtype)  # (N, d) -> (N, vocab)
+            y = self.matmul(x.reshape(-1, x.shape[-1]))             # (N, d) -> (N, vocab)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         self.check_fp32("a non-fp32 input (or train())")
         return super().forward(x)
@@ -128,7 +128,6 @@ class TiedEmbedding(nn.Embedding):
                 return PackedRows.apply(ids, h.weight, h)
             return h.rows(ids)                                     # (...) -> (..., d)
         return super().forward(ids)
-
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
