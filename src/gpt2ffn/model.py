@@ -5,8 +5,11 @@ so a state dict moves between the two unchanged. The FFN of each block is gpt2ff
 caches a forward pass writes into (serving/kv_cache.py) are passed in: the model holds no cache of its own.
 """
 
+import dataclasses
+import json
 import math
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn as nn
@@ -19,6 +22,26 @@ from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
 from .linear import Conv1D, PackedLayer, check_trainable
 from .precision import quantize
 from .weights import Checkpoint, load_tensors
+
+# HF forward arguments that change nothing here when left at these values (what HF's own callers pass)
+HF_NEUTRAL = {"use_cache": (None, True, False), "output_attentions": (None, False),
+              "output_hidden_states": (None, False), "token_type_ids": (None,), "head_mask": (None,),
+              "past_key_values": (None,), "inputs_embeds": (None,)}
+
+
+@dataclasses.dataclass
+class LMOutput:
+    """What GPT2 answers HF's call with (input_ids=, labels=, return_dict=True), as HF's
+    CausalLMOutputWithCrossAttentions: .logits (B, T, vocab), .loss (None without labels), out[0] the first of
+    (loss, logits) that is set, out["logits"], to_tuple()."""
+    logits: torch.Tensor
+    loss: torch.Tensor | None = None
+
+    def to_tuple(self) -> tuple:
+        return tuple(v for v in (self.loss, self.logits) if v is not None)
+
+    def __getitem__(self, key):
+        return getattr(self, key) if isinstance(key, str) else self.to_tuple()[key]
 
 
 def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
@@ -208,21 +231,97 @@ class GPT2(nn.Module):
             if name.endswith("wte.weight") or name.endswith("wpe.weight"):
                 nn.init.normal_(p, std=cfg.initializer_range)
 
-    def embed(self, ids, past=0, attention_mask=None):
-        """wte(ids) + wpe(positions): (B, T) -> (B, T, d). With left padding, positions count real tokens."""
+    def embed(self, ids, past=0, attention_mask=None, position_ids=None):
+        """wte(ids) + wpe(positions): (B, T) -> (B, T, d). With left padding, positions count real tokens;
+        position_ids (B or 1, T), HF's, say them outright."""
         T = ids.shape[1]
-        if attention_mask is None:
+        if position_ids is not None:
+            pos = position_ids
+        elif attention_mask is None:
             pos = torch.arange(past, past + T, device=ids.device)[None]
         else:
             pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
         return self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(pos))
 
-    def forward(self, ids, cache=None, attention_mask=None, last_only=False):
+    def forward(self, ids=None, cache=None, attention_mask=None, last_only=False, *, input_ids=None, labels=None,
+                position_ids=None, return_dict=None, **hf):
         """ids (B, T) -> logits (B, T, vocab). attention_mask (B, past + T): 1 for real tokens, 0 for padding.
         last_only: logits of the last position only, (B, 1, vocab): all generation needs, and it skips
-        T - 1 rows of the largest GEMM (vocab x d)."""
+        T - 1 rows of the largest GEMM (vocab x d).
+
+        HF's call works too: input_ids=, labels= (HF's loss: each position predicts the next label, -100
+        ignored, the mean), position_ids=, return_dict=; given input_ids, labels or return_dict=True, the answer
+        is HF's output object (LMOutput: .logits, .loss; with return_dict=False HF's tuple), else the logits
+        tensor itself."""
+        hf_output = input_ids is not None or labels is not None or bool(return_dict)
+        ids = self.hf_ids(ids, input_ids, hf)
         self.check_ids(ids, cache)
-        if cache is not None and attention_mask is None and self.fused_decode():
+        if position_ids is not None:
+            position_ids = self.check_positions(position_ids, ids)
+        if labels is not None:
+            if last_only:
+                raise InputError("labels need every position's logits; last_only=True keeps only the last")
+            self.check_labels(labels, ids)
+        logits = self.logits(ids, cache, attention_mask, last_only, position_ids)
+        if not hf_output:
+            return logits
+        loss = None
+        if labels is not None:  # as HF's GPT2LMHeadModel: logits in fp32, position t predicts label t + 1
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        out = LMOutput(logits=logits, loss=loss)
+        return out.to_tuple() if return_dict is False else out
+
+    def hf_ids(self, ids, input_ids, hf: dict):
+        """The token ids of forward's call, given as ids or as HF's input_ids; HF's other arguments are taken
+        where they change nothing (use_cache, output_attentions=False, ...) and refused in one line where
+        they would."""
+        for name, value in hf.items():
+            neutral = HF_NEUTRAL.get(name)
+            if neutral is None:
+                raise InputError(f"GPT2.forward got an unexpected argument {name!r}; it takes ids (or HF's "
+                                 "input_ids), cache, attention_mask, last_only, labels, position_ids, return_dict")
+            if not any(value is v for v in neutral):
+                raise InputError(f"GPT2.forward does not take {name}={_short(value)}: gpt2ffn's GPT-2 computes "
+                                 f"logits (and the loss) only; leave {name} at {neutral[0]}")
+        if ids is not None and input_ids is not None:
+            raise InputError("give the token ids once: as ids (the first argument) or as input_ids, not both")
+        if ids is None and input_ids is None:
+            raise InputError("GPT2.forward needs token ids (B, T): model(ids) or model(input_ids=ids)")
+        return ids if ids is not None else input_ids
+
+    def check_positions(self, position_ids, ids):
+        """HF's position_ids: (B, T), (1, T) or (T,) ints in [0, n_positions) -> (B or 1, T)."""
+        if not isinstance(position_ids, torch.Tensor) or position_ids.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"position_ids must be an int64 tensor (B, T), got "
+                             f"{getattr(position_ids, 'dtype', type(position_ids).__name__)}")
+        p = position_ids[None] if position_ids.dim() == 1 else position_ids
+        T = ids.shape[1]
+        if p.dim() != 2 or p.shape[1] != T or p.shape[0] not in (1, ids.shape[0]):
+            raise ShapeError(f"position_ids has shape {tuple(position_ids.shape)}; expected "
+                             f"{(ids.shape[0], T)} or {(1, T)}, as input_ids {tuple(ids.shape)}")
+        n = self.config.n_positions
+        if int(p.min()) < 0 or int(p.max()) >= n:
+            raise InputError(f"position_ids must be in [0, {n}) (n_positions); got min {int(p.min())}, "
+                             f"max {int(p.max())}")
+        return p
+
+    def check_labels(self, labels, ids):
+        """HF's labels: the shape of input_ids, ids in [0, vocab) or -100 (ignored)."""
+        if not isinstance(labels, torch.Tensor) or labels.dtype not in (torch.int64, torch.int32):
+            raise InputError(f"labels must be an int64 tensor of token ids (B, T), got "
+                             f"{getattr(labels, 'dtype', type(labels).__name__)}")
+        if labels.shape != ids.shape:
+            raise ShapeError(f"labels has shape {tuple(labels.shape)}; expected {tuple(ids.shape)}, the shape of "
+                             "input_ids (HF shifts them inside: pass labels=input_ids)")
+        V = self.config.vocab_size
+        bad = (labels != -100) & ((labels < 0) | (labels >= V))
+        if bool(bad.any()):
+            raise InputError(f"labels must be token ids in [0, {V}) or -100 (ignored); got "
+                             f"{int(labels[bad][0])}")
+
+    def logits(self, ids, cache=None, attention_mask=None, last_only=False, position_ids=None):
+        """forward's logits (B, T or 1, vocab), its arguments checked."""
+        if cache is not None and attention_mask is None and position_ids is None and self.fused_decode():
             if ids.shape[1] == 1:
                 return self.decode_step(ids, cache)
             if last_only:  # a prompt's prefill, one native call a row
@@ -238,7 +337,7 @@ class GPT2(nn.Module):
                 raise ShapeError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
                                  f"{(ids.shape[0], past + T)} (batch, cached + new tokens)")
             mask = causal_mask(T, past, attention_mask, ids.device)
-        x = self.embed(ids, past, attention_mask)
+        x = self.embed(ids, past, attention_mask, position_ids)
         for i, block in enumerate(self.transformer.h):
             x = block(x, i, cache, mask)
         if cache is not None:
@@ -431,6 +530,33 @@ class GPT2(nn.Module):
         if precision is not None and dtype == torch.float32:
             quantize(model, precision, activations=activations)
         return model
+
+    def save_pretrained(self, path) -> Path:
+        """An HF checkpoint directory: config.json and model.safetensors with save_pretrained's keys
+        (`transformer.h.0...`, the tied lm_head left out), which HF's GPT2LMHeadModel.from_pretrained and
+        GPT2.from_pretrained both read. The weights are the values the model computes with (int8/int4/bf16
+        ones rounded, stored as fp32; a .to(bf16) model's in bf16); tokenizer files are not the model's to
+        write (tokenizer.save_pretrained(path) adds them, as in HF)."""
+        path = Path(path)
+        if path.exists() and not path.is_dir():
+            raise Gpt2ffnError(f"{path} is a file; save_pretrained writes a directory (config.json, model.safetensors)")
+        from safetensors.torch import save_file
+        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.state_dict().items()
+                   if k != "lm_head.weight"}
+        path.mkdir(parents=True, exist_ok=True)
+        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+        config = self.config.to_hf_dict()
+        config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        return path
+
+
+def _short(value) -> str:
+    """A value for a one-line message: a tensor by its shape, anything else by a short repr."""
+    if isinstance(value, torch.Tensor):
+        return f"<tensor {tuple(value.shape)}>"
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def untied_head(ckpt: Checkpoint, directory, wte):
