@@ -1,6 +1,7 @@
 """gpt2ffn check: the seeds' FFNs as written pass, each wrong FFN a learner writes is named, errors are one line."""
 
 import json
+import math
 import re
 import textwrap
 
@@ -458,6 +459,27 @@ def test_python_api_takes_classes_instances_and_functions(golden):
     assert learner.training  # check ran it in eval() and gave it back as it was
     assert report.as_dict()["rows"][0]["name"] == "after c_fc (1st linear)"
 
+
+
+class Float64Out(torch.nn.Module):
+    """A correct FFN whose output leaves float32 (a float64 GELU carried through)."""
+
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+
+    def forward(self, x):
+        h = self.c_fc(x).double()
+        h = 0.5 * h * (1 + torch.tanh(math.sqrt(2 / math.pi) * (h + 0.044715 * h ** 3)))
+        return self.c_proj(h.float()).double()
+
+
+def test_output_in_another_dtype_is_noted(golden):
+    report = check(Float64Out(), golden=golden)
+    assert report.passed and "returns float64 for float32 input" in report.format()
+    plain = check(torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(approximate="tanh"),
+                                      torch.nn.Linear(256, 64)), golden=golden)
+    assert plain.passed and "returns" not in " ".join(plain.info)  # control: float32 in, float32 out
 
 # picoGPT ("GPT in 60 lines of NumPy", Jay Mody): the FFN as a function given its weights, as written there.
 PICO = """

@@ -321,7 +321,7 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
     was_training = module.training
     module.eval()
     try:
-        first, again = _run(module, l1, l2, x, name), _run(module, l1, l2, x, name)
+        first, again = _run(module, l1, l2, x, name, info), _run(module, l1, l2, x, name)
     finally:
         module.train(was_training)
     return _judge(name, info, first, again, case, atol, "not hooked: the module uses the layer's weights "
@@ -393,8 +393,9 @@ def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float) ->
     return [next((d for d in plain if d.key), plain[0])] if plain else []  # else the most upstream failure
 
 
-def _run(module, l1, l2, x, name) -> dict:
-    """One forward; the stages it passes through: c_fc's output, c_proj's input, the output (float32 numpy)."""
+def _run(module, l1, l2, x, name, info=None) -> dict:
+    """One forward; the stages it passes through: c_fc's output, c_proj's input, the output (float32 numpy).
+    info: where an output in another dtype than the input's is noted (it is judged in float32 all the same)."""
     seen = {}
 
     def keep(key, t):  # returns None: a hook that returns a value replaces the layer's output
@@ -413,6 +414,10 @@ def _run(module, l1, l2, x, name) -> dict:
             h.remove()
     if not isinstance(out, torch.Tensor):
         raise CheckError(f"{name} returned a {type(out).__name__}; an FFN returns a tensor (B, T, n_embd)")
+    if info is not None and out.dtype != x.dtype:
+        info.append(f"note: {name} returns {str(out.dtype).removeprefix('torch.')} for {str(x.dtype).removeprefix('torch.')} "
+                    f"input (its weights' dtype); GPT-2 keeps the residual stream in its weights' dtype, so a "
+                    f"block adding this output would change it: judged in float32 all the same")
     seen["ffn"] = out.detach().float().numpy()
     return seen
 
