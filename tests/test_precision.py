@@ -296,6 +296,11 @@ def test_train_or_autograd_on_a_packed_only_model_says_how_to_get_fp32(precision
                                               r"cannot run: load the model with precision='fp32'"):
         ours.train()
     assert not ours.training and not any(m.training for m in ours.modules())  # refused before any mode changed
+    block = ours.transformer.h[1]
+    for part in (ours.transformer, ours.transformer.h, block, block.attn, block.mlp):  # its parts refuse as it does
+        with pytest.raises(PackedOnlyError):
+            part.train()
+        assert not any(m.training for m in ours.modules()), type(part).__name__
     # Autograd in eval() runs on the packed weights: the input's gradient goes through the weights the forward
     # computed with, as a plain fp32 model holding those (dequantized) values gives it.
     plain = GPT2(SMALL).eval()

@@ -8,11 +8,11 @@ from .config import Config
 from .errors import InputError, ShapeError
 from .gelu import activation
 from .kernels import packed
-from .linear import Conv1D, check_trainable
+from .linear import Conv1D, TrainChecked
 from .precision import quantize
 
 
-class FeedForward(nn.Module):
+class FeedForward(TrainChecked):
     """c_fc (d -> hidden) -> GELU -> c_proj (hidden -> d) -> dropout, on each token alone.
 
     Keys and shapes equal HF GPT2MLP's (c_fc.weight is [d, hidden]), so state dicts move both ways.
@@ -25,11 +25,6 @@ class FeedForward(nn.Module):
         self.act = activation(cfg.gelu_approximate)
         self.c_proj = Conv1D(cfg.hidden, cfg.n_embd, cfg.initializer_range)
         self.dropout = nn.Dropout(cfg.resid_pdrop)
-
-    def train(self, mode: bool = True):
-        if mode:
-            check_trainable(self)
-        return super().train(mode)
 
     def forward(self, x):
         """x: (..., n_embd) float tensor -> (..., n_embd), through the fastest path that fits (kernels/)."""

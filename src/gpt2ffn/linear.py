@@ -208,6 +208,16 @@ def check_trainable(module):
             raise m.packed_only("train()", m.held_at())
 
 
+class TrainChecked(nn.Module):
+    """A module whose train() refuses, before any module's mode changes, when a layer in it holds only bf16/int8/int4
+    values (GPT2, its containers, blocks and FFNs: `model.transformer.train()` as well as `model.train()`)."""
+
+    def train(self, mode: bool = True):
+        if mode:
+            check_trainable(self)
+        return super().train(mode)
+
+
 class PackedMatmul(torch.autograd.Function):
     """x W + b on a layer's packed weights, with gradients: x's through the weights the forward computed with
     (unpacked: fp32 and bf16 exactly, int8/int4 the dequantized q * s), the bias's the sum over rows, an fp32

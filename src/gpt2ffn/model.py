@@ -19,7 +19,7 @@ from .config import Config
 from .errors import ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
-from .linear import Conv1D, PackedLayer, check_trainable
+from .linear import Conv1D, PackedLayer, TrainChecked
 from .precision import quantize
 from .weights import Checkpoint, load_tensors
 
@@ -56,7 +56,7 @@ def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
     return mask
 
 
-class CausalSelfAttention(nn.Module):
+class CausalSelfAttention(TrainChecked):
     """c_attn -> q, k, v by head -> causal scaled_dot_product_attention -> c_proj."""
 
     def __init__(self, cfg: Config):
@@ -188,7 +188,7 @@ class PackedRows(torch.autograd.Function):
         return None, dw.index_add_(0, ids.reshape(-1), dy.reshape(-1, dy.shape[-1])), None
 
 
-class Block(nn.Module):
+class Block(TrainChecked):
     """x + attn(ln_1(x)), then x + mlp(ln_2(x)); mlp is gpt2ffn's FeedForward."""
 
     def __init__(self, cfg: Config):
@@ -203,23 +203,27 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
-class GPT2(nn.Module):
-    """GPT-2 with HF GPT2LMHeadModel's names; lm_head shares wte's weight."""
+class Transformer(TrainChecked, nn.ModuleDict):
+    """GPT2.transformer (wte, wpe, drop, h, ln_f), HF's names; train() refuses as GPT2's does."""
 
-    def train(self, mode: bool = True):
-        if mode:
-            check_trainable(self)  # a bf16/int8/int4 model refuses before any module is set to training
-        return super().train(mode)
+
+class Blocks(TrainChecked, nn.ModuleList):
+    """GPT2.transformer.h; train() refuses as GPT2's does."""
+
+
+class GPT2(TrainChecked):
+    """GPT-2 with HF GPT2LMHeadModel's names; lm_head shares wte's weight. A bf16/int8/int4 model's train() refuses
+    before any module is set to training (TrainChecked), on any of its parts as well."""
 
     def __init__(self, cfg):
         super().__init__()
         self.config = cfg = Config.coerce(cfg)
         head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.transformer = nn.ModuleDict(dict(
+        self.transformer = Transformer(dict(
             wte=TiedEmbedding(cfg.vocab_size, cfg.n_embd, head),
             wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),
             drop=nn.Dropout(cfg.embd_pdrop),
-            h=nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)]),
+            h=Blocks([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
         ))
         self.lm_head = head
