@@ -58,7 +58,7 @@ def engine(gold, out, bug=None):
     for L in range(cfg["n_layer"]):
         p = lambda n, L=L: w[f"h{L}_{n}"]  # noqa: E731
         h = ln(x, p("ln_1_weight"), p("ln_1_bias"))
-        save(f"h{L}_ln_1", h)
+        save(f"h{L}_ln_1", x if bug == "ln_1_written_as_input" else h)
         wa = p("c_attn_weight").reshape(3 * d, d).T if bug == "c_attn_transposed" else p("c_attn_weight")
         qkv = h @ wa + p("c_attn_bias")
         save(f"h{L}_c_attn", qkv)
@@ -70,12 +70,15 @@ def engine(gold, out, bug=None):
             save(f"h{L}_{n}", t.transpose(1, 0, 2) if bug == "q_layout" else t)
         scale = {"no_scale": 1.0, "scale_n_embd": 1 / math.sqrt(d)}.get(bug, 1 / math.sqrt(dh))
         att = q @ k.transpose(0, 2, 1) * scale
-        mask = np.triu(np.ones((T, T), bool), k=2 if bug == "mask_off_by_one" else 1)
-        if bug != "no_mask":
+        mask = np.triu(np.ones((T, T), bool), k={"mask_off_by_one": 2, "mask_excludes_self": 0}.get(bug, 1))
+        if bug not in ("no_mask", "mask_after_softmax"):
             att = np.where(mask, -np.inf, att)
-        att = np.exp(att - att.max(-1, keepdims=True))
-        att /= att.sum(-1, keepdims=True)
-        save(f"h{L}_attn_probs", att)
+        with np.errstate(invalid="ignore"):  # mask_excludes_self: the first query sees no key
+            att = np.exp(att - att.max(-1, keepdims=True))
+            att = np.nan_to_num(att / att.sum(-1, keepdims=True))
+        if bug == "mask_after_softmax":
+            att = np.where(mask, 0.0, att)
+        save(f"h{L}_attn_probs", att.transpose(0, 2, 1) if bug == "probs_transposed" else att)
         a = (att @ v).transpose(1, 0, 2).reshape(T, d) @ p("attn_c_proj_weight") + p("attn_c_proj_bias")
         save(f"h{L}_attn_out", a)
         x = a if bug == "no_resid_attn" else x + a
@@ -86,8 +89,8 @@ def engine(gold, out, bug=None):
         if bug == "both_ffn_transposed":
             w1, w2 = w1.reshape(w1.shape[::-1]).T, w2.reshape(w2.shape[::-1]).T
         f = h @ w1 + p("c_fc_bias")
-        save(f"h{L}_c_fc", f)
         g = gelu(f)
+        save(f"h{L}_c_fc", g if bug == "gelu_in_place" else f)
         save(f"h{L}_gelu", g)
         y = g @ w2 + p("ffn_c_proj_bias")
         save(f"h{L}_ffn", y)
@@ -131,6 +134,13 @@ PLANTED = {
     "positions_from_1": ("embeddings", MODEL_MISTAKES["positions_from_1"][0]),
     "no_ln_f": ("ln_f", MODEL_MISTAKES["no_ln_f"][0]),
     "q_layout": ("h0_q", "the values are right, stored as (T, H, d/H) = (8, 4, 16): write them as (H, T, d/H)"),
+    "mask_excludes_self": ("h0_attn_probs", MISTAKES["mask_excludes_self"][0]),
+    "mask_after_softmax": ("h0_attn_probs", MISTAKES["mask_after_softmax"][0]),
+    "probs_transposed": ("h0_attn_probs", "stored as (H, T keys, T queries) = (4, 8, 8): write them as "
+                                          "(H, T queries, T keys)"),
+    "ln_1_written_as_input": ("h0_ln_1", "these are embeddings's values: ln_1 not applied"),
+    "gelu_in_place": ("h0_c_fc", "these are h0_gelu's values: GELU applied in place before c_fc's output"),
+    "one_based": ("h1_ln_1", "layer names look 1-based (see above)"),
     "big_endian": ("embeddings", "big-endian"),
     "half": ("embeddings", "every value is a float16"),
 }
@@ -181,3 +191,62 @@ def test_a_layer_norm_that_passes_near_a_wrong_one_says_so(gold, tmp_path, capsy
     _, report = verify(gold, cand, capsys, "--tol", "01=1e-3")
     rows = {r["name"]: r for r in report["rows"]}
     assert rows["h0_ln_1"]["status"] == "PASS" and "LayerNorm eps 1e-06" in rows["h0_ln_1"]["note"]
+
+
+def test_first_failure_names_one_based_layers_and_a_row_of_logits(gold, tmp_path, capsys):
+    """The summary line says the names look 1-based; one row of logits that is position 0's is said to be."""
+    cand = engine(gold, tmp_path / "one", "one_based")
+    assert main(["verify", "--golden", str(gold), "--candidate", str(cand)]) == 1
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("first failing checkpoint: 01 (LayerNorm (ln_1)), layer 1, h1_ln_1") and "1-based" in last
+    cand = engine(gold, tmp_path / "row0")
+    logits = np.fromfile(cand / "logits.bin", "<f4").reshape(8, -1)
+    logits[0].tofile(cand / "logits.bin")
+    _, report = verify(gold, cand, capsys)
+    assert "these are position 0's logits" in report["first_failure"]["note"], report["first_failure"]
+    assert "layer None" not in json.dumps(report["first_failure"]["note"])
+
+
+def test_a_correct_engine_a_little_off_is_not_named_a_mistake(gold, tmp_path, capsys):
+    """Off GPT-2 by more than the bar but as near it as any mistake's output: FAIL with its worst element, no
+    mistake named (a correct fp32 engine 1.0e-4 off in deep blocks was told "eps outside the square root")."""
+    from gpt2ffn.golden import Golden
+    cand = engine(gold, tmp_path / "off")
+    g = Golden(gold)
+    want = g.load("h1_attn_probs").astype(np.float64).reshape(-1)
+    # a mistake downstream of the attention probabilities leaves them as GPT-2's, up to fp32 rounding
+    wrong = np.asarray(g.planted(1)["attn_c_proj_not_transposed"]["attn_probs"], np.float64).reshape(-1)
+    i = int(np.argmax(wrong - want))
+    got = want.copy()
+    got[i] += 1e-4 + (wrong[i] - want[i]) / 2  # just over 1e-4 off GPT-2's, just under 1e-4 off that "mistake"
+    assert np.abs(got - want).max() > 1e-4 >= np.abs(got - wrong).max()
+    got.astype("<f4").tofile(cand / "h1_attn_probs.bin")
+    _, report = verify(gold, cand, capsys)
+    first = report["first_failure"]
+    assert first["name"] == "h1_attn_probs" and first["note"].startswith("worst element"), first
+
+
+def test_the_residual_stream_bar_scales_with_its_values():
+    """max(1e-4, 1e-5 x max|expected|) for the residual stream (05's attn_resid, 07), 1e-6 for logits; 1e-4 else."""
+    from gpt2ffn.golden import tolerance_for
+    big = np.full((1, 2, 3), 300.0)
+    assert tolerance_for("h5_block", {"stage": "block", "checkpoint": "07"}, {}, 1e-4, big) == pytest.approx(3e-3)
+    assert tolerance_for("h5_attn_resid", {"stage": "attn_resid", "checkpoint": "05"}, {}, 1e-4, big) == \
+        pytest.approx(3e-3)
+    assert tolerance_for("h5_ln_1", {"stage": "ln_1", "checkpoint": "01"}, {}, 1e-4, big) == 1e-4
+    assert tolerance_for("h5_block", {"stage": "block", "checkpoint": "07"}, {}, 1e-4, big / 300) == 1e-4
+
+
+@pytest.mark.parametrize("flag", [["--tol", "06=nan"], ["--tol", "06=-1"], ["--atol", "-1"], ["--atol", "inf"]])
+def test_a_tolerance_that_fails_everything_is_refused(gold, capsys, flag):
+    assert main(["verify", "--golden", str(gold), *flag]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ">= 0" in err, err
+
+
+def test_files_the_judge_does_not_read_are_named(gold, tmp_path, capsys):
+    cand = engine(gold, tmp_path / "mixed")
+    (cand / "h0_ffn.bin").rename(cand / "h0_ffn.f32")
+    (cand / "extra.safetensors").write_bytes(b"")
+    _, report = verify(gold, cand, capsys)
+    assert any(n.startswith("not read: extra.safetensors, h0_ffn.f32") for n in report["notes"]), report["notes"]

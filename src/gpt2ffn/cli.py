@@ -100,9 +100,18 @@ def _port(text):
 def _tol(text):
     key, _, value = text.partition("=")
     try:
-        return key, float(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected CHECKPOINT=ATOL like 09=1e-3 or ffn=2e-4, got {text!r}") from None
+        return key, _atol(value)
+    except (ValueError, argparse.ArgumentTypeError):
+        raise argparse.ArgumentTypeError(f"expected CHECKPOINT=ATOL like 09=1e-3 or ffn=2e-4 (ATOL a number >= 0), "
+                                         f"got {text!r}") from None
+
+
+def _atol(text):
+    """A tolerance: a finite number >= 0 (a NaN or negative one would fail every tensor, a correct one too)."""
+    value = float(text)
+    if not 0 <= value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a tolerance is a finite number >= 0, got {text!r}")
+    return value
 
 
 def cmd_extract(args):
@@ -141,6 +150,13 @@ def cmd_verify(args):
                          f"name: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} ({hint})")
         if cand.keys is None and not cand.names() and (inner := sorted(cand.path.glob("*.safetensors"))):
             notes.append(f"{cand.path} holds {inner[0].name}: pass the file itself, --candidate {inner[0]}")
+        if cand.keys is None and cand.names():  # files the judge reads beside files it does not
+            other = sorted(p.name for p in cand.path.iterdir() if p.is_file() and p.suffix not in (".npy", ".bin")
+                           and (p.stem in gold.tensors or p.suffix == ".safetensors"))
+            if other:
+                notes.append(f"not read: {', '.join(other[:4])}{', ...' if len(other) > 4 else ''}: a candidate "
+                             "directory's tensors are NAME.npy or NAME.bin (raw little-endian float32); a "
+                             ".safetensors file is passed alone, as --candidate FILE.safetensors")
         if cand.path.resolve() == gold.dir.resolve() or cand.path.resolve() == (gold.dir / g.BUNDLE).resolve():
             notes.append("the candidate is the golden set itself: it passes by construction")
     if args.negative:
@@ -152,6 +168,10 @@ def cmd_verify(args):
     failed = [r for r in rows if r.status == "FAIL" or (args.strict and r.status == "MISSING")]
     judged = [r for r in rows if r.status not in ("MISSING", "SKIP")]
     first = failed[0] if failed else None
+    if first is not None and first.layer is not None and any("look 1-based" in n for n in notes):
+        first.note = "; ".join(t for t in (first.note, "the candidate's layer names look 1-based (see above): its "
+                                           "h1_ is GPT-2's h0_, so each block is judged against the next one's "
+                                           "golden tensors") if t)
     if args.json:
         print(json.dumps({"golden": str(args.golden), "mode": title, "passed": not failed and bool(judged),
                           "first_failure": first.as_dict() if first else None, "notes": notes,
@@ -168,8 +188,9 @@ def cmd_verify(args):
             print(note)
         if first:
             size = f"max abs {first.max_abs:.3e} > {first.atol:g}" if first.max_abs == first.max_abs else ""
-            where = (f"checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)}), layer "
-                     f"{first.layer}" if first.checkpoint else "tensor: a weight as the engine loaded it")
+            where = (f"checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)})"
+                     + (f", layer {first.layer}" if first.layer is not None else "")
+                     if first.checkpoint else "tensor: a weight as the engine loaded it")
             print(f"first failing {where}, {first.name}: {'; '.join(t for t in (size, first.note) if t)}")
         elif not judged:
             found = sorted(cand.names()) if cand else []
@@ -371,7 +392,7 @@ def build_parser() -> Parser:
     mode.add_argument("--candidate", help="another engine's tensors under the golden names: a directory of "
                       ".npy or raw float32 .bin files (h0_ffn.bin), or one .safetensors file")
     mode.add_argument("--negative", action="store_true", help="prove the judge fails known-wrong FFNs")
-    p.add_argument("--atol", type=float, default=1e-4, help="absolute tolerance (default 1e-4, seed 001's)")
+    p.add_argument("--atol", type=_atol, default=1e-4, help="absolute tolerance (default 1e-4, seed 001's)")
     p.add_argument("--tol", type=_tol, action="append", default=[], metavar="KEY=ATOL",
                    help="per-checkpoint tolerance by number (09), stage (ffn) or tensor (h0_ffn); repeatable")
     p.add_argument("--repeat", type=int, default=1, help="also check that N runs are bit-identical")
@@ -504,6 +525,9 @@ def main(argv=None) -> int:
     except Gpt2ffnError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `gpt2ffn verify --json | head`: the reader has gone; say nothing more (Python's recipe)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except (OSError, ValueError, TypeError) as e:
         print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
         return 2

@@ -370,6 +370,11 @@ MISTAKES = {
                          "build the q, k, v projections with bias=True (the book's qkv_bias=True when loading GPT-2)"),
     "mask_off_by_one": ("causal mask off by one: each position also attends to the next token",
                         "mask every key after the query: torch.triu(ones(T, T), diagonal=1), not diagonal=2"),
+    "mask_excludes_self": ("causal mask hides each position from itself (keys j < i only, not j <= i)",
+                           "mask only the keys after the query: torch.triu(ones(T, T), diagonal=1), so the diagonal "
+                           "stays visible"),
+    "mask_after_softmax": ("mask applied after the softmax (future weights zeroed, the rest not renormalized)",
+                           "fill the scores of future keys with -inf before the softmax"),
     "q_k_swapped": ("q and k swapped: c_attn's output split as k, q, v",
                     "split c_attn's output in GPT-2's order: q, k, v = qkv.split(n_embd, dim=-1)"),
     "ln_std_eps": ("LayerNorm as (x - mean) / (std + eps), with torch.std's unbiased default",
@@ -434,11 +439,15 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
                                                                          else right)
         att = heads(q) @ heads(k).transpose(-1, -2) * scale                    # (1, H, T, T)
         i = torch.arange(T)
-        mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None],
+        mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None], "mask_excludes_self": i[None, :] >= i[:, None],
                 "mask_off_by_one": i[None, :] > i[:, None] + 1}.get(mistake, i[None, :] > i[:, None])
-        if mask is not None:
+        if mask is not None and mistake != "mask_after_softmax":
             att = att.masked_fill(mask, float("-inf"))
         p = torch.softmax(att, dim=-2 if mistake == "softmax_axis" else -1)
+        if mistake == "mask_after_softmax":
+            p = p.masked_fill(mask, 0.0)
+        elif mistake == "mask_excludes_self":  # the first query sees nothing: its weights 0 (an engine's NaN is named too)
+            p = torch.nan_to_num(p, nan=0.0)
         ctx = (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
         wp = w["attn.c_proj.weight"].T if mistake == "attn_c_proj_not_transposed" else w["attn.c_proj.weight"]
         return {"c_attn": c_attn, "q": q, "k": k, "v": v, "q_heads": heads(q), "k_heads": heads(k), "v_heads": heads(v), "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
