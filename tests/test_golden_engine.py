@@ -53,7 +53,7 @@ def engine(gold, out, bug=None):
         return 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
 
     pos = np.arange(T) + (1 if bug == "positions_from_1" else 0)
-    x = w["wte"][ids] + w["wpe"][pos]
+    x = w["wte"][np.asarray(ids) + (1 if bug == "ids_plus_1" else 0)] + w["wpe"][pos]
     save("embeddings", x)
     for L in range(cfg["n_layer"]):
         p = lambda n, L=L: w[f"h{L}_{n}"]  # noqa: E731
@@ -79,7 +79,9 @@ def engine(gold, out, bug=None):
         if bug == "mask_after_softmax":
             att = np.where(mask, 0.0, att)
         save(f"h{L}_attn_probs", att.transpose(0, 2, 1) if bug == "probs_transposed" else att)
-        a = (att @ v).transpose(1, 0, 2).reshape(T, d) @ p("attn_c_proj_weight") + p("attn_c_proj_bias")
+        y = att @ v  # (H, T, dh)
+        y = y.reshape(T, d) if bug == "heads_not_merged" else y.transpose(1, 0, 2).reshape(T, d)
+        a = y @ p("attn_c_proj_weight") + p("attn_c_proj_bias")
         save(f"h{L}_attn_out", a)
         x = a if bug == "no_resid_attn" else x + a
         save(f"h{L}_attn_resid", x)
@@ -98,7 +100,7 @@ def engine(gold, out, bug=None):
         save(f"h{L}_block", x)
     x = x if bug == "no_ln_f" else ln(x, w["ln_f_weight"], w["ln_f_bias"])
     save("ln_f", x)
-    save("logits", x @ w["wte"].T)
+    save("logits", x @ (w["wte"].reshape(d, -1) if bug == "lm_head_d_by_vocab" else w["wte"].T))
     return out
 
 
@@ -135,6 +137,9 @@ PLANTED = {
     "no_ln_f": ("ln_f", MODEL_MISTAKES["no_ln_f"][0]),
     "q_layout": ("h0_q", "the values are right, stored as (T, H, d/H) = (8, 4, 16): write them as (H, T, d/H)"),
     "mask_excludes_self": ("h0_attn_probs", MISTAKES["mask_excludes_self"][0]),
+    "heads_not_merged": ("h0_attn_out", MISTAKES["heads_not_merged"][0]),
+    "lm_head_d_by_vocab": ("logits", MODEL_MISTAKES["lm_head_as_d_by_vocab"][0]),
+    "ids_plus_1": ("embeddings", MODEL_MISTAKES["ids_off_by_one"][0]),
     "mask_after_softmax": ("h0_attn_probs", MISTAKES["mask_after_softmax"][0]),
     "probs_transposed": ("h0_attn_probs", "stored as (H, T keys, T queries) = (4, 8, 8): write them as "
                                           "(H, T queries, T keys)"),

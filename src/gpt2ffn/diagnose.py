@@ -375,6 +375,9 @@ MISTAKES = {
                            "stays visible"),
     "mask_after_softmax": ("mask applied after the softmax (future weights zeroed, the rest not renormalized)",
                            "fill the scores of future keys with -inf before the softmax"),
+    "heads_not_merged": ("heads not merged back: (H, T, d_head) reshaped to (T, d) without moving the head axis",
+                         "y.transpose(0, 1).reshape(T, n_embd) (torch: y.transpose(1, 2).contiguous().view(B, T, C)): "
+                         "token t's row holds every head's output for t"),
     "q_k_swapped": ("q and k swapped: c_attn's output split as k, q, v",
                     "split c_attn's output in GPT-2's order: q, k, v = qkv.split(n_embd, dim=-1)"),
     "ln_std_eps": ("LayerNorm as (x - mean) / (std + eps), with torch.std's unbiased default",
@@ -393,6 +396,10 @@ MODEL_MISTAKES = {
     "no_ln_f": ("ln_f not applied: the last block's output taken as is", "x = ln_f(x) after the last block"),
     "logits_without_ln_f": ("logits computed without ln_f (last block's output @ wte^T)",
                             "logits = ln_f(x) @ wte.weight.T"),
+    "lm_head_as_d_by_vocab": ("the LM head read as [d, vocab]: wte's (vocab, d) data used as a (d, vocab) matrix",
+                              "logits = ln_f(x) @ wte.T: wte is (vocab, d), row i token i's embedding"),
+    "ids_off_by_one": ("token ids off by one: wte rows ids + 1 (or - 1) looked up", "x = wte[ids] + wpe[0 .. T - 1], "
+                       "the ids exactly as token_ids.txt gives them"),
 }
 for _eps in EPS_TRIED:
     MISTAKES[f"ln_eps_{_eps:g}"] = (f"LayerNorm eps {_eps:g}", "use GPT-2's eps, 1e-5 (nn.LayerNorm's default)")
@@ -448,7 +455,8 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
             p = p.masked_fill(mask, 0.0)
         elif mistake == "mask_excludes_self":  # the first query sees nothing: its weights 0 (an engine's NaN is named too)
             p = torch.nan_to_num(p, nan=0.0)
-        ctx = (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
+        ctx = (p @ heads(v)).reshape(1, T, d) if mistake == "heads_not_merged" else \
+            (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
         wp = w["attn.c_proj.weight"].T if mistake == "attn_c_proj_not_transposed" else w["attn.c_proj.weight"]
         return {"c_attn": c_attn, "q": q, "k": k, "v": v, "q_heads": heads(q), "k_heads": heads(k), "v_heads": heads(v), "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
 

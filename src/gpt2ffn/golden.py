@@ -624,6 +624,10 @@ def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False, clo
     elif stage == "embeddings" and "wte" in golden:
         wte, wpe, ids = golden.load("wte"), golden.load("wpe"), golden.token_ids
         offer("positions_not_added", wte[ids][None])
+        ids_ = np.asarray(ids)
+        for shift in (1, -1):
+            if 0 <= (ids_ + shift).min() and (ids_ + shift).max() < len(wte):
+                offer("ids_off_by_one", (wte[ids_ + shift] + wpe[:len(ids_)].astype(np.float64))[None])
         if len(ids) < len(wpe):
             offer("positions_from_1", (wte[ids] + wpe[1:len(ids) + 1].astype(np.float64))[None])
     elif stage == "ln_f" and last in golden and "ln_f_weight" in golden:
@@ -634,6 +638,9 @@ def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False, clo
     elif stage == "logits" and last in golden and "wte" in golden and not near and got.shape[-1] == cfg.vocab_size:
         logits = golden.load(last).astype(np.float64) @ golden.load("wte").T.astype(np.float64)
         offer("logits_without_ln_f", logits[:, -(got.size // cfg.vocab_size):])
+        if "ln_f" in golden:
+            wrong = golden.load("ln_f").astype(np.float64) @ golden.load("wte").reshape(cfg.n_embd, -1).astype(np.float64)
+            offer("lm_head_as_d_by_vocab", wrong[:, -(got.size // cfg.vocab_size):])
     table = {**MISTAKES, **MODEL_MISTAKES}
     hits = sorted(f[:2] for f in found if near or f[0] <= f[2] and f[0] < closer)
     if not hits:
