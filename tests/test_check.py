@@ -460,7 +460,6 @@ def test_python_api_takes_classes_instances_and_functions(golden):
     assert report.as_dict()["rows"][0]["name"] == "after c_fc (1st linear)"
 
 
-
 class Float64Out(torch.nn.Module):
     """A correct FFN whose output leaves float32 (a float64 GELU carried through)."""
 

@@ -232,13 +232,15 @@ def test_a_correct_engine_a_little_off_is_not_named_a_mistake(gold, tmp_path, ca
 
 
 def test_the_residual_stream_bar_scales_with_its_values():
-    """max(1e-4, 1e-5 x max|expected|) for the residual stream (05's attn_resid, 07), 1e-6 for logits; 1e-4 else."""
+    """max(1e-4, 1e-5 x max|expected|) for the residual stream (attn_resid, block), 1e-6 for logits; 1e-4 else."""
     from gpt2ffn.golden import tolerance_for
     big = np.full((1, 2, 3), 300.0)
     assert tolerance_for("h5_block", {"stage": "block", "checkpoint": "07"}, {}, 1e-4, big) == pytest.approx(3e-3)
     assert tolerance_for("h5_attn_resid", {"stage": "attn_resid", "checkpoint": "05"}, {}, 1e-4, big) == \
         pytest.approx(3e-3)
     assert tolerance_for("h5_ln_1", {"stage": "ln_1", "checkpoint": "01"}, {}, 1e-4, big) == 1e-4
+    for stage in ("ln_2", "attn_out"):  # checkpoint 05 holds them too: not the residual stream, not scaled
+        assert tolerance_for(f"h5_{stage}", {"stage": stage, "checkpoint": "05"}, {}, 1e-4, big) == 1e-4
     assert tolerance_for("h5_block", {"stage": "block", "checkpoint": "07"}, {}, 1e-4, big / 300) == 1e-4
 
 

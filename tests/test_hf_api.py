@@ -54,6 +54,9 @@ def test_hf_call_gives_hf_loss_and_logits(hf, hf_dir):
         plain = ours(input_ids=ids)
         assert plain.loss is None and plain[0] is plain.logits
         assert ours(input_ids=ids, labels=labels, return_dict=False)[0] == got.loss
+        assert ours(ids, labels=labels.int()).loss == got.loss  # int32 labels, as int64
+        assert torch.equal(ours(ids, return_dict=False)[0], want.logits * 0 + got.logits)  # HF's tuple, not row 0
+        assert isinstance(ours(ids, use_cache=False), LMOutput)  # any of HF's arguments: HF's answer
         assert isinstance(ours(ids), torch.Tensor)  # gpt2ffn's own call keeps answering the tensor
 
 
@@ -142,7 +145,22 @@ def test_hf_call_errors_are_one_line(hf_dir, tmp_path):
     with pytest.raises(InputError, match="needs token ids"):
         ours()
     with torch.no_grad():  # what HF's callers pass and changes nothing is taken
-        assert torch.equal(ours(ids, use_cache=False, output_attentions=False, token_type_ids=None), ours(ids))
+        assert torch.equal(ours(ids, use_cache=False, output_attentions=False, token_type_ids=None).logits, ours(ids))
     (tmp_path / "f").write_text("")
     with pytest.raises(Gpt2ffnError, match="is a file"):
         ours.save_pretrained(tmp_path / "f")
+
+
+def test_save_pretrained_of_an_untied_config_keeps_its_head(tmp_path):
+    """A config with tie_word_embeddings=false whose lm_head equals wte loads; saved again, its lm_head.weight is
+    written, so HF (which would start a missing head random) and gpt2ffn both read it back."""
+    hf = randomize_(GPT2LMHeadModel(hf_config(CFG, tie_word_embeddings=False)), 5)
+    with torch.no_grad():
+        hf.lm_head.weight.copy_(hf.transformer.wte.weight)
+    hf.save_pretrained(tmp_path / "untied")
+    ours = GPT2.from_pretrained(tmp_path / "untied")
+    out = ours.save_pretrained(tmp_path / "again")
+    ids = ids_of(1, 6, seed=5)
+    with torch.no_grad():
+        assert torch.equal(GPT2.from_pretrained(out)(ids), ours(ids))
+        assert close(GPT2LMHeadModel.from_pretrained(out).eval()(ids).logits, ours(ids))

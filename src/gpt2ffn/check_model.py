@@ -611,7 +611,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     info = built + [f"weights: {ref.source} ({cfg.n_layer} blocks, n_embd {cfg.n_embd}), {n} tensors mapped {how}; "
                     f"linear layers {' and '.join(layouts)}; {tied}" + "".join(f"; {x}" for x in notes),
                     f"fed token ids {ref.ids} in eval(); each stage compared with HF GPT-2's own modules, tolerance "
-                    f"{atol:.0e} (logits: {GOLDEN_SCALED['09']:.0e} x max |logits| when larger)"]
+                    f"{atol:.0e} (logits: {GOLDEN_SCALED['logits']:.0e} x max |logits| when larger)"]
     was_training = model.training
     model.eval()
     try:
@@ -632,7 +632,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
             if stage == "logits":
                 if mine.ndim == 3 and mine.shape[1] < expected.shape[1]:  # nanoGPT: the last position only
                     expected = expected[:, -mine.shape[1]:]
-                tol = max(atol, GOLDEN_SCALED["09"] * float(np.abs(expected).max()))
+                tol = max(atol, GOLDEN_SCALED["logits"] * float(np.abs(expected).max()))
             r = compare(key, {"checkpoint": CHECKPOINT[stage], "layer": L}, mine, expected, tol)
             judged.setdefault(stage, []).append((L, r.max_abs, r.status, r.note, r.shape, tol))
             if r.status == "FAIL":  # a second run tells dropout left on from a deterministic mistake
@@ -769,7 +769,7 @@ def check_model_function(fn, name: str, names: list, source: str = DEFAULT_MODEL
 
         def judge(k, got):
             want = expected(k)
-            tol = max(atol, GOLDEN_SCALED["09"] * float(np.abs(want).max()))
+            tol = max(atol, GOLDEN_SCALED["logits"] * float(np.abs(want).max()))
             r = compare(f"logits after {k} blocks", {"checkpoint": "09", "layer": None}, got, want, tol)
             label = f"logits after {k} of {L} blocks" + (" (whole model)" if k == L else "")
             return Row("09", label, str(k), r.shape, r.max_abs, tol, r.status, r.note)
@@ -785,7 +785,7 @@ def check_model_function(fn, name: str, names: list, source: str = DEFAULT_MODEL
     info = [f"a function: {name}({', '.join(['inputs', *names])}), given picoGPT's nested weights (linear "
             f"{{'w': [in, out], 'b'}}, layer norm {{'g', 'b'}}) of {ref.source} ({L} blocks, n_embd {cfg.n_embd})",
             f"fed token ids {ref.ids}; its logits compared with HF GPT-2's, tolerance {atol:.0e} "
-            f"({GOLDEN_SCALED['09']:.0e} x max |logits| when larger); where they differ, run on its first k blocks"]
+            f"({GOLDEN_SCALED['logits']:.0e} x max |logits| when larger); where they differ, run on its first k blocks"]
     if rows[-1].status == "PASS":
         if not np.array_equal(whole, run(L), equal_nan=True):
             return ModelReport(name, info, rows, f"FAIL: {name} passes once but two runs differ: something random "

@@ -453,7 +453,8 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
         p = torch.softmax(att, dim=-2 if mistake == "softmax_axis" else -1)
         if mistake == "mask_after_softmax":
             p = p.masked_fill(mask, 0.0)
-        elif mistake == "mask_excludes_self":  # the first query sees nothing: its weights 0 (an engine's NaN is named too)
+        elif mistake == "mask_excludes_self":  # the first query sees nothing: its weights 0 (an engine's NaN there
+            # is a non-finite row, reported as such)
             p = torch.nan_to_num(p, nan=0.0)
         ctx = (p @ heads(v)).reshape(1, T, d) if mistake == "heads_not_merged" else \
             (p @ heads(v)).transpose(1, 2).reshape(1, T, d)

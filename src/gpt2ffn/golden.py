@@ -293,7 +293,7 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
         "layers": layers,
         "checkpoints": CHECKPOINTS,
         "tolerance": {"atol": GOLDEN_ATOL, "scaled": GOLDEN_SCALED,
-                      "note": "seed 001: max |diff| <= 1e-4, fp32; for the checkpoints in scaled (the residual stream, logits): "
+                      "note": "seed 001: max |diff| <= 1e-4, fp32; for the stages in scaled (the residual stream, logits): "
                               "max(1e-4, scaled * max|expected|)"},
         "tensors": entries,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
@@ -455,11 +455,11 @@ def compare(name, entry, actual, expected, atol) -> Row:
 
 def tolerance_for(name, entry, tolerances: dict, default: float, expected=None) -> float:
     """Per-checkpoint overrides by tensor name (h0_ffn), stage (ffn) or checkpoint number (06); else the
-    default, scaled with the tensor for the checkpoints in GOLDEN_SCALED (the residual stream, logits)."""
+    default, scaled with the tensor for the stages in GOLDEN_SCALED (the residual stream, logits)."""
     for key in (name, entry.get("alias_of", name), entry["stage"], entry["checkpoint"]):
         if key in tolerances:
             return tolerances[key]
-    rtol = GOLDEN_SCALED.get(entry["checkpoint"])
+    rtol = GOLDEN_SCALED.get(entry["stage"])
     if rtol is not None and expected is not None and expected.size:
         return max(default, rtol * float(np.abs(expected).max()))
     return default
@@ -522,7 +522,7 @@ def same_as(golden: "Golden", name: str, actual, atol: float) -> str | None:
     if name == "logits" and a.size == V and "logits" in golden:  # one row of logits: which position's it is
         full = golden.load("logits").reshape(-1, V)
         for r in range(len(full) - 1):
-            if np.abs(a.reshape(V) - full[r]).max() <= max(atol, GOLDEN_SCALED["09"] * float(np.abs(full[r]).max())):
+            if np.abs(a.reshape(V) - full[r]).max() <= max(atol, GOLDEN_SCALED["logits"] * float(np.abs(full[r]).max())):
                 return (f"these are position {r}'s logits; a file of one row ({V} values) is judged as the last "
                         f"position's, {len(full) - 1}: write the logits of the last token (or all {len(full)} rows)")
     for other in golden.activations():
@@ -779,7 +779,7 @@ def diagnosed(row: Row, golden: Golden, entry: dict, actual, expected=None, own=
     if clean and entry["kind"] != "weight":
         if stage in FFN_STAGES and L in golden.layers:
             text = _ffn_text(row, golden, entry, a, own or {}, set(failed))
-        elif (hit := stage_mistake(golden, entry, a, GOLDEN_ATOL if entry["checkpoint"] in GOLDEN_SCALED else row.atol,
+        elif (hit := stage_mistake(golden, entry, a, GOLDEN_ATOL if entry["stage"] in GOLDEN_SCALED else row.atol,
                                    closer=0.5 * row.max_abs)) is not None:
             text = f"{hit[1]} (within {hit[0]:.1e} of it): {hit[2]}"
     if text is None or "matches no known mistake" in text:

@@ -254,10 +254,10 @@ class GPT2(TrainChecked):
         T - 1 rows of the largest GEMM (vocab x d).
 
         HF's call works too: input_ids=, labels= (HF's loss: each position predicts the next label, -100
-        ignored, the mean), position_ids=, return_dict=; given input_ids, labels or return_dict=True, the answer
-        is HF's output object (LMOutput: .logits, .loss; with return_dict=False HF's tuple), else the logits
-        tensor itself."""
-        hf_output = input_ids is not None or labels is not None or bool(return_dict)
+        ignored, the mean), position_ids=, return_dict=; given input_ids, labels, return_dict or any other of
+        HF's arguments (use_cache=, ...), the answer is HF's output object (LMOutput: .logits, .loss; with
+        return_dict=False HF's tuple), else the logits tensor itself."""
+        hf_output = input_ids is not None or labels is not None or return_dict is not None or bool(hf)
         ids = self.hf_ids(ids, input_ids, hf)
         self.check_ids(ids, cache)
         if position_ids is not None:
@@ -271,7 +271,8 @@ class GPT2(TrainChecked):
             return logits
         loss = None
         if labels is not None:  # as HF's GPT2LMHeadModel: logits in fp32, position t predicts label t + 1
-            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+            loss = F.cross_entropy(logits[:, :-1].float().flatten(0, 1), labels[:, 1:].flatten().long(),
+                                   ignore_index=-100)
         out = LMOutput(logits=logits, loss=loss)
         return out.to_tuple() if return_dict is False else out
 
@@ -537,7 +538,8 @@ class GPT2(TrainChecked):
 
     def save_pretrained(self, path) -> Path:
         """An HF checkpoint directory: config.json and model.safetensors with save_pretrained's keys
-        (`transformer.h.0...`, the tied lm_head left out), which HF's GPT2LMHeadModel.from_pretrained and
+        (`transformer.h.0...`, the tied lm_head left out; with tie_word_embeddings=false in the config, its
+        lm_head.weight, wte's values, written), which HF's GPT2LMHeadModel.from_pretrained and
         GPT2.from_pretrained both read. The weights are the values the model computes with (int8/int4/bf16
         ones rounded, stored as fp32; a .to(bf16) model's in bf16); tokenizer files are not the model's to
         write (tokenizer.save_pretrained(path) adds them, as in HF)."""
@@ -546,7 +548,7 @@ class GPT2(TrainChecked):
             raise Gpt2ffnError(f"{path} is a file; save_pretrained writes a directory (config.json, model.safetensors)")
         from safetensors.torch import save_file
         tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.state_dict().items()
-                   if k != "lm_head.weight"}
+                   if k != "lm_head.weight" or not self.config.tie_word_embeddings}  # untied: HF reads it from the file
         path.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
         config = self.config.to_hf_dict()
