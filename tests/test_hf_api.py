@@ -53,6 +53,8 @@ def test_hf_call_gives_hf_loss_and_logits(hf, hf_dir):
     with torch.no_grad():
         plain = ours(input_ids=ids)
         assert plain.loss is None and plain[0] is plain.logits
+        with pytest.raises(KeyError):  # as HF's: a field that is not set is not there
+            plain["loss"]
         assert ours(input_ids=ids, labels=labels, return_dict=False)[0] == got.loss
         assert ours(ids, labels=labels.int()).loss == got.loss  # int32 labels, as int64
         assert torch.equal(ours(ids, return_dict=False)[0], want.logits * 0 + got.logits)  # HF's tuple, not row 0

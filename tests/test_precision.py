@@ -297,7 +297,8 @@ def test_train_or_autograd_on_a_packed_only_model_says_how_to_get_fp32(precision
         ours.train()
     assert not ours.training and not any(m.training for m in ours.modules())  # refused before any mode changed
     block = ours.transformer.h[1]
-    for part in (ours.transformer, ours.transformer.h, block, block.attn, block.mlp):  # its parts refuse as it does
+    for part in (ours.transformer, ours.transformer.h, block, block.attn, block.mlp,  # its parts refuse as it does
+                 ours.transformer.wte):
         with pytest.raises(PackedOnlyError):
             part.train()
         assert not any(m.training for m in ours.modules()), type(part).__name__

@@ -19,7 +19,7 @@ from .config import Config
 from .errors import ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
-from .linear import Conv1D, PackedLayer, TrainChecked
+from .linear import Conv1D, PackedLayer, TrainChecked, check_trainable
 from .precision import quantize
 from .weights import Checkpoint, load_tensors
 
@@ -41,7 +41,11 @@ class LMOutput:
         return tuple(v for v in (self.loss, self.logits) if v is not None)
 
     def __getitem__(self, key):
-        return getattr(self, key) if isinstance(key, str) else self.to_tuple()[key]
+        if isinstance(key, str):  # as HF's ModelOutput: only the fields that are set
+            if key not in ("logits", "loss") or getattr(self, key) is None:
+                raise KeyError(key)
+            return getattr(self, key)
+        return self.to_tuple()[key]
 
 
 def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
@@ -151,6 +155,11 @@ class TiedEmbedding(nn.Embedding):
                 return PackedRows.apply(ids, h.weight, h)
             return h.rows(ids)                                     # (...) -> (..., d)
         return super().forward(ids)
+
+    def train(self, mode: bool = True):
+        if mode:
+            check_trainable(self.head)  # its weight is the lm_head's: a bf16/int8/int4 one cannot train
+        return super().train(mode)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         super()._save_to_state_dict(destination, prefix, keep_vars)
