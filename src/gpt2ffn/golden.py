@@ -482,12 +482,11 @@ def _axis_labels(entry: dict, ndim: int) -> list:
     labels = labels[next((i for i, t in enumerate(labels) if t != "1"), len(labels)):]
     if len(labels) != ndim:
         return [f"axis {i}" for i in range(ndim)]
-    twice = [t for t in dict.fromkeys(labels) if labels.count(t) > 1]  # two axes of one size: say which is which
-    for t in twice:
-        kinds = iter(["queries", "keys"] if entry["checkpoint"] == "04" and labels.count(t) == 2 else
-                     [f"1st {t}", f"2nd {t}", f"3rd {t}", f"4th {t}"])
-        labels = [f"{t} {next(kinds)}" if x == t and entry["checkpoint"] == "04" else next(kinds) if x == t else x
-                  for x in labels]
+    # axes of one name told apart: the probabilities' (H, T, T) are (H, queries, keys); else by their order
+    kinds = iter(["queries", "keys"]) if entry["checkpoint"] == "04" else None
+    for t in {x for x in labels if labels.count(x) > 1}:
+        n = iter(range(1, ndim + 1))
+        labels = [x if x != t else f"{t} {next(kinds)}" if kinds else f"{t} #{next(n)}" for x in labels]
     return labels
 
 
@@ -518,7 +517,7 @@ def same_as(golden: "Golden", name: str, actual, atol: float) -> str | None:
     """A failing tensor whose values are another golden tensor's (an in-place op before it was written, a stage
     skipped, a file written from the wrong buffer): which one, and the likely cause where the pair says it."""
     a = np.asarray(actual, np.float64)
-    V = golden.config.vocab_size
+    V, stage, L = golden.config.vocab_size, golden.tensors[name]["stage"], golden.tensors[name]["layer"]
     if name == "logits" and a.size == V and "logits" in golden:  # one row of logits: which position's it is
         full = golden.load("logits").reshape(-1, V)
         for r in range(len(full) - 1):
@@ -532,18 +531,13 @@ def same_as(golden: "Golden", name: str, actual, atol: float) -> str | None:
         want = golden.load(other)
         if np.abs(a.reshape(want.shape) - want).max() > atol:
             continue
-        stage, L = golden.tensors[name]["stage"], golden.tensors[name]["layer"]
-        why = {"c_fc": "GELU applied in place before c_fc's output was written: write it before the GELU",
-               "ln_1": "ln_1 not applied: its input was written as its output (or the block skipped it)",
-               "ln_2": "ln_2 not applied: its input was written as its output (or the block skipped it)",
-               "ln_f": "ln_f not applied: its input was written as its output"}.get(stage)
-        if stage in ("ln_1", "ln_2", "ln_f") and golden.tensors[other]["stage"] not in ("embeddings", "block",
-                                                                                       "attn_resid"):
-            why = None
-        if stage == "c_fc" and other != f"h{L}_gelu":
-            why = None
-        return (f"these are {other}'s values" + (f": {why}" if why else ": the wrong buffer written under this "
-                                                "name, or an in-place op before it was written"))
+        if stage == "c_fc" and other == f"h{L}_gelu":
+            why = "GELU applied in place before c_fc's output was written: write it before the GELU"
+        elif stage in ("ln_1", "ln_2", "ln_f") and e["stage"] in ("embeddings", "block", "attn_resid"):
+            why = f"{stage} not applied: its input was written as its output (or the model skipped it)"
+        else:
+            why = "the wrong buffer written under this name, or an in-place op before it was written"
+        return f"these are {other}'s values: {why}"
     return None
 
 
@@ -597,13 +591,11 @@ def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False, clo
     got = np.asarray(got, np.float64)
     found = []
 
-    rtol = DIAGNOSE_RTOL
-
     def offer(key, want):  # the variant's bar scales with it (atol: the unscaled part)
         want = want.numpy() if isinstance(want, torch.Tensor) else np.asarray(want, np.float64)
-        if _core(got.shape) == _core(want.shape) and np.isfinite(want).all():
+        if _core(got.shape) == _core(want.shape) and np.isfinite(want).all() and want.size:
             found.append((float(np.abs(got.reshape(want.shape) - want).max()), key,
-                          max(atol, rtol * float(np.abs(want).max())) if want.size else atol))
+                          max(atol, DIAGNOSE_RTOL * float(np.abs(want).max()))))
 
     def norm_alone(x, w, b):  # one LayerNorm wrong, on HF's own input to it
         for k, want in layer_norm_mistakes(x, w, b, cfg.layer_norm_epsilon):

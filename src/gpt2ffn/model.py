@@ -31,7 +31,7 @@ HF_NEUTRAL = {"use_cache": (None, True, False), "output_attentions": (None, Fals
 
 @dataclasses.dataclass
 class LMOutput:
-    """What GPT2 answers HF's call with (input_ids=, labels=, return_dict=True), as HF's
+    """What GPT2 answers HF's call with (input_ids=, labels=, return_dict=, ...), as HF's
     CausalLMOutputWithCrossAttentions: .logits (B, T, vocab), .loss (None without labels), out[0] the first of
     (loss, logits) that is set, out["logits"], to_tuple()."""
     logits: torch.Tensor
