@@ -2,8 +2,10 @@
 4, tiny configs, each compared with one process's fp32 forward, gradients and greedy tokens."""
 
 import copy
+import glob
 import multiprocessing as mp
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -97,6 +99,16 @@ def worker(rank, world, store, queue, cfg=CFG):
             out[f"attn_bytes_{vocab_parallel}"] = (sum(map(parallel.local_bytes, attn)) - bias,
                                                    sum(map(parallel.local_bytes, attn0)) - bias)
             out[f"head_{vocab_parallel}"] = model.lm_head.weight is model.transformer.wte.weight
+            saved = model.save_pretrained(f"{store}-saved-{vocab_parallel}")  # every rank gathers, rank 0 writes
+            if rank == 0:
+                from safetensors.torch import load_file
+                got, want = load_file(str(saved / "model.safetensors")), ref.state_dict()
+                want.pop("lm_head.weight")
+                out[f"saved_{vocab_parallel}"] = (sorted(got) == sorted(want)
+                                                  and all(torch.equal(got[k], want[k]) for k in want))
+                back = GPT2.from_pretrained(saved).eval()
+                with torch.no_grad():
+                    out[f"saved_logits_{vocab_parallel}"] = excess(back(ids), logits0, 1e-5)
     except Exception as e:  # the test reads the message
         out["error"] = f"{type(e).__name__}: {e}"
     queue.put((rank, out))
@@ -120,6 +132,8 @@ def spawn(world):
                 p.kill()
         if os.path.exists(store):
             os.unlink(store)
+        for saved in glob.glob(store + "-saved-*"):
+            shutil.rmtree(saved)
     return results
 
 
@@ -154,6 +168,15 @@ def test_sharded_model_logits_and_greedy_tokens(ranks):
     for vp in (True, False):
         got, expected = results[0][f"tokens_{vp}"]
         assert got == expected and len(got[0]) == NEW
+
+
+def test_sharded_model_saves_the_whole_checkpoint(ranks):
+    """save_pretrained gathers the shards (c_attn's [d, 3, d] view back to HF's [d, 3d]); rank 0's file holds
+    the unsharded model's tensors bit for bit, and the model read back from it computes its logits."""
+    world, results = ranks
+    assert "error" not in results[0], results[0]
+    for vp in (True, False):
+        assert results[0][f"saved_{vp}"] and results[0][f"saved_logits_{vp}"] <= 1e-5
 
 
 def test_world_size_not_dividing_heads_is_refused_not_hung(ranks):

@@ -551,18 +551,30 @@ class GPT2(TrainChecked):
         lm_head.weight, wte's values, written), which HF's GPT2LMHeadModel.from_pretrained and
         GPT2.from_pretrained both read. The weights are the values the model computes with (int8/int4/bf16
         ones rounded, stored as fp32; a .to(bf16) model's in bf16); tokenizer files are not the model's to
-        write (tokenizer.save_pretrained(path) adds them, as in HF)."""
+        write (tokenizer.save_pretrained(path) adds them, as in HF). A tensor-parallel model (gpt2ffn.parallel)
+        gathers its shards: every rank calls it, rank 0 writes, and all return once the files are there."""
         path = Path(path)
         if path.exists() and not path.is_dir():
             raise Gpt2ffnError(f"{path} is a file; save_pretrained writes a directory (config.json, model.safetensors)")
         from safetensors.torch import save_file
-        tensors = {k: v.detach().cpu().contiguous().clone() for k, v in self.state_dict().items()
-                   if k != "lm_head.weight" or not self.config.tie_word_embeddings}  # untied: HF reads it from the file
-        path.mkdir(parents=True, exist_ok=True)
-        save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
-        config = self.config.to_hf_dict()
-        config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
-        (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        tensors = {}
+        for k, v in self.state_dict().items():
+            if k == "lm_head.weight" and self.config.tie_word_embeddings:  # untied: HF reads it from the file
+                continue
+            if hasattr(v, "full_tensor"):  # tensor-parallel (gpt2ffn.parallel): a collective, on every rank
+                v = v.full_tensor()
+                if k.endswith("attn.c_attn.weight") or k.endswith("attn.c_attn.bias"):  # sharded as [d, 3, d]
+                    v = v.reshape(*v.shape[:-2], -1)
+            tensors[k] = v.detach().cpu().contiguous().clone()
+        parallel = getattr(self, "mesh", None) is not None
+        if not parallel or torch.distributed.get_rank() == 0:  # one rank writes; the others wait for it below
+            path.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
+            config = self.config.to_hf_dict()
+            config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+            (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        if parallel:
+            torch.distributed.barrier()
         return path
 
 
