@@ -378,3 +378,34 @@ def test_a_head_its_forward_never_applies_is_said(tmp_path, capsys):
     code, out, err = run(tmp_path, capsys, source, "GPT")
     assert code == 2 and err.count("\n") == 1, out + err
     assert "the hidden state, not logits (1, T, 512): it holds an LM head, lm_head, that its forward never" in err
+
+
+@pytest.fixture(scope="module")
+def loud_dir(tmp_path_factory):
+    """random:tiny:3 with wpe x 1000: a residual stream of ~1000s, as real GPT-2's outlier features (to ~3000),
+    where one fp32 ulp is 6e-5 and a correct fp32 engine's own rounding passes 1e-4."""
+    from gpt2ffn.golden import load_reference
+    model = load_reference(TINY)[0]
+    with torch.no_grad():
+        model.transformer.wpe.weight.mul_(1000)
+    path = tmp_path_factory.mktemp("loud")
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("rel, passes", [(0.0, True), (2e-6, True), (1e-4, False)])
+def test_the_residual_stream_is_judged_relative_to_its_size(rel, passes, loud_dir, tmp_path, capsys):
+    """The block output is judged at max(1e-4, 1e-5 x max|value|), as `verify` judges it: 2e-6 of a ~1000-sized
+    stream (2e-3 absolute, what fp32 rounding in another order gives there) passes; 1e-4 of it fails (the
+    negative control: the scaled bar still fails a real error)."""
+    old = "        x = x + self.mlp(self.ln_2(x))\n"
+    source = NANOGPT.replace(old, old + f"        x = x + {rel} * x.abs().amax()\n")
+    path = tmp_path / "learner.py"
+    path.write_text(textwrap.dedent(source))
+    code = main(["check", f"{path}:GPT", "--model", str(loud_dir), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    block = next(r for r in report["rows"] if r["checkpoint"] == "07")
+    assert (code == 0) == passes, report["verdict"]
+    assert block["status"] == ("PASS" if passes else "FAIL") and block["atol"] > 1e-3, block
+    if rel:
+        assert block["max_abs"] > GOLDEN_ATOL  # above the absolute bar: it passed before only if scaled

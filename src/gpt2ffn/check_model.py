@@ -23,7 +23,7 @@ import torch.nn as nn
 
 from .config import Config
 from .diagnose import MISTAKES, MODEL_MISTAKES, FFNCase, block_forward, dropout_rate, layer_norm_mistakes, named
-from .golden import CHECKPOINTS, Golden, capture, compare, load_reference
+from .golden import CHECKPOINTS, DIAGNOSE_RTOL, Golden, capture, compare, load_reference
 from .learner import CheckError
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
 
@@ -484,8 +484,8 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
         want = want.detach().numpy() if isinstance(want, torch.Tensor) else want
         if want.shape == got.shape and np.isfinite(want).all():
             dist = float(np.abs(got - want).max())
-            if stage == "logits":  # O(100): float32 rounding alone reaches 1e-5 of max |logits|
-                dist *= atol / max(atol, 1e-5 * float(np.abs(want).max()))
+            if stage in GOLDEN_SCALED:  # logits O(100), the residual stream to ~3000: float32 rounding alone
+                dist *= atol / max(atol, DIAGNOSE_RTOL * float(np.abs(want).max()))  # reaches 1e-5 of max
             found.append((dist, k, *{**MISTAKES, **MODEL_MISTAKES}[k]))
 
     def norm_alone(x, w, b):  # one LayerNorm wrong on HF's own input to it (the block's others may be right)
@@ -611,7 +611,8 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     info = built + [f"weights: {ref.source} ({cfg.n_layer} blocks, n_embd {cfg.n_embd}), {n} tensors mapped {how}; "
                     f"linear layers {' and '.join(layouts)}; {tied}" + "".join(f"; {x}" for x in notes),
                     f"fed token ids {ref.ids} in eval(); each stage compared with HF GPT-2's own modules, tolerance "
-                    f"{atol:.0e} (logits: {GOLDEN_SCALED['logits']:.0e} x max |logits| when larger)"]
+                    f"{atol:.0e} (the residual stream: {GOLDEN_SCALED['block']:.0e} x its max |value|, logits: "
+                    f"{GOLDEN_SCALED['logits']:.0e} x max |logits|, when larger)"]
     was_training = model.training
     model.eval()
     try:
@@ -628,11 +629,9 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                 continue
             expected = ref.stages[key]
             mine = got[key]
-            tol = atol
-            if stage == "logits":
-                if mine.ndim == 3 and mine.shape[1] < expected.shape[1]:  # nanoGPT: the last position only
-                    expected = expected[:, -mine.shape[1]:]
-                tol = max(atol, GOLDEN_SCALED["logits"] * float(np.abs(expected).max()))
+            if stage == "logits" and mine.ndim == 3 and mine.shape[1] < expected.shape[1]:
+                expected = expected[:, -mine.shape[1]:]  # nanoGPT: the last position only
+            tol = max(atol, GOLDEN_SCALED.get(stage, 0.0) * float(np.abs(expected).max()))  # verify's rule
             r = compare(key, {"checkpoint": CHECKPOINT[stage], "layer": L}, mine, expected, tol)
             judged.setdefault(stage, []).append((L, r.max_abs, r.status, r.note, r.shape, tol))
             if r.status == "FAIL":  # a second run tells dropout left on from a deterministic mistake
