@@ -70,12 +70,14 @@ def engine(gold, out, bug=None):
             save(f"h{L}_{n}", t.transpose(1, 0, 2) if bug == "q_layout" else t)
         scale = {"no_scale": 1.0, "scale_n_embd": 1 / math.sqrt(d)}.get(bug, 1 / math.sqrt(dh))
         att = q @ k.transpose(0, 2, 1) * scale
-        mask = np.triu(np.ones((T, T), bool), k={"mask_off_by_one": 2, "mask_excludes_self": 0}.get(bug, 1))
+        mask = np.triu(np.ones((T, T), bool), k={"mask_off_by_one": 2, "mask_excludes_self": 0,
+                                                  "mask_excludes_self_nan": 0}.get(bug, 1))
         if bug not in ("no_mask", "mask_after_softmax"):
             att = np.where(mask, -np.inf, att)
         with np.errstate(invalid="ignore"):  # mask_excludes_self: the first query sees no key
             att = np.exp(att - att.max(-1, keepdims=True))
-            att = np.nan_to_num(att / att.sum(-1, keepdims=True))
+            att = att / att.sum(-1, keepdims=True)
+            att = att if bug == "mask_excludes_self_nan" else np.nan_to_num(att)
         if bug == "mask_after_softmax":
             att = np.where(mask, 0.0, att)
         save(f"h{L}_attn_probs", att.transpose(0, 2, 1) if bug == "probs_transposed" else att)
@@ -137,6 +139,7 @@ PLANTED = {
     "no_ln_f": ("ln_f", MODEL_MISTAKES["no_ln_f"][0]),
     "q_layout": ("h0_q", "the values are right, stored as (T, H, d/H) = (8, 4, 16): write them as (H, T, d/H)"),
     "mask_excludes_self": ("h0_attn_probs", MISTAKES["mask_excludes_self"][0]),
+    "mask_excludes_self_nan": ("h0_attn_probs", MISTAKES["mask_excludes_self"][0]),  # 0/0 left as C gives it
     "heads_not_merged": ("h0_attn_out", MISTAKES["heads_not_merged"][0]),
     "lm_head_d_by_vocab": ("logits", MODEL_MISTAKES["lm_head_as_d_by_vocab"][0]),
     "ids_plus_1": ("embeddings", MODEL_MISTAKES["ids_off_by_one"][0]),
@@ -257,3 +260,15 @@ def test_files_the_judge_does_not_read_are_named(gold, tmp_path, capsys):
     (cand / "extra.safetensors").write_bytes(b"")
     _, report = verify(gold, cand, capsys)
     assert any(n.startswith("not read: extra.safetensors, h0_ffn.f32") for n in report["notes"]), report["notes"]
+
+
+def test_a_nan_is_named_only_where_the_mistake_explains_the_rest(gold, tmp_path, capsys):
+    """mask_excludes_self with 0/0 left as NaN (as C gives it) is named on the finite values (above, PLANTED);
+    a NaN in an otherwise right tensor is only counted (the negative control: the finite values are GPT-2's)."""
+    cand = engine(gold, tmp_path / "one_nan")
+    a = np.fromfile(cand / "h0_attn_out.bin", "<f4")
+    a[5] = np.nan
+    a.tofile(cand / "h0_attn_out.bin")
+    code, report = verify(gold, cand, capsys)
+    first = report["first_failure"]
+    assert code == 1 and first["name"] == "h0_attn_out" and first["note"] == "1 NaN/Inf values", first

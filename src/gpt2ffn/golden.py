@@ -580,22 +580,31 @@ def worst_element(actual, expected) -> str | None:
 DIAGNOSE_RTOL = 1e-5
 
 
+# The one mistake that gives an engine non-finite values by itself: a query with no key left to attend to
+# divides 0 by 0. A tensor with NaN/Inf is matched to it on its finite values.
+NON_FINITE_MISTAKES = ("mask_excludes_self",)
+
+
 def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False, closer=np.inf) -> tuple | None:
     """The known mistake (gpt2ffn.diagnose's MISTAKES, MODEL_MISTAKES) a tensor outside the FFN equals, computed
     from the set's weights and HF's input to that stage: (distance, name, what to change), closest first; None if
     none is within atol (scaled with the variant: DIAGNOSE_RTOL) and nearer than `closer` (half
     the distance to the golden tensor: a tensor as near GPT-2's as a mistake's is not that mistake). near:
-    instead the closest LayerNorm variant (eps, unbiased) whatever its distance."""
+    instead the closest LayerNorm variant (eps, unbiased) whatever its distance. A tensor with NaN/Inf values
+    is compared on its finite ones, with NON_FINITE_MISTAKES only."""
     from .diagnose import MISTAKES, MODEL_MISTAKES, layer_norm_mistakes
     stage, L, cfg = entry["stage"], entry["layer"], golden.config
-    got = np.asarray(got, np.float64)
+    with np.errstate(invalid="ignore"):  # NaN/Inf values: compared on the finite ones below
+        got = np.asarray(got, np.float64)
+    finite = np.isfinite(got)
     found = []
 
     def offer(key, want):  # the variant's bar scales with it (atol: the unscaled part)
         want = want.numpy() if isinstance(want, torch.Tensor) else np.asarray(want, np.float64)
-        if _core(got.shape) == _core(want.shape) and np.isfinite(want).all() and want.size:
-            found.append((float(np.abs(got.reshape(want.shape) - want).max()), key,
-                          max(atol, DIAGNOSE_RTOL * float(np.abs(want).max()))))
+        if _core(got.shape) == _core(want.shape) and np.isfinite(want).all() and want.size \
+                and (finite.all() or key in NON_FINITE_MISTAKES):
+            diff = np.abs(got.reshape(want.shape) - want)[finite.reshape(want.shape)]
+            found.append((float(diff.max()), key, max(atol, DIAGNOSE_RTOL * float(np.abs(want).max()))))
 
     def norm_alone(x, w, b):  # one LayerNorm wrong, on HF's own input to it
         for k, want in layer_norm_mistakes(x, w, b, cfg.layer_norm_epsilon):
@@ -768,12 +777,18 @@ def diagnosed(row: Row, golden: Golden, entry: dict, actual, expected=None, own=
     a = np.asarray(actual)
     clean = a.dtype == np.float32 and np.isfinite(a).all()
     text = None
+    unscaled = GOLDEN_ATOL if entry["stage"] in GOLDEN_SCALED else row.atol
     if clean and entry["kind"] != "weight":
         if stage in FFN_STAGES and L in golden.layers:
             text = _ffn_text(row, golden, entry, a, own or {}, set(failed))
-        elif (hit := stage_mistake(golden, entry, a, GOLDEN_ATOL if entry["stage"] in GOLDEN_SCALED else row.atol,
-                                   closer=0.5 * row.max_abs)) is not None:
+        elif (hit := stage_mistake(golden, entry, a, unscaled, closer=0.5 * row.max_abs)) is not None:
             text = f"{hit[1]} (within {hit[0]:.1e} of it): {hit[2]}"
+    elif a.dtype == np.float32 and entry["kind"] != "weight" and stage not in FFN_STAGES and a.size == expected.size \
+            and 2 * np.isfinite(a).sum() >= a.size:  # mostly finite: a mistake that leaves some values NaN
+        finite = np.isfinite(a).reshape(-1)
+        off = float(np.abs(a.reshape(-1)[finite] - expected.reshape(-1)[finite]).max())
+        if (hit := stage_mistake(golden, entry, a, unscaled, closer=0.5 * off)) is not None:
+            text = f"{hit[1]} (within {hit[0]:.1e} of it where finite; a query with no key divides 0 by 0): {hit[2]}"
     if text is None or "matches no known mistake" in text:
         hint = layout_hint(entry, a, expected, row.atol) if clean else None
         hint = hint or number_hint(a, expected, row.atol)
