@@ -359,6 +359,8 @@ def test_errors(tiny_golden, tmp_path, capsys):
     assert code == 2 and "--prompt needs a tokenizer" in err
     code, _, err = run(["extract", "--model", "random:tiny", "--ids", "1,9999", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "outside the vocabulary [0, 512)" in err
+    code, _, err = run(["extract", "--model", "random:tiny", "--ids", "", "--out", str(tmp_path / "o")], capsys)
+    assert code == 2 and "--ids is empty" in err and "prompt" not in err
     code, _, err = run(["extract", "--model", "random:nope", "--ids", "1", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "unknown config name 'nope'" in err
     code, _, err = run(["extract", "--model", "random:tiny", "--ids", "1", "--layers", "5", "--out", str(tmp_path / "o")], capsys)

@@ -167,7 +167,8 @@ def token_ids(cfg: Config, model_source: str, ids=None, prompt=None) -> list:
         from .tokenizer import load_tokenizer
         ids = load_tokenizer(model_source).encode(prompt)
     if not ids:
-        raise Gpt2ffnError("no tokens: the prompt encodes to nothing")
+        raise Gpt2ffnError(f"no tokens: the prompt {prompt!r} encodes to nothing" if prompt is not None else
+                           "no tokens: --ids is empty; give at least one id (e.g. --ids 15496,11)")
     bad = [i for i in ids if not 0 <= i < cfg.vocab_size]
     if bad:
         raise Gpt2ffnError(f"token ids {bad[:5]} are outside the vocabulary [0, {cfg.vocab_size})")
@@ -964,8 +965,10 @@ def format_rows(rows, title) -> str:
     lines = [title, head, "-" * len(head)]
     for r in rows:
         ck = f"{r.checkpoint} {SHORT.get(r.checkpoint, '')}" if r.checkpoint else "--"
+        # nan: not compared (a file of the wrong size, NaN/Inf values): the note says why
+        diff = "".join(f"{v:>11.3e}" if v == v else f"{'--':>11}" for v in (r.max_abs, r.max_rel))
         lines.append(f"{ck:<11}{'' if r.layer is None else r.layer:>5}  {r.name:<{w}}{str(tuple(r.shape)):<20}"
-                     f"{r.max_abs:>11.3e}{r.max_rel:>11.3e}{r.atol:>9.0e}  {r.status}{'  ' + r.note if r.note else ''}")
+                     f"{diff}{r.atol:>9.0e}  {r.status}{'  ' + r.note if r.note else ''}")
     return "\n".join(lines)
 
 
