@@ -63,14 +63,20 @@ def test_hf_call_gives_hf_loss_and_logits(hf, hf_dir):
 
 
 def test_tokenizer_output_unpacked_into_the_call(hf, hf_dir):
-    """model(**tokenizer(texts, padding=True, return_tensors="pt")): input_ids and a right-padded attention_mask."""
+    """model(**tokenizer(texts, padding=True, return_tensors="pt")): input_ids and a right-padded attention_mask.
+    The padding positions' logits are HF's too (a padding query sees the real tokens before it, at its own
+    index), so labels=input_ids with the pads in them (pad = eos, as tutorials set it) gives HF's loss."""
     ours = GPT2.from_pretrained(hf_dir)
     batch = {"input_ids": ids_of(2, 9, seed=1), "attention_mask": torch.ones(2, 9, dtype=torch.long)}
     batch["attention_mask"][1, 6:] = 0
+    batch["input_ids"][1, 6:] = CFG.eos_token_id
     with torch.no_grad():
-        got, want = ours(**batch).logits, hf(**batch).logits
-    torch.testing.assert_close(got[0], want[0], atol=TOL.atol, rtol=TOL.rtol)
-    torch.testing.assert_close(got[1, :6], want[1, :6], atol=TOL.atol, rtol=TOL.rtol)  # the real tokens
+        got, want = ours(**batch, labels=batch["input_ids"]), hf(**batch, labels=batch["input_ids"])
+        # the control: a padding query that sees itself (as gpt2ffn's did) gives other logits there
+        itself = ours(batch["input_ids"][1:, 6:7], cache=None, position_ids=torch.tensor([[6]]))
+    torch.testing.assert_close(got.logits, want.logits, atol=TOL.atol, rtol=TOL.rtol)
+    torch.testing.assert_close(got.loss, want.loss, atol=1e-5, rtol=1e-5)
+    assert not close(itself[0, 0], want.logits[1, 6])
 
 
 def test_position_ids_as_hf(hf, hf_dir):

@@ -51,12 +51,14 @@ class LMOutput:
 def causal_mask(T: int, past: int, key_valid=None, device="cpu"):
     """Boolean (B or 1, 1, T, past + T): query i (at position past + i) sees key j <= past + i that is valid.
 
-    A query always sees itself, so a padding query never has an empty row (which would give NaN)."""
+    As HF's mask: a padding query sees the valid keys before it (right padding), not itself; one with none
+    (left padding) sees itself alone, so no row is empty (which would give NaN)."""
     q = torch.arange(past, past + T, device=device)[:, None]
     k = torch.arange(past + T, device=device)[None, :]
     mask = (k <= q)[None, None]                                  # (1, 1, T, S) causal
     if key_valid is not None:
-        mask = mask & key_valid[:, None, None, :].bool() | (k == q)[None, None]
+        mask = mask & key_valid[:, None, None, :].bool()
+        mask = mask | ~mask.any(-1, keepdim=True) & (k == q)[None, None]
     return mask
 
 
@@ -245,15 +247,19 @@ class GPT2(TrainChecked):
                 nn.init.normal_(p, std=cfg.initializer_range)
 
     def embed(self, ids, past=0, attention_mask=None, position_ids=None):
-        """wte(ids) + wpe(positions): (B, T) -> (B, T, d). With left padding, positions count real tokens;
-        position_ids (B or 1, T), HF's, say them outright."""
+        """wte(ids) + wpe(positions): (B, T) -> (B, T, d). With left padding, positions count real tokens; a
+        padding token after real ones (right padding) has its index, as in HF's forward; position_ids (B or 1,
+        T), HF's, say them outright."""
         T = ids.shape[1]
         if position_ids is not None:
             pos = position_ids
         elif attention_mask is None:
             pos = torch.arange(past, past + T, device=ids.device)[None]
         else:
-            pos = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, -T:]
+            seen = attention_mask.long().cumsum(-1)  # real tokens so far
+            index = torch.arange(seen.shape[1], device=ids.device).expand_as(seen)
+            pad = torch.where(seen > 0, index, 0)   # padding after a real token: its index; before any: 0
+            pos = torch.where(attention_mask.bool(), seen - 1, pad)[:, -T:]
         return self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(pos))
 
     def forward(self, ids=None, cache=None, attention_mask=None, last_only=False, *, input_ids=None, labels=None,
