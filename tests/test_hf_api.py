@@ -172,3 +172,103 @@ def test_save_pretrained_of_an_untied_config_keeps_its_head(tmp_path):
     with torch.no_grad():
         assert torch.equal(GPT2.from_pretrained(out)(ids), ours(ids))
         assert close(GPT2LMHeadModel.from_pretrained(out).eval()(ids).logits, ours(ids))
+
+
+class Recorder:
+    """An HF streamer (put / end) that keeps what it was given."""
+
+    def __init__(self):
+        self.calls = []
+
+    def put(self, value):
+        self.calls.append(value.tolist())
+
+    def end(self):
+        self.calls.append("end")
+
+
+def test_generate_takes_hf_arguments(hf, hf_dir):
+    """HF's generate arguments give HF's ids (greedy, fp32): max_length, min_new_tokens, a GenerationConfig,
+    num_beams=1 and use_cache; a streamer gets HF's calls; padding inferred from a pad_token_id as HF infers it."""
+    from transformers import GenerationConfig
+    ours = GPT2.from_pretrained(hf_dir)
+    ids = ids_of(1, 5, seed=6)
+    eos = int(hf.generate(ids, max_new_tokens=1, pad_token_id=0)[0, -1])  # the first token greedy picks, as EOS
+    for kw in [dict(max_length=12), dict(max_new_tokens=6, min_new_tokens=3, eos_token_id=eos),
+               dict(max_new_tokens=6, min_length=8, eos_token_id=eos), dict(max_new_tokens=4, num_beams=1, use_cache=True),
+               dict(generation_config=GenerationConfig(max_new_tokens=5, repetition_penalty=1.3)),
+               dict(generation_config=GenerationConfig(max_new_tokens=9), max_new_tokens=3)]:  # an argument wins
+        want = hf.generate(ids, **kw, pad_token_id=0)
+        assert torch.equal(ours.generate(ids, **kw, pad_token_id=0), want), kw
+    assert ours.generate(ids, max_new_tokens=6, eos_token_id=eos, pad_token_id=0).shape[1] == 6  # the control
+    got, want = Recorder(), Recorder()
+    ours.generate(ids, max_new_tokens=4, streamer=got)
+    hf.generate(ids, max_new_tokens=4, streamer=want, pad_token_id=0)
+    assert got.calls == want.calls and got.calls[-1] == "end" and len(got.calls) == 6
+    # left padding without an attention_mask: a pad id that is no EOS marks it (HF's rule)
+    batch = torch.cat([ids, torch.tensor([[7, 7, 7, 7, 120]])])
+    want = hf.generate(batch, max_new_tokens=5, pad_token_id=7)
+    assert torch.equal(ours.generate(batch, max_new_tokens=5, pad_token_id=7), want)
+    assert not torch.equal(ours.generate(batch, max_new_tokens=5, pad_token_id=7,
+                                         attention_mask=torch.ones_like(batch)), want)  # the control
+
+
+def test_generate_refuses_what_it_does_not_do_in_one_line(hf_dir):
+    from transformers import GenerationConfig
+    ours = GPT2.from_pretrained(hf_dir)
+    ids = ids_of(1, 5, seed=6)
+    for kw, words in [(dict(num_beams=3), "num_beams=3: beam search is not implemented"),
+                      (dict(no_repeat_ngram_size=2), "no_repeat_ngram_size=2"),
+                      (dict(return_dict_in_generate=True), "return_dict_in_generate=True"),
+                      (dict(generation_config=GenerationConfig(num_beams=2)), "num_beams=2"),
+                      (dict(max_length=3), "max_length=3 leaves no room after the prompt's 5 tokens"),
+                      (dict(streamer=Recorder(), num_return_sequences=2, do_sample=True), "a streamer takes one"),
+                      (dict(foo=1), "unexpected argument 'foo'")]:
+        with pytest.raises(Gpt2ffnError) as e:
+            ours.generate(ids, **kw)
+        assert words in str(e.value) and "\n" not in str(e.value), (kw, str(e.value))
+    with pytest.raises(InputError, match=r"row 0 is \[1, 0, 1\] \(inferred from pad_token_id=7"):
+        ours.generate(torch.tensor([[3, 7, 4]]), pad_token_id=7)
+
+
+def test_what_hf_scripts_read_off_the_model(hf, hf_dir):
+    ours = GPT2.from_pretrained(hf_dir)
+    assert ours.device == hf.device and ours.dtype == hf.dtype
+    for kw in ({}, {"exclude_embeddings": True}, {"only_trainable": True}):
+        assert ours.num_parameters(**kw) == hf.num_parameters(**kw), kw
+    assert ours.get_input_embeddings().weight is ours.transformer.wte.weight
+    assert ours.get_output_embeddings().weight is ours.transformer.wte.weight
+    c = ours.config
+    assert (c.hidden_size, c.max_position_embeddings, c.num_attention_heads, c.num_hidden_layers, c.pad_token_id) \
+        == (hf.config.hidden_size, hf.config.max_position_embeddings, hf.config.num_attention_heads,
+            hf.config.num_hidden_layers, hf.config.pad_token_id)
+    assert set(c.to_dict()) <= set(hf.config.to_dict())
+    out = ours(input_ids=ids_of(1, 4), labels=ids_of(1, 4))
+    assert list(out.keys()) == ["loss", "logits"] and "loss" in out and list(out) == ["loss", "logits"]
+    with pytest.raises(AttributeError, match="returns no past_key_values: keep a cache of your own"):
+        getattr(out, "past_key_values")  # noqa: B009
+    for dtype, want in [("auto", torch.float32), ("bfloat16", torch.bfloat16), (torch.float16, torch.float16)]:
+        assert GPT2.from_pretrained(hf_dir, dtype=dtype, precision=None).dtype == want
+    assert GPT2.from_pretrained(hf_dir, torch_dtype=torch.bfloat16, precision=None).dtype == torch.bfloat16
+    with pytest.raises(Gpt2ffnError, match=r"dtype='int8' is not a float dtype \(int8 weights: precision='int8'\)"):
+        GPT2.from_pretrained(hf_dir, dtype="int8")
+
+
+def test_a_model_id_is_read_from_the_local_hf_cache(hf_dir, tmp_path, monkeypatch):
+    """'openai-community/gpt2' or 'gpt2' found in the HF cache (refs/main's snapshot), as HF's offline
+    from_pretrained finds it; never downloaded; a missing id names the cache."""
+    import shutil
+
+    from gpt2ffn.loading import load
+    repo = tmp_path / "hub" / "models--openai-community--gpt2"
+    shutil.copytree(hf_dir, repo / "snapshots" / "abc123")
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text("abc123")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    ids = ids_of(1, 4)
+    with torch.no_grad():
+        for name in ("openai-community/gpt2", "gpt2"):
+            assert torch.equal(GPT2.from_pretrained(name)(ids), GPT2.from_pretrained(hf_dir)(ids))
+        assert load("openai-community/gpt2", need_tokenizer=False)[2] == "openai-community/gpt2"  # not abc123
+    with pytest.raises(Gpt2ffnError, match=r"nor is 'nobody/gpt9' in the local HF cache \(.*hub\); gpt2ffn never"):
+        GPT2.from_pretrained("nobody/gpt9")

@@ -279,7 +279,7 @@ def test_load_from_hf_cache(tmp_path, monkeypatch):
     ByteLevel.save(str(snap / "tokenizer.json"))
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     model, tok, name = load(None)
-    assert name == "abc123" and model.config.n_embd == 64
+    assert name == "openai-community/gpt2" and model.config.n_embd == 64  # its id, not the snapshot
 
 
 @pytest.mark.real_weights

@@ -105,6 +105,17 @@ class Config:
         """The FFN's hidden width: n_inner, or 4 * n_embd when n_inner is None."""
         return self.n_inner if self.n_inner is not None else 4 * self.n_embd
 
+    # HF GPT2Config's other names for the same fields (its attribute_map), and its pad_token_id (GPT-2 has none)
+    hidden_size = property(lambda self: self.n_embd)
+    max_position_embeddings = property(lambda self: self.n_positions)
+    num_attention_heads = property(lambda self: self.n_head)
+    num_hidden_layers = property(lambda self: self.n_layer)
+    pad_token_id = None
+
+    def to_dict(self) -> dict:
+        """HF's name for the config as a dict: GPT2Config's fields (to_hf_dict)."""
+        return self.to_hf_dict()
+
     @property
     def gelu_approximate(self) -> str:
         """'tanh', 'none' (exact) or 'relu': what activation_function computes."""

@@ -1,7 +1,6 @@
 """A model and its tokenizer by name: a checkpoint directory, `random:<preset>[:seed]`, or openai-community/gpt2
 from the local HF cache (never a download). What the CLI, the server and the benchmarks load through."""
 
-import os
 from pathlib import Path
 
 import torch
@@ -11,17 +10,12 @@ from .model import load_model, parse_random
 from .parallel import make_mesh, parallelize
 from .precision import check_activations, check_precision
 from .tokenizer import ByteTokenizer, has_tokenizer_files, load_tokenizer, no_tokenizer
+from .weights import cached_snapshot
 
 
 def hf_cache_gpt2():
     """openai-community/gpt2 in the local HF cache (no download), or None."""
-    hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
-        os.environ.get("HF_HOME", os.path.join(os.path.expanduser("~"), ".cache", "huggingface")), "hub")
-    for repo in ("models--openai-community--gpt2", "models--gpt2"):
-        snaps = sorted(Path(hub, repo, "snapshots").glob("*/config.json"))
-        if snaps:
-            return snaps[-1].parent
-    return None
+    return cached_snapshot("openai-community/gpt2")
 
 
 DEVICES = ("auto", "cpu", "cuda")
@@ -85,13 +79,16 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
                 raise Gpt2ffnError(f"precision={precision!r} quantizes a float32 model's weights; it does not "
                                    f"combine with dtype={dtype}")
             precision = None
+    name = None
     if spec is None:
         found = hf_cache_gpt2()
         if found is None:
             raise Gpt2ffnError("no local openai-community/gpt2 in the HF cache; get it where there is network with "
                                "`huggingface-cli download openai-community/gpt2`, then pass --model DIR "
                                "(or try --model random:gpt2)")
-        spec = str(found)
+        spec, name = str(found), "openai-community/gpt2"
+    elif not spec.startswith("random:") and not Path(spec).exists() and (found := cached_snapshot(spec)) is not None:
+        spec, name = str(found), spec  # a model id in the local HF cache: named by its id, not its snapshot
     if activations is not None:
         if precision is None:
             raise Gpt2ffnError(f"activations={activations!r} applies to packed int8/int4 weights on the CPU, not to "
@@ -109,7 +106,7 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
         model = model.to(device)
     if tp > 1:
         model = parallelize(model, make_mesh(tp))
-    return model, tok, parse_random(spec)[2] if spec.startswith("random:") else Path(spec).name
+    return model, tok, parse_random(spec)[2] if spec.startswith("random:") else name or Path(spec).name
 
 
 def _tokenizer(spec: str, need: bool):

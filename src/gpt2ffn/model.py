@@ -21,7 +21,7 @@ from .ffn import FeedForward
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
 from .linear import Conv1D, PackedLayer, TrainChecked, check_trainable
 from .precision import quantize
-from .weights import Checkpoint, load_tensors
+from .weights import Checkpoint, cached_snapshot, hub_cache, load_tensors, resolve_checkpoint
 
 # HF forward arguments that change nothing here when left at these values (what HF's own callers pass)
 HF_NEUTRAL = {"use_cache": (None, True, False), "output_attentions": (None, False),
@@ -39,6 +39,20 @@ class LMOutput:
 
     def to_tuple(self) -> tuple:
         return tuple(v for v in (self.loss, self.logits) if v is not None)
+
+    def keys(self) -> list:  # as HF's ModelOutput, an ordered dict of the fields that are set
+        return [k for k in ("loss", "logits") if getattr(self, k) is not None]
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys()
+
+    def __iter__(self):
+        return iter(self.keys())
+
+    @property
+    def past_key_values(self):
+        raise AttributeError("gpt2ffn's GPT2 returns no past_key_values: keep a cache of your own "
+                             "(model(ids, cache=KVCache(model.config, B, model.kv_dtype)), README) or call generate()")
 
     def __getitem__(self, key):
         if isinstance(key, str):  # as HF's ModelOutput: only the fields that are set
@@ -417,6 +431,27 @@ class GPT2(TrainChecked):
         state.pop("_plan", None)
         return state
 
+    # What HF scripts read off a model: `.to(model.device)`, `model.dtype`, num_parameters(), the embeddings.
+    @property
+    def device(self) -> torch.device:
+        return self.transformer.wte.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The parameters' dtype (float32 for a bf16/int8/int4 model too: its packed weights are not Parameters)."""
+        return self.transformer.wte.weight.dtype
+
+    def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
+        """As HF's: the tied wte / lm_head counted once; exclude_embeddings leaves wte and wpe out."""
+        skip = {id(self.transformer.wte.weight), id(self.transformer.wpe.weight)} if exclude_embeddings else set()
+        return sum(p.numel() for p in self.parameters() if id(p) not in skip and (p.requires_grad or not only_trainable))
+
+    def get_input_embeddings(self) -> nn.Embedding:
+        return self.transformer.wte
+
+    def get_output_embeddings(self) -> nn.Module:
+        return self.lm_head
+
     def fused_decode(self) -> bool:
         """Whether a one-token step can run as one native call (gpt2ffn._C.StepPlan): eval(), every linear layer
         and the lm_head packed with the native decode route, no gradient asked, fp32 on CPU."""
@@ -481,62 +516,106 @@ class GPT2(TrainChecked):
             raise Gpt2ffnError(f"{ids.shape[1]} tokens exceed the context of n_positions={self.config.n_positions}")
 
     @torch.no_grad()
-    def generate(self, input_ids, max_new_tokens=20, do_sample=False, temperature=1.0, top_k=50, top_p=1.0,
-                 eos_token_id=None, attention_mask=None, pad_token_id=None, num_return_sequences=1,
-                 repetition_penalty=1.0):
+    def generate(self, input_ids, max_new_tokens=None, do_sample=None, temperature=None, top_k=None, top_p=None,
+                 eos_token_id=None, attention_mask=None, pad_token_id=None, num_return_sequences=None,
+                 repetition_penalty=None, *, max_length=None, min_new_tokens=None, min_length=None,
+                 generation_config=None, streamer=None, **hf):
         """HF-style generate: (B, T) LongTensor -> (B * num_return_sequences, T + new) LongTensor of prompt + new ids.
 
         Defaults as HF's GenerationConfig: greedy unless do_sample (then temperature, top_k=50, top_p; seeded
         from torch's global RNG, so torch.manual_seed reproduces a run), and None for any of them means its
-        default, as in HF; top_k=0 means no top-k (HF's). eos_token_id None means the config's (config.json's,
-        or generation_config.json's where it sets one); a list stops at any of its ids.
-        A batch is left-padded with attention_mask (1 real, 0 padding); a row that ends early is padded
-        with pad_token_id (None: eos_token_id, GPT-2's pad). num_return_sequences samples per prompt, each
-        prompt's rows together (as HF; greedy has one answer, so more is an error, as in HF);
-        repetition_penalty as HF's (1.0: none). A thin layer over gpt2ffn.generate.generate."""
+        default, as in HF; top_k=0 means no top-k (HF's). max_new_tokens (default 20) or HF's max_length
+        (prompt + new; max_new_tokens wins where both are given); min_new_tokens / min_length hold EOS off.
+        eos_token_id None means the config's (config.json's, or generation_config.json's where it sets one);
+        a list stops at any of its ids. A batch is left-padded with attention_mask (1 real, 0 padding); without
+        one, HF's rule infers it: a pad_token_id that is no EOS marks the padding where it appears. A row that
+        ends early is padded with pad_token_id (None: the first EOS id, GPT-2's pad). num_return_sequences
+        samples per prompt, each prompt's rows together (as HF; greedy has one answer, so more is an error);
+        repetition_penalty as HF's (1.0: none). generation_config (HF's GenerationConfig): its fields, under the
+        arguments given; streamer (HF's TextStreamer, ...): put(prompt), put(each new token), end(), one row
+        only, as HF. Beam search, n-gram bans and scores are refused in one line. A thin layer over
+        gpt2ffn.generate."""
         # The one upward import of the model layer (import-linter's contract ignores it by name): HF's API puts
         # generate on the model, and generation is the serving engine's job.
-        from .generate import Sampling, generate
+        from .generate import Sampling, generate, stream
+        given = {k: v for k, v in dict(max_new_tokens=max_new_tokens, do_sample=do_sample, temperature=temperature,
+                                       top_k=top_k, top_p=top_p, eos_token_id=eos_token_id,
+                                       pad_token_id=pad_token_id, num_return_sequences=num_return_sequences,
+                                       repetition_penalty=repetition_penalty, max_length=max_length,
+                                       min_new_tokens=min_new_tokens, min_length=min_length, **hf).items()
+                 if v is not None}
+        if generation_config is not None:  # its fields set away from HF's defaults, under the arguments given
+            given = {**generation_config.to_diff_dict(), **given}
+        args = generate_args(given)
         self.check_ids(input_ids)
+        T = input_ids.shape[1]
+        num_return_sequences = args.get("num_return_sequences", 1)
+        do_sample = bool(args.get("do_sample", False))
         if not isinstance(num_return_sequences, int) or num_return_sequences < 1:
             raise Gpt2ffnError(f"num_return_sequences must be an int >= 1, got {num_return_sequences!r}")
         if num_return_sequences > 1 and not do_sample:
             raise Gpt2ffnError(f"num_return_sequences={num_return_sequences} needs do_sample=True: greedy decoding "
                                "has one answer per prompt (as HF's generate says)")
-        given = input_ids.tolist()
-        real = given if attention_mask is None else unpad(given, attention_mask, input_ids.shape)
-        rows = [r for r in given for _ in range(num_return_sequences)]
+        eos = args.get("eos_token_id", self.config.eos_token_id)
+        eos_ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+        pad = args.get("pad_token_id", eos_ids[0] if eos_ids else None)  # HF pads with the first EOS id
+        rows = input_ids.tolist()
+        if attention_mask is None and "pad_token_id" in args and pad not in eos_ids \
+                and any(pad in r for r in rows):  # HF's rule: such a pad id marks padding
+            attention_mask = (input_ids != pad).long()
+            inferred = f" (inferred from pad_token_id={pad}, which appears in input_ids: HF's rule)"
+        else:
+            inferred = ""
+        real = rows if attention_mask is None else unpad(rows, attention_mask, input_ids.shape, inferred)
+        new = args.get("max_new_tokens")
+        if new is None:
+            new = args["max_length"] - T if "max_length" in args else 20
+            if new < 1:
+                raise Gpt2ffnError(f"max_length={args['max_length']} leaves no room after the prompt's {T} tokens "
+                                   "(max_length counts them, as HF's); give max_new_tokens")
+        least = args.get("min_new_tokens", args.get("min_length", T) - T)
+        top_k = args.get("top_k", 50)
+        s = Sampling(max_new_tokens=new, temperature=args.get("temperature", 1.0) if do_sample else 0.0,
+                     top_k=(top_k or None) if do_sample else None,  # 0: no top-k
+                     top_p=args.get("top_p", 1.0) if do_sample else None,
+                     seed=int(torch.randint(2**62, (1,))) if do_sample else None, eos_token_id=eos,
+                     repetition_penalty=args.get("repetition_penalty", 1.0), min_tokens=max(0, least))
         prompts = [p for p in real for _ in range(num_return_sequences)]
-        max_new_tokens = 20 if max_new_tokens is None else max_new_tokens
-        temperature = 1.0 if temperature is None else temperature
-        top_k = 50 if top_k is None else top_k or None  # 0: no top-k
-        top_p = 1.0 if top_p is None else top_p
-        repetition_penalty = 1.0 if repetition_penalty is None else repetition_penalty
-        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
-        first_eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
-        pad = first_eos if pad_token_id is None else pad_token_id  # HF pads with the first EOS id
-        seed = int(torch.randint(2**62, (1,))) if do_sample else None
-        new = generate(self, prompts, Sampling(max_new_tokens=max_new_tokens,
-                                               temperature=temperature if do_sample else 0.0,
-                                               top_k=top_k if do_sample else None,
-                                               top_p=top_p if do_sample else None, seed=seed, eos_token_id=eos,
-                                               repetition_penalty=repetition_penalty))
-        width = max(len(n) for n in new)
-        out = [row + n + [pad] * (width - len(n)) for row, n in zip(rows, new)]
+        if streamer is None:
+            out = generate(self, prompts, s)
+        else:
+            if len(prompts) != 1:
+                raise Gpt2ffnError(f"a streamer takes one sequence, as HF's; this call makes {len(prompts)} "
+                                   "(batch x num_return_sequences)")
+            streamer.put(input_ids.cpu())
+            out = [[]]
+            for (token,) in stream(self, prompts, s):
+                out[0].append(token)
+                streamer.put(torch.tensor([token]))
+            streamer.end()
+        width = max(len(n) for n in out)
+        rows = [r for r in rows for _ in range(num_return_sequences)]
+        out = [row + n + [pad] * (width - len(n)) for row, n in zip(rows, out)]
         return torch.tensor(out, dtype=torch.long, device=input_ids.device)
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, precision: str | None = "fp32",
-                        activations: str | None = None) -> "GPT2":
+                        activations: str | None = None, *, torch_dtype=None) -> "GPT2":
         """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin).
 
+        dtype: a torch dtype, its name ('bfloat16') or 'auto' (config.json's dtype, else float32), as HF's
+        (torch_dtype=, HF's older name, too).
         precision ('fp32', 'bf16', 'int8', 'int4'): the linear layers' weights for inference, packed by
         gpt2ffn.quantize (activations stay fp32); fp32 is exact and takes this machine's fastest kernels;
         None leaves plain torch modules (and with dtype other than float32, precision must be None).
         activations: as quantize's ('fp32', 'int8' for int8/int4 weights; None: the machine's default)."""
+        if torch_dtype is not None:
+            dtype = torch_dtype
+        dtype = torch_dtype_of(dtype, path)
         if precision not in (None, "fp32") and dtype != torch.float32:
             raise ConfigError(f"precision={precision!r} quantizes a float32 model's weights; it does not combine "
                               f"with dtype={dtype} (give precision=None, or dtype=torch.float32)")
+        path = resolve_checkpoint(path)  # a directory, a file, or a model id in the local HF cache
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         model = cls(Config.from_pretrained(directory))
@@ -592,6 +671,27 @@ def _short(value) -> str:
     return text if len(text) <= 40 else text[:37] + "..."
 
 
+def torch_dtype_of(dtype, path) -> torch.dtype:
+    """from_pretrained's dtype as HF takes it: a torch dtype, its name, or 'auto' (the checkpoint's config.json
+    dtype / torch_dtype, else float32)."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype
+    if dtype == "auto":
+        file = Path(path) / "config.json" if Path(path).is_dir() else Path(path).parent / "config.json"
+        try:
+            d = json.loads(file.read_text())
+        except (OSError, ValueError):
+            d = {}
+        name = (d.get("dtype") or d.get("torch_dtype") or "float32") if isinstance(d, dict) else "float32"
+    value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
+    if not isinstance(value, torch.dtype) or not value.is_floating_point:
+        hint = f" ({dtype} weights: precision={dtype!r})" if dtype in ("bf16", "int8", "int4") else ""
+        raise ConfigError(f"dtype={_short(dtype)} is not a float dtype{hint}: give torch.float32, torch.bfloat16, "
+                          "torch.float16, their names ('bfloat16') or 'auto'")
+    return value
+
+
 def untied_head(ckpt: Checkpoint, directory, wte):
     """A config with tie_word_embeddings=false: its lm_head.weight must be wte's values after all, as gpt2ffn's
     GPT2 (like GPT-2) has no lm_head of its own."""
@@ -602,7 +702,36 @@ def untied_head(ckpt: Checkpoint, directory, wte):
                           "gpt2ffn's GPT-2 ties the lm_head to wte, as GPT-2 does, so it cannot run this model")
 
 
-def unpad(rows: list, attention_mask, shape) -> list:
+# GPT2.generate's HF arguments: what each may be (a value outside: refused in one line), None: any value taken.
+# Those with a set of values change nothing at these values (greedy/sampling with one beam, no scores).
+GENERATE_ARGS = {"max_new_tokens": None, "do_sample": None, "temperature": None, "top_k": None, "top_p": None,
+                 "eos_token_id": None, "pad_token_id": None, "num_return_sequences": None,
+                 "repetition_penalty": None, "max_length": None, "min_new_tokens": None, "min_length": None,
+                 "use_cache": None, "bos_token_id": None, "num_beams": (1,), "num_beam_groups": (1,),
+                 "no_repeat_ngram_size": (0,), "return_dict_in_generate": (False,), "output_scores": (False,),
+                 "output_logits": (False,), "output_attentions": (False,), "output_hidden_states": (False,),
+                 "early_stopping": None, "length_penalty": None, "transformers_version": None,
+                 "_from_model_config": None}
+GENERATE_WHY = {"num_beams": "beam search is not implemented: gpt2ffn decodes greedily or samples",
+                "num_beam_groups": "beam search is not implemented",
+                "no_repeat_ngram_size": "n-gram bans are not implemented (repetition_penalty is)"}
+
+
+def generate_args(given: dict) -> dict:
+    """GPT2.generate's arguments (and a GenerationConfig's fields) checked: an unknown one, or one at a value
+    that would change what HF computes in a way gpt2ffn does not, is refused in one line naming it."""
+    for name, value in given.items():
+        if name not in GENERATE_ARGS:
+            raise InputError(f"GPT2.generate got an unexpected argument {name!r}; it takes input_ids, "
+                             f"attention_mask, generation_config, streamer and {', '.join(list(GENERATE_ARGS)[:-2])}")
+        allowed = GENERATE_ARGS[name]
+        if allowed is not None and not any(value == v for v in allowed):
+            why = GENERATE_WHY.get(name, "gpt2ffn's generate returns the token ids only")
+            raise InputError(f"GPT2.generate does not take {name}={_short(value)}: {why}")
+    return given
+
+
+def unpad(rows: list, attention_mask, shape, inferred: str = "") -> list:
     """Left-padded rows (B, T) and their attention_mask (1 real, 0 padding) -> each row's real tokens."""
     if tuple(attention_mask.shape) != tuple(shape):
         raise ShapeError(f"attention_mask has shape {tuple(attention_mask.shape)}; expected "
@@ -611,7 +740,7 @@ def unpad(rows: list, attention_mask, shape) -> list:
     for b, (row, m) in enumerate(zip(rows, attention_mask.tolist())):
         n = int(sum(m))
         if n == 0 or m != [0] * (len(m) - n) + [1] * n:
-            raise InputError(f"attention_mask row {b} is {m}; generate takes left padding: zeros, then "
+            raise InputError(f"attention_mask row {b} is {m}{inferred}; generate takes left padding: zeros, then "
                              "at least one 1, then only 1s (tokenizer.padding_side = 'left')")
         prompts.append(row[len(m) - n:])
     return prompts
@@ -647,8 +776,9 @@ def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32", a
         if precision is not None and dtype == torch.float32:
             return quantize(model, precision, activations=activations)
         return model
-    if not Path(spec).is_dir():
-        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
+    if not Path(spec).is_dir() and (Path(spec).exists() or cached_snapshot(spec) is None):
+        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory, a model id in the local HF cache "
+                           f"({hub_cache()}), nor random:<preset>[:seed]")
     return GPT2.from_pretrained(spec, dtype=dtype, precision=precision, activations=activations)
 
 

@@ -7,6 +7,7 @@ Tensors are read lazily: asking for one block's FFN reads those four tensors, no
 """
 
 import json
+import os
 import pickle
 import re
 from pathlib import Path
@@ -24,6 +25,49 @@ FFN_TENSORS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
 DIR_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
 # Buffers that some checkpoints carry and no module needs: the causal mask and its fill value.
 IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")
+
+
+# HF's old short names of OpenAI's GPT-2s, now under openai-community/ (the hub redirects; a cache may hold either)
+HUB_ALIASES = {f"gpt2{s}": f"openai-community/gpt2{s}" for s in ("", "-medium", "-large", "-xl")}
+
+
+def hub_cache() -> Path:
+    """The local HF hub cache's directory, as huggingface_hub finds it (HF_HUB_CACHE, else HF_HOME/hub)."""
+    return Path(os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE") or Path(
+        os.environ.get("HF_HOME", Path.home() / ".cache" / "huggingface"), "hub"))
+
+
+def cached_snapshot(repo_id: str) -> Path | None:
+    """A model id ('openai-community/gpt2', 'gpt2') -> its snapshot directory in the local HF cache (the one
+    refs/main names, else the newest), or None. Never a download."""
+    names = [repo_id] + [n for n, full in HUB_ALIASES.items() if full == repo_id]
+    names += [HUB_ALIASES[repo_id]] if repo_id in HUB_ALIASES else []
+    for name in dict.fromkeys(names):
+        repo = hub_cache() / ("models--" + name.replace("/", "--"))
+        ref = repo / "refs" / "main"
+        if ref.is_file() and (repo / "snapshots" / ref.read_text().strip() / "config.json").is_file():
+            return repo / "snapshots" / ref.read_text().strip()
+        snaps = sorted((repo / "snapshots").glob("*/config.json"), key=lambda p: p.stat().st_mtime)
+        if snaps:
+            return snaps[-1].parent
+    return None
+
+
+def resolve_checkpoint(spec) -> Path:
+    """A checkpoint directory or file as given, else a model id found in the local HF cache; else an error
+    naming both places."""
+    path = Path(spec)
+    if path.exists():
+        return path
+    looks_like_id = isinstance(spec, str) and spec.count("/") <= 1 and not spec.startswith((".", "/", "~"))
+    found = cached_snapshot(spec) if looks_like_id else None
+    if found is not None:
+        return found
+    if not looks_like_id:
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    raise CheckpointError(f"checkpoint {path} does not exist, nor is {spec!r} in the local HF cache ({hub_cache()}); "
+                          f"gpt2ffn never downloads: get it where there is network (`huggingface-cli download "
+                          f"{spec}`), then pass its directory")
 
 
 def ffn_shapes(cfg: Config) -> dict:
