@@ -322,6 +322,42 @@ def test_sigterm_drains_in_flight(model_dir):
     assert s.proc.wait(30) == 0
 
 
+def stream_until_signals(s, *signals, max_tokens=1000):
+    """A long stream; at its first line the signals, 1 s apart. -> (its data lines, the server's exit status)."""
+    lines = []
+    with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                      json={"model": s.model, "prompt": "x", "max_tokens": max_tokens, "stream": True}) as r:
+        for line in r.iter_lines():
+            if line and not lines:
+                for i, sig in enumerate(signals):
+                    time.sleep(i and 1)
+                    s.proc.send_signal(sig)
+            if line:
+                lines.append(line)
+    return lines, s.proc.wait(30)
+
+
+def test_a_stream_past_the_shutdown_timeout_ends_with_an_error_event(model_dir):
+    """SIGTERM with a stream that outlives --shutdown-timeout: the stream gets an error event saying why, and
+    closes properly (it was cut mid-chunk by uvicorn's own 60 s timeout, an incomplete chunked read); exit 0."""
+    s = Server("random:gpt2", "--max-batch", "4", "--shutdown-timeout", "1")
+    lines, code = stream_until_signals(s, signal.SIGTERM)
+    error = json.loads(lines[-1].removeprefix("data: "))["error"]
+    assert error["message"].startswith("the server is shutting down (requests still running after "
+                                       "--shutdown-timeout 1 s)"), error
+    assert len(lines) > 2 and code == 0
+
+
+def test_a_second_ctrl_c_ends_streams_with_an_error_and_no_abort(model_dir):
+    """Ctrl-C twice with a stream running: the stream ends with an error event, the process with 130 (SIGINT),
+    no traceback, no C++ abort (it was SIGABRT: the engine thread was killed inside native code at exit)."""
+    s = Server("random:gpt2", "--max-batch", "4")
+    lines, code = stream_until_signals(s, signal.SIGINT, signal.SIGINT)
+    err = s.proc.stderr.read() + s.proc.stdout.read()
+    assert "a second interrupt" in lines[-1] and code == 130, (lines[-1], code)
+    assert "Traceback" not in err and "terminate called" not in err, err
+
+
 def post(server, **body):
     r = httpx.post(server.url + "/v1/completions", json={"model": server.model, **body}, timeout=120)
     assert r.status_code == 200, r.text
@@ -860,11 +896,14 @@ def test_loopback_and_authorized():
     (["--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile '/nonexistent.pem' / --ssl-keyfile None: cannot load"),
     (["--served-model-name", "gpt2", "gpt2"], "--served-model-name takes distinct, non-empty names, got ['gpt2', 'gpt2']"),
     (["--served-model-name", " "], "--served-model-name takes distinct, non-empty names"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0 seconds, got -1.0"),
+    (["--model", "random:foo"], "unknown config name 'foo'"),  # before "serving on ..." is printed
+    (["--model", "nobody/gpt9"], "model 'nobody/gpt9' is neither a checkpoint directory, a model id in the local HF"),
 ])
 def test_serve_flags_refused_in_one_line(capsys, argv, message):
     assert main(["serve", "--model", "random:tiny", *argv]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith(f"error: {message}") and err.count("\n") == 1
+    out, err = capsys.readouterr()
+    assert err.startswith(f"error: {message}") and err.count("\n") == 1 and not out
 
 
 def test_max_model_len_beyond_the_context_is_refused(model_dir):

@@ -333,7 +333,7 @@ def cmd_serve(args):
           max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
           kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds,
           cuda_graphs=not args.no_cuda_graphs, skip_tokenizer=args.skip_tokenizer_init,
-          served_names=args.served_model_name or ())
+          served_names=args.served_model_name or (), shutdown_timeout=args.shutdown_timeout)
     return _leave(args.tp)
 
 
@@ -455,6 +455,9 @@ def build_parser() -> Parser:
                    "random:<preset>:<seed>)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=_port, default=8000)
+    p.add_argument("--shutdown-timeout", type=float, default=60.0, metavar="SECONDS", help="at SIGTERM / Ctrl-C, "
+                   "how long in-flight requests get to finish; then each ends with an error event saying why "
+                   "(default 60; a second Ctrl-C: at once)")
     p.add_argument("--max-batch", type=int, help="sequences decoded together (default 64; the paged KV cache "
                    "takes up to a quarter of free memory, at most 2 GiB)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the running batch; "

@@ -7,10 +7,12 @@ stream of draws (a function of its seed and its token count, sampling.uniforms),
 not change its tokens (temperature 0: the same argmax; seeded: the same draws).
 """
 
+import atexit
 import itertools
 import os
 import threading
 import time
+import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -399,6 +401,12 @@ def name_os_thread(name: str):
         pass
 
 
+def _halt_at_exit(ref):
+    loop = ref()
+    if loop is not None:
+        loop.halt("the server is shutting down")
+
+
 class Loop:
     """The thread that owns the engine for the server: it steps while there is work, sleeps otherwise, and
     passes each Token to its request's sink. Idle on the CPU, it first makes the KV cache resident a piece at
@@ -409,9 +417,14 @@ class Loop:
 
     def __init__(self, engine: Engine):
         self.engine, self.wake, self.stopping = engine, threading.Condition(), False
+        self.cutting = None  # a message: end every request with it at the next turn (shutdown's deadline)
         self.cold = engine.cache.pieces() if engine.device.type == "cpu" else None
         self.thread = threading.Thread(target=self.work, name="gpt2ffn-engine", daemon=True)
         self.thread.start()
+        # Before the interpreter finalizes: a daemon thread still inside native code (an OpenMP region) when
+        # Python tears down is killed by a forced unwind through C++ frames, which aborts the process
+        # ("terminate called without an active exception", SIGABRT after a second Ctrl-C).
+        atexit.register(_halt_at_exit, weakref.ref(self))  # weak: a Loop that is gone needs nothing
 
     def submit(self, *requests: Request):
         self.engine.add(*requests)
@@ -424,15 +437,34 @@ class Loop:
             self.wake.notify()
         self.thread.join(30)
 
+    def cut(self, message: str):
+        """End every running and waiting request with an error event carrying message, from the engine's own
+        thread at its next turn (between steps): the clients get it and their streams close properly."""
+        with self.wake:
+            self.cutting = message
+            self.wake.notify()
+
+    def halt(self, message: str):
+        """cut, then stop and wait for the thread: what remains when the process exits."""
+        if self.thread.is_alive():
+            self.cut(message)
+            self.stop()
+
     def work(self):
         name_os_thread("gpt2ffn-engine")
         while True:
             with self.wake:
                 while not self.engine.has_work() and not self.stopping and self.cold is None:
                     self.wake.wait()
+                cutting, self.cutting = self.cutting, None
                 if self.stopping and not self.engine.has_work():
                     self.engine.close()
                     return
+            if cutting is not None and self.engine.has_work():
+                for ev in self.fail_all(cutting):
+                    if ev.request.sink is not None:
+                        ev.request.sink(ev)
+                continue
             if not self.engine.has_work():  # idle, part of the cache not yet resident: one piece, then look again
                 piece = next(self.cold, None)
                 if piece is None or not make_resident(piece):

@@ -19,6 +19,7 @@ import hmac
 import importlib
 import ipaddress
 import json
+import math
 import signal
 import socket
 import ssl
@@ -40,6 +41,7 @@ from ..loading import resolve_device
 from ..model import parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
+from ..weights import cached_snapshot, hub_cache
 from .engine import QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
@@ -292,7 +294,9 @@ class Answer:
                 continue
             for k, (_, ev) in enumerate(items):
                 if ev.finish_reason == "error":
-                    self.failed = refuse(self.svc, 500, f"generation failed: {ev.text}", kind="server_error")
+                    self.failed = (refuse(self.svc, 503, ev.text, kind="server_error")
+                                   if ev.text.startswith(SHUTTING_DOWN) else
+                                   refuse(self.svc, 500, f"generation failed: {ev.text}", kind="server_error"))
                     if k:
                         return items[:k]
                     break
@@ -573,7 +577,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
           precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
           rank=0, api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
           max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
-          skip_tokenizer=False, served_names=()):
+          skip_tokenizer=False, served_names=(), shutdown_timeout=60.0):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
     tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes.
     skip_tokenizer (vLLM's --skip-tokenizer-init): no tokenizer is read; prompts are token ids, and each choice
@@ -582,8 +586,13 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     import uvicorn
     if any(not name.strip() for name in served_names) or len(set(served_names)) < len(served_names):
         raise Gpt2ffnError(f"--served-model-name takes distinct, non-empty names, got {list(served_names)}")
-    if model_spec and not model_spec.startswith("random:") and not Path(model_spec).is_dir():
-        raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory nor random:<preset>[:seed]")
+    if model_spec and model_spec.startswith("random:"):
+        parse_random(model_spec)  # an unknown preset is one line here, before "serving on"
+    elif model_spec and not Path(model_spec).is_dir():
+        found = None if Path(model_spec).exists() else cached_snapshot(model_spec)
+        if found is None:
+            raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory, a model id in the local "
+                               f"HF cache ({hub_cache()}), nor random:<preset>[:seed]")
     if chat_template and not Path(chat_template).is_file():
         raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
     if model_spec and Path(model_spec).is_dir() and not skip_tokenizer and not has_tokenizer_files(model_spec):
@@ -600,6 +609,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
                                      ("--threads", threads, 1, None)):
         if value is not None and not least <= value <= (most or value):
             raise Gpt2ffnError(f"{flag} must be in [{least}, {most or 'inf'}], got {value}")
+    if not 0 <= shutdown_timeout < float("inf"):
+        raise Gpt2ffnError(f"--shutdown-timeout must be >= 0 seconds, got {shutdown_timeout}")
     if not graph_seconds >= 0:
         raise Gpt2ffnError(f"--cuda-graph-seconds must be >= 0, got {graph_seconds}")
     api_keys = check_keys(api_keys)
@@ -636,10 +647,49 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     # uvloop and httptools where installed (the serve extra), except that TLS keeps asyncio's loop: uvloop has its
     # own TLS shutdown wait (30 s), which SSL_SHUTDOWN_TIMEOUT above does not reach
-    config = uvicorn.Config(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=60,
+    config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                            timeout_graceful_shutdown=math.ceil(shutdown_timeout) + DRAIN_GRACE,
                             ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, limit_concurrency=limit_concurrency,
                             loop="asyncio" if ssl_certfile else "auto")
-    uvicorn.Server(config).run(sockets=[sock])
+    draining_server()(config, svc, shutdown_timeout).run(sockets=[sock])
+
+
+# Shutdown (SIGTERM, Ctrl-C): in-flight requests get --shutdown-timeout seconds to finish; then what still runs
+# ends with an error event (a stream closes properly: the client reads why; a whole answer is a 503), and uvicorn,
+# DRAIN_GRACE later, closes the connections. A second Ctrl-C ends them at once, the same way.
+DRAIN_GRACE = 5
+SHUTTING_DOWN = "the server is shutting down"
+
+
+def draining_server():
+    """uvicorn's Server with gpt2ffn's drain (imported when a server starts, as uvicorn is)."""
+    import uvicorn
+
+    class Draining(uvicorn.Server):
+        def __init__(self, config, svc, timeout: float):
+            super().__init__(config)
+            self.svc, self.timeout = svc, timeout
+
+        def cut(self, why: str):
+            if self.svc.loop is not None:
+                self.svc.loop.cut(f"{SHUTTING_DOWN} ({why}); the answer is cut here")
+
+        def handle_exit(self, sig, frame):
+            if self.should_exit and sig == signal.SIGINT:  # the second Ctrl-C: uvicorn force-exits
+                self.cut("a second interrupt")
+            super().handle_exit(sig, frame)
+
+        async def shutdown(self, sockets=None):
+            deadline = asyncio.get_running_loop().call_later(self.timeout, self.cut, f"requests still running "
+                                                             f"after --shutdown-timeout {self.timeout:g} s")
+            try:
+                await super().shutdown(sockets)
+            finally:
+                deadline.cancel()
+            if self.force_exit and hasattr(self, "lifespan"):  # uvicorn skips it then: the app's shutdown (the
+                await self.lifespan.shutdown()                  # engine thread stopped) runs all the same
+
+    return Draining
 
 
 def listen(host: str, port: int) -> socket.socket:
