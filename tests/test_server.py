@@ -192,6 +192,25 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
     ({"prompt": "hi"}, 400, "model", "Field required"),
+    # strict types, as OpenAI's API checks them (pydantic's lax mode took "10" as 10 and true as token id 1)
+    ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": "10"}, 400, "max_tokens", "valid integer"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "stream": "true"}, 400, "stream", "valid boolean"),
+    ({"model": "tiny-gpt2", "prompt": [True, False]}, 400, "prompt", "must be a string, a list of strings, a list of "
+                                                                      "token ids, or a list of token-id lists"),
+    ({"model": "tiny-gpt2", "prompt": ["a", 5]}, 400, "prompt", "must be a string, a list of strings"),
+    # fields OpenAI or vLLM document, at a value that would change the answer: refused by name, saying why
+    ({"model": "tiny-gpt2", "prompt": "hi", "tools": [{"type": "function"}]}, 400, "tools", "no tool calling"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "min_p": 0.1}, 400, "min_p", "min_p is not supported"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "reasoning_effort": "low"}, 400, "reasoning_effort", "not a reasoning"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options",
+     "only allowed with stream: true"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "stream": True, "stream_options": {"continuous_usage_stats": True}},
+     400, "stream_options.continuous_usage_stats", "not supported"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "n_predict": 3, "max_tokens": 3}, 400, None, "not both"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "frobnicate": 1}, 400, "frobnicate", "Extra inputs"),  # unknown: refused
+    ({"model": "tiny-gpt2", "prompt": [1] * 128, "max_tokens": 4}, 400, "prompt", "exceeds the model's context"),
+    ({"model": "tiny-gpt2", "prompt": [1] * 128}, 400, "prompt", "leaves no room for a new token"),
+    ("", 400, None, "the request body is empty: send a JSON object"),
 ])
 def test_bad_input_gets_openai_errors(server, body, status, param, text):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -201,6 +220,30 @@ def test_bad_input_gets_openai_errors(server, body, status, param, text):
     assert set(err) == {"message", "type", "param", "code"} and text in err["message"]
     assert param is None or (err["param"] or "").startswith(param)
     assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_documented_fields_that_change_nothing_are_taken(server):
+    """OpenAI's store / metadata / service_tier / tools: [] / tool_choice "none", vLLM's min_p 0 and
+    skip_special_tokens, null for any of them, and llama-server's n_predict and repeat_penalty (its names of
+    max_tokens and repetition_penalty) give the answer given without them."""
+    base = {"model": server.model, "prompt": "the quick", "max_tokens": 6, "temperature": 0}
+    want = httpx.post(server.url + "/v1/completions", json=base).json()["choices"][0]["text"]
+    extra = {"store": False, "metadata": {"a": "b"}, "service_tier": "auto", "tools": [], "tool_choice": "none",
+             "min_p": 0, "skip_special_tokens": True, "prediction": None, "user": "u", "add_special_tokens": True,
+             "response_format": {"type": "text"}}
+    r = httpx.post(server.url + "/v1/completions", json={**base, **extra})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
+    llama = {**{k: v for k, v in base.items() if k != "max_tokens"}, "n_predict": 6, "repeat_penalty": 1.0}
+    assert httpx.post(server.url + "/v1/completions", json=llama).json()["choices"][0]["text"] == want
+
+
+@pytest.mark.parametrize("content, said", [
+    (b'{"model": "m", "prompt": "\xff\xfe"}', "not UTF-8 text (byte 0xff at offset 26)"),
+    (b"[" * 100000 + b"]" * 100000, "nests arrays or objects too deeply"),
+])
+def test_a_body_that_cannot_be_parsed_says_why(server, content, said):
+    r = httpx.post(server.url + "/v1/completions", content=content, headers={"Content-Type": "application/json"})
+    assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
 
 
 def test_oversized_body_is_413(server):
@@ -533,6 +576,12 @@ def test_chat_with_template(client, server, model_dir):
     parts = [c.choices[0].delta.content or "" for c in client.chat.completions.create(
         model=server.model, messages=messages, max_tokens=8, temperature=0, stream=True) if c.choices]
     assert "".join(parts) == expected
+    # vLLM's add_generation_prompt: false renders no assistant prefix; OpenAI's fields at neutral values are taken
+    r = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0,
+                                       store=False, tools=[], tool_choice="none",
+                                       extra_body={"add_generation_prompt": False})
+    plain = post(server, prompt="user: the quick brown fox\n", max_tokens=8, temperature=0)["choices"][0]["text"]
+    assert r.choices[0].message.content == plain != expected
 
 
 def test_chat_without_template_names_completions(slow_server):
@@ -547,6 +596,9 @@ def test_chat_without_template_names_completions(slow_server):
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, "max_completion_tokens",
      "greater than or equal to 1"),
     ({"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"x": 1}}, "logit_bias", "not a token id"),
+    ({"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "messages.0.content", "must be a string or a list of text parts"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools", "no tool calling"),
 ])
 def test_chat_bad_input(server, body, param, text):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": server.model, **body})

@@ -193,7 +193,8 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
     if bad is not None:
         return bad
     try:
-        text = svc.template.render(messages=[m.for_template() for m in body.messages], add_generation_prompt=True,
+        text = svc.template.render(messages=[m.for_template() for m in body.messages],
+                                   add_generation_prompt=body.add_generation_prompt,
                                    bos_token="<|endoftext|>", eos_token="<|endoftext|>")
     except jinja2.exceptions.TemplateError as e:  # the template's raise_exception, or a value it cannot render
         return refuse(svc, 400, f"messages: the chat template refused them: {e}", param="messages")
@@ -475,17 +476,37 @@ class Gate:
         return None
 
 
+# What a field that takes one of several shapes takes, said where a value fits none (pydantic would name the
+# first shape it tried: "prompt.str: Input should be a valid string").
+SHAPES = {"prompt": "a string, a list of strings, a list of token ids, or a list of token-id lists",
+          "stop": "a string or a list of strings", "content": "a string or a list of text parts "
+          "({\"type\": \"text\", \"text\": ...}: GPT-2 reads text only)"}
+
+
+def _union_tag(part) -> bool:
+    """A loc part that names one shape of a union (str, list[int], function-after[...]), not a field."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "dict", "list", "none"))
+
+
 async def invalid(request: Request, exc: RequestValidationError):
     """A body that does not fit the protocol: 400 naming the first field at fault."""
     first = exc.errors()[0]
-    where = [str(p) for p in first.get("loc", ()) if p != "body"]
+    loc = [p for p in first.get("loc", ()) if p != "body"]
+    where = [str(p) for p in loc[:next((i for i, p in enumerate(loc) if _union_tag(p)), len(loc))]]
     message = first.get("msg", "invalid request").removeprefix("Value error, ")
+    field = (first.get("ctx") or {}).get("field")
+    if field is not None:  # a field named by a check of the whole body
+        where = [field]
+    elif len(where) < len(loc) and where and where[-1] in SHAPES:
+        message = f"must be {SHAPES[where[-1]]}"
     if first.get("type") == "json_invalid":  # its loc is the byte offset, not a field
         at, where = where, []
         message = f"the request body is not valid JSON (at byte {at[0]})" if at else "the request body is not valid JSON"
     elif not where and "json" not in request.headers.get("content-type", ""):
         message = (f"the request body must be a JSON object sent with Content-Type: application/json (curl: -H "
                    f"'Content-Type: application/json'); got {request.headers.get('content-type') or 'none'}")
+    elif not where and first.get("type") == "missing":
+        message = "the request body is empty: send a JSON object"
     return refuse(request.app.state.service, 400, f"{'.'.join(where) + ': ' if where else ''}{message}",
                   param=".".join(where) or None)
 
@@ -495,8 +516,25 @@ async def http_error(request: Request, exc: StarletteHTTPException):
     error shape, as every other error."""
     detail = exc.detail if isinstance(exc.detail, str) else "error"
     kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+    if exc.status_code == 400 and detail.startswith("There was an error parsing the body"):
+        return refuse(request.app.state.service, 400, unparsable(await request.body()))
     return refuse(request.app.state.service, exc.status_code, f"{detail}: {request.method} {request.url.path}",
                   kind=kind, headers=getattr(exc, "headers", None))
+
+
+def unparsable(body: bytes) -> str:
+    """Why a body FastAPI could not parse is not JSON: its bytes are not UTF-8, or it nests too deeply."""
+    try:
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as e:
+        return f"the request body is not UTF-8 text (byte 0x{body[e.start]:02x} at offset {e.start}); JSON is UTF-8"
+    try:
+        json.loads(text)
+    except RecursionError:
+        return "the request body nests arrays or objects too deeply to parse"
+    except ValueError as e:
+        return f"the request body is not valid JSON ({e})"
+    return "the request body could not be parsed as JSON"
 
 
 async def crashed(request: Request, exc: Exception):

@@ -4,9 +4,11 @@ Requests refuse unknown fields by name; responses are declared so /openapi.json 
 Nothing here knows HTTP or the engine.
 """
 
+import json
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic_core import PydanticCustomError
 
 
 def _lone_surrogate(v):
@@ -28,9 +30,10 @@ def _lone_surrogate(v):
 
 class Body(BaseModel):
     """A request body: null for a field with a default means that default (OpenAI documents its optional
-    fields as nullable; vLLM takes null), and text must be Unicode (no lone surrogate)."""
+    fields as nullable; vLLM takes null), and text must be Unicode (no lone surrogate). Types are strict, as
+    OpenAI's API checks them: "10" is not an integer, nor true a token id (an integer is a number, though)."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", strict=True)
 
     @field_validator("*", mode="before")
     @classmethod
@@ -47,9 +50,74 @@ class Body(BaseModel):
         return v
 
 
+class StreamOptions(Body):
+    include_usage: bool = Field(False, description="a last chunk with the usage, and no choices")
+    continuous_usage_stats: bool = Field(False, description="vLLM's usage in every chunk: not supported (false only)")
+
+    @field_validator("continuous_usage_stats")
+    @classmethod
+    def _no_continuous_usage(cls, v):
+        if v:
+            raise ValueError("vLLM's usage in every chunk is not supported; include_usage gives it in a last chunk")
+        return v
+
+
+# Fields OpenAI or vLLM document that change nothing here at these values: taken at them (null always), refused
+# by name at any other, with why. None: any value is taken (it asks for nothing gpt2ffn would do otherwise).
+NEUTRAL = {
+    "store": (None, "accepted; nothing is stored"), "metadata": (None, "accepted; nothing is stored"),
+    "service_tier": (None, "accepted; one tier"), "priority": ((0,), "vLLM's; one priority"),
+    "tools": (([],), "tools are not supported: GPT-2 has no tool calling"),
+    "tool_choice": (("none", "auto"), "tools are not supported: GPT-2 has no tool calling"),
+    "functions": (([],), "functions are not supported: GPT-2 has no tool calling"),
+    "function_call": (("none", "auto"), "functions are not supported: GPT-2 has no tool calling"),
+    "modalities": ((["text"],), "GPT-2 reads and writes text only"),
+    "audio": ((), "GPT-2 reads and writes text only"),
+    "prediction": ((), "predicted outputs are not supported"),
+    "web_search_options": ((), "web search is not supported"),
+    "reasoning_effort": ((), "GPT-2 is not a reasoning model"),
+    "min_p": ((0, 0.0), "vLLM's min_p is not supported (top_p and top_k are)"),
+    "include_stop_str_in_output": ((False,), "vLLM's include_stop_str_in_output is not supported: a stop string "
+                                   "is left out of the answer"),
+    "skip_special_tokens": ((True,), "special tokens are always skipped in the text"),
+    "spaces_between_special_tokens": ((True,), "special tokens are always skipped in the text"),
+    "truncate_prompt_tokens": ((), "prompts are not truncated: a prompt beyond the context is a 400"),
+    "add_special_tokens": (None, "accepted; GPT-2's tokenizer adds none"),
+    "chat_template_kwargs": (({},), "the chat template takes no extra variables here"),
+    "prompt_logprobs": ((), "vLLM's prompt_logprobs: give echo: true with logprobs for the prompt's log-probs"),
+    "n_probs": ((0,), "llama-server's n_probs: give logprobs"),
+    "response_format": (({"type": "text"},), "structured output is not supported (no grammar here)"),
+    "continue_final_message": ((False,), "not supported"),
+}
+
+
 class SamplingFields(Body):
     """What completions and chat share: OpenAI's sampling fields and the common extras of vLLM and
-    llama-server. Other fields are refused by name."""
+    llama-server (n_predict and repeat_penalty are llama-server's names of max_tokens and repetition_penalty).
+    Fields OpenAI or vLLM document that change nothing at the values given are taken (NEUTRAL); other fields
+    are refused by name."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _documented_elsewhere(cls, data):
+        """llama-server's names to ours; NEUTRAL fields checked and dropped (a value that would change the answer
+        is refused, naming the field)."""
+        if not isinstance(data, dict):
+            return data
+        data = dict(data)
+        for theirs, ours in (("n_predict", "max_tokens"), ("repeat_penalty", "repetition_penalty")):
+            if theirs in data:
+                if ours in data and data[ours] is not None:
+                    raise PydanticCustomError("alias", f"give {ours} or llama-server's {theirs}, not both")
+                data[ours] = data.pop(theirs)
+        for name, (allowed, why) in NEUTRAL.items():
+            if name in cls.model_fields or name not in data:
+                continue
+            value = data.pop(name)
+            if value is not None and allowed is not None and not any(value == a and type(value) is type(a)
+                                                                     for a in allowed):
+                raise PydanticCustomError("unsupported", f"{why} (got {json.dumps(value)[:60]})", {"field": name})
+        return data
 
     model: str
     max_tokens: int | None = Field(None, ge=0, description="at most the context less the prompt (checked by "
@@ -62,7 +130,7 @@ class SamplingFields(Body):
     stop_token_ids: list[int] | None = Field(None, max_length=16, description="vLLM's: token ids that end a "
                                              "choice as a stop string does (the id stays in the answer)")
     stream: bool = False
-    stream_options: dict | None = None
+    stream_options: StreamOptions | None = Field(None, description="with stream: true only")
     n: int = Field(1, ge=1, le=128, description="choices per prompt (the server caps it: --max-n, default 16)")
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
@@ -75,6 +143,13 @@ class SamplingFields(Body):
     return_token_ids: bool | None = Field(None, description="vLLM's: each choice also carries prompt_token_ids "
                                           "and token_ids (a stream: token_ids per chunk, prompt_token_ids in a "
                                           "choice's first); default: only when the server has no tokenizer")
+
+
+    @model_validator(mode="after")
+    def _stream_options_need_a_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise PydanticCustomError("stream_options", "only allowed with stream: true", {"field": "stream_options"})
+        return self
 
 
 class CompletionRequest(SamplingFields):
@@ -116,6 +191,8 @@ class ChatRequest(SamplingFields):
     response_format: dict | None = Field(None, description="OpenAI's: {'type': 'text'} only (no grammar here)")
     parallel_tool_calls: bool | None = Field(None, description="OpenAI's: accepted; there are no tools")
     max_completion_tokens: int | None = Field(None, ge=1)
+    add_generation_prompt: bool = Field(True, description="vLLM's: the template's assistant prefix after the "
+                                        "messages (false: none, the answer continues the last message's text)")
 
 
 class TokenizeRequest(Body):

@@ -179,9 +179,10 @@ class Service:
             if not -100 <= value <= 100:
                 raise BadRequest(f"logit_bias: value {value} for token {key} is outside [-100, 100]", "logit_bias")
             bias[int(key)] = value
-        if longest + max_tokens > self.max_len:
+        if longest + max_tokens > self.max_len:  # the prompt alone too long: it is what to shorten
             raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) = {longest + max_tokens} "
-                             f"exceeds {limit}", "max_tokens", code="context_length_exceeded")
+                             f"exceeds {limit}", "prompt" if longest >= self.max_len else "max_tokens",
+                             code="context_length_exceeded")
         # best_of: each token's log-prob ranks the candidates (the response shows them only if asked: want_lp)
         token_lp = 0 if best_of > body.n and logprobs is None else logprobs
         return [Sampling(max_new_tokens=max_tokens, temperature=body.temperature,
@@ -288,7 +289,7 @@ class Choices:
         self.prompts = [prompts[c // self.per_prompt] for c in range(n)]
         self.sent_ids = [0] * n                    # generated ids a stream's chunks have carried
         self.id_chunks = [False] * n               # whether a chunk of choice c has gone out (with return_token_ids)
-        self.include_usage = bool((body.stream_options or {}).get("include_usage"))
+        self.include_usage = body.stream_options is not None and body.stream_options.include_usage
         self.texts, self.finish, self.started = [""] * n, [None] * n, [False] * n
         self.gen = [[] for _ in range(n)]          # generated ids
         self.shown = [[] for _ in range(n)]        # ids in the logprobs object: (echoed prompt +) generated
