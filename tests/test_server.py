@@ -99,6 +99,7 @@ def test_health_models_openapi(server):
     assert httpx.get(server.url + "/health").json()["status"] == "ok"
     models = httpx.get(server.url + "/v1/models").json()
     assert models["data"][0]["id"] == server.model == "tiny-gpt2"
+    assert 0 < time.time() - models["data"][0]["created"] < 3600  # when it was loaded (it was 0)
     spec = httpx.get(server.url + "/openapi.json").json()
     assert "/v1/completions" in spec["paths"]
     # the spec documents what comes back, not only what goes in: responses and errors have their schemas

@@ -132,7 +132,7 @@ async def models(svc: ServiceDep):
 
 
 def card(svc: Service, name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "gpt2ffn", "max_model_len": svc.max_len}
+    return {"id": name, "object": "model", "created": svc.loaded_at, "owned_by": "gpt2ffn", "max_model_len": svc.max_len}
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)

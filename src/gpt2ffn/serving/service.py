@@ -62,6 +62,7 @@ class Service:
                                                self.activations, self.kv_dtype,
                                                need_tokenizer=not self.skip_tokenizer)
         self.loaded = self.name
+        self.loaded_at = int(time.time())  # /v1/models' "created": when this server loaded it
         self.names = self.served_names or [self.name]
         self.name = self.names[0]  # the one /v1/models and /health give
         if self.skip_tokenizer:
