@@ -706,15 +706,19 @@ def draining_server():
     class Draining(uvicorn.Server):
         def __init__(self, config, svc, timeout: float):
             super().__init__(config)
-            self.svc, self.timeout = svc, timeout
+            self.svc, self.timeout, self.cutting = svc, timeout, False
 
         def cut(self, why: str):
             if self.svc.loop is not None:
                 self.svc.loop.cut(f"{SHUTTING_DOWN} ({why}); the answer is cut here")
 
         def handle_exit(self, sig, frame):
-            if self.should_exit and sig == signal.SIGINT:  # the second Ctrl-C: uvicorn force-exits
+            # The second Ctrl-C ends every request at once (each stream gets its error event and closes, so the
+            # drain ends now); a third one is uvicorn's forced exit, which closes connections unsent.
+            if self.should_exit and sig == signal.SIGINT and not self.cutting:
+                self.cutting = True
                 self.cut("a second interrupt")
+                return
             super().handle_exit(sig, frame)
 
         async def shutdown(self, sockets=None):
