@@ -312,6 +312,16 @@ MUTANTS = {
                     "k, q, v = self.c_attn(x).split(self.n_embd, dim=2)"),
     "ln_std_eps_biased": (BOOK, "norm_x = (x - mean) / torch.sqrt(var + self.eps)",
                           "norm_x = (x - mean) / (torch.sqrt(var) + self.eps)"),
+    # from an outside round of learners' code (each failed unnamed before)
+    "mask_zero_fill": (NANOGPT, "self.bias[:, :, :T, :T] == 0, float('-inf'))", "self.bias[:, :, :T, :T] == 0, 0.0)"),
+    "ln_no_sqrt": (BOOK, "norm_x = (x - mean) / torch.sqrt(var + self.eps)", "norm_x = (x - mean) / (var + self.eps)"),
+    "resid_normed": (NANOGPT, "x = x + self.attn(self.ln_1(x))", "x = self.ln_1(x) + self.attn(self.ln_1(x))"),
+    "qkv_per_head": (NANOGPT, "q, k, v = self.c_attn(x).split(self.n_embd, dim=2)",
+                     "q, k, v = (t.reshape(B, T, C) for t in self.c_attn(x).view(B, T, self.n_head, -1)"
+                     ".split(C // self.n_head, dim=-1))"),
+    "mask_excludes_self": (NANOGPT, "self.bias[:, :, :T, :T] == 0", "torch.ones(T, T).tril(diagonal=-1) == 0"),  # NaN
+    "gelu_after_c_proj": (BOOK, "            GELU(),\n            nn.Linear(4 * cfg[\"emb_dim\"], cfg[\"emb_dim\"]),\n",
+                          "            nn.Linear(4 * cfg[\"emb_dim\"], cfg[\"emb_dim\"]),\n            GELU(),\n"),
 }
 
 
@@ -533,3 +543,8 @@ MINGPT_UTILS = '''class CfgNode:
 '''
 
 MINGPT = {"mingpt/__init__.py": "", "mingpt/utils.py": MINGPT_UTILS, "mingpt/model.py": MINGPT_MODEL}
+
+
+# A GPT-2 whose attention is torch's nn.MultiheadAttention (batch_first, a boolean mask of the future), as tutorials
+# write it: its in_proj_weight [3d, d] is GPT-2's c_attn in [out, in], out_proj its c_proj.
+MHA = 'import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\nGPT_CONFIG = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12, "n_layers": 12}\n\nclass Block(nn.Module):\n    def __init__(self, cfg):\n        super().__init__()\n        d = cfg["emb_dim"]\n        self.ln1 = nn.LayerNorm(d)\n        self.mha = nn.MultiheadAttention(d, cfg["n_heads"], batch_first=True)\n        self.ln2 = nn.LayerNorm(d)\n        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))\n        self.register_buffer("mask", torch.triu(torch.ones(cfg["context_length"], cfg["context_length"], dtype=torch.bool), diagonal=1), persistent=False)\n    def forward(self, x):\n        T = x.size(1)\n        h = self.ln1(x)\n        a, _ = self.mha(h, h, h, attn_mask=self.mask[:T, :T], need_weights=False)\n        x = x + a\n        x = x + self.mlp(self.ln2(x))\n        return x\n\nclass GPTModel(nn.Module):\n    def __init__(self, cfg):\n        super().__init__()\n        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])\n        self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])\n        self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg["n_layers"])])\n        self.final_norm = nn.LayerNorm(cfg["emb_dim"])\n        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)\n    def forward(self, idx):\n        T = idx.shape[1]\n        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))\n        x = self.blocks(x)\n        return self.out_head(self.final_norm(x))\n'

@@ -161,6 +161,7 @@ mlp = MLP(64, 256)
     (SEED_002, "FeedForward"),
     (SEED_004, "FeedForward"),
     (SEED_003, "mlp"),
+    (SEED_003, "MLP"),  # the class itself: MLP(embed_dim, intermediate_size), GPT-2 fields' names, given their values
     ("""
         from dataclasses import dataclass
 
@@ -408,8 +409,11 @@ def test_tanh_where_the_config_says_exact(tmp_path, capsys):
 # ---- what cannot run: one line, exit 2 ---------------------------------------------------------------
 
 @pytest.mark.parametrize("source, target, message", [
-    (SEED_003, "MLP", "MLP(embed_dim, intermediate_size) wants embed_dim, intermediate_size; check builds a "
-                      "class with one config dict"),
+    ("""
+        class Two(nn.Module):
+            def __init__(self, width, widen):
+                super().__init__()
+        """, "Two", "Two(width, widen) wants width, widen; check builds a class with one config dict"),
     ("""
         class Three(nn.Module):
             def __init__(self, cfg):
@@ -435,8 +439,8 @@ def test_tanh_where_the_config_says_exact(tmp_path, capsys):
         class Wants(nn.Module):
             def __init__(self, cfg):
                 super().__init__()
-                self.c_fc = nn.Linear(cfg["d_model"], cfg["d_ff"])
-        """, "Wants", "Wants(cfg) raised KeyError: 'd_model': it reads a key cfg does not have (vocab_size, "),
+                self.c_fc = nn.Linear(cfg["width"], cfg["d_ff"])
+        """, "Wants", "Wants(cfg) raised KeyError: 'width': it reads a key cfg does not have (vocab_size, "),
     ("x = 1\n", "Missing", "has no 'Missing'; its modules: none"),
     ("import nope_not_a_module\n", "X", "failed (line 6): ModuleNotFoundError: No module named 'nope_not_a_module'"),
 ])

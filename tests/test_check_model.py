@@ -2,6 +2,7 @@
 builds, each planted mistake is named at its first divergence, and an FFN with two mistakes gets both."""
 
 import json
+import re
 import textwrap
 
 import pytest
@@ -11,7 +12,7 @@ from gpt2ffn.check_model import reference
 from gpt2ffn.cli import main
 from gpt2ffn.diagnose import MISTAKES, MODEL_MISTAKES, block_forward
 from gpt2ffn.tolerances import GOLDEN_ATOL
-from learners import BOOK, HF, MINGPT, MUTANTS, NANOGPT, plant
+from learners import BOOK, HF, MHA, MINGPT, MUTANTS, NANOGPT, plant
 
 TINY = "random:tiny:3"  # n_embd 64, 2 blocks, 4 heads, vocab 512, 128 positions: the fast reference
 
@@ -57,7 +58,9 @@ FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "at
          "no_resid_attn": "attn_resid", "no_resid_mlp": "block",
          "positions_not_added": "embeddings", "attn_c_proj_not_transposed": "attn_resid",
          "dropout": "attn_out", "qkv_bias_missing": "q", "gelu_exact": "gelu", "mask_off_by_one": "attn_probs",
-         "heads_interleaved": "attn_probs", "q_k_swapped": "attn_probs", "ln_std_eps_biased": "ln_1", "positions_from_1": "embeddings", "logits_without_ln_f": "logits"}
+         "heads_interleaved": "attn_probs", "q_k_swapped": "attn_probs", "ln_std_eps_biased": "ln_1", "positions_from_1": "embeddings", "logits_without_ln_f": "logits",
+         "mask_zero_fill": "attn_probs", "ln_no_sqrt": "ln_1", "resid_normed": "attn_resid", "qkv_per_head": "attn_probs",
+         "mask_excludes_self": "attn_probs", "gelu_after_c_proj": "gelu"}
 
 
 @pytest.mark.parametrize("key", MUTANTS)
@@ -409,3 +412,49 @@ def test_the_residual_stream_is_judged_relative_to_its_size(rel, passes, loud_di
     assert block["status"] == ("PASS" if passes else "FAIL") and block["atol"] > 1e-3, block
     if rel:
         assert block["max_abs"] > GOLDEN_ATOL  # above the absolute bar: it passed before only if scaled
+
+
+NOTEBOOK_FFN = '''
+# coding: utf-8
+get_ipython().run_line_magic('matplotlib', 'inline')
+get_ipython().system('pip install torch')
+import torch
+import torch.nn as nn
+
+class FeedForward(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.W1, self.b1 = nn.Parameter(torch.zeros(64, 256)), nn.Parameter(torch.zeros(256))
+        self.W2, self.b2 = nn.Parameter(torch.zeros(256, 64)), nn.Parameter(torch.zeros(64))
+        self.act = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.act(x @ self.W1 + self.b1) @ self.W2 + self.b2
+'''
+
+
+@pytest.mark.parametrize("source, target, said", [
+    (MHA, "GPTModel", "PASS: learner.py:GPTModel computes GPT-2"),                       # nn.MultiheadAttention
+    (MHA.replace("attn_mask=self.mask[:T, :T], ", ""), "GPTModel", "no causal mask"),   # ... and a mistake in it
+    (NANOGPT.replace("return logits, loss", "return {'logits': logits, 'loss': loss}"), "GPT", "PASS"),  # a dict
+    (NANOGPT + "\nmodel = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=64))"
+               ".to(torch.bfloat16)\n", "model", "PASS"),                                 # kept in bf16
+    (NANOGPT.replace("    def __init__(self, config):\n        super().__init__()\n        self.config = config\n",
+                     "    def __init__(self, vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, "
+                     "dropout=0.0, bias=True):\n        super().__init__()\n        self.config = config = GPTConfig("
+                     "block_size, vocab_size, n_layer, n_head, n_embd, dropout, bias)\n"),
+     "GPT", "PASS"),                                                                       # keyword arguments
+    (re.sub(r"config\.(\w+)", r'config["\1"]', re.sub(r"@dataclass\nclass GPTConfig:\n(    .*\n)+", "", NANOGPT)),
+     "GPT", "PASS"),                                                                       # cfg["n_embd"], a dict
+])
+def test_more_ways_learners_write_it(source, target, said, tmp_path, capsys):
+    """From an outside round of learners' code: each was refused or failed unexplained before."""
+    code, out, err = run(tmp_path, capsys, source, target)
+    assert said in out.splitlines()[-1], out + err
+
+
+def test_a_notebook_export_and_an_ffn_of_parameters_with_an_activation_module(tmp_path, capsys):
+    """nbconvert's get_ipython() lines do nothing (the import failed on them); an FFN holding W1, b1, W2, b2 and
+    an nn.GELU child is an FFN of its own Parameters (it was refused: 'no linear layer')."""
+    code, out, err = run(tmp_path, capsys, NOTEBOOK_FFN, "FeedForward", name="nb.py")
+    assert code == 0 and "PASS: nb.py:FeedForward computes GPT-2's FFN" in out, out + err

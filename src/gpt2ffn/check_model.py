@@ -21,9 +21,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .config import Config
+from .config import PRESETS, Config
 from .diagnose import MISTAKES, MODEL_MISTAKES, FFNCase, block_forward, dropout_rate, layer_norm_mistakes, named
-from .golden import CHECKPOINTS, DIAGNOSE_RTOL, Golden, capture, compare, load_reference
+from .golden import CHECKPOINTS, DIAGNOSE_RTOL, NON_FINITE_MISTAKES, Golden, capture, compare, load_reference
 from .learner import CheckError
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
 
@@ -167,9 +167,12 @@ def find_structure(model: nn.Module, cfg: Config) -> Structure:
     d, V, P = cfg.n_embd, cfg.vocab_size, cfg.n_positions
     bname, container = _blocks(model)
     if len(container) != cfg.n_layer:
+        width = next((p.shape[-1] for p in model.parameters() if p.dim() == 2), None)
+        size = next((f"random:{k}" for k, c in PRESETS.items() if (c.n_layer, c.n_embd) == (len(container), width)),
+                    "random:<preset>")
         raise CheckError(f"{type(model).__name__} has {len(container)} blocks ({bname}); the reference has "
-                         f"n_layer={cfg.n_layer}: build it with the reference's config (--config) or check against "
-                         f"a reference of its size (--model random:<preset>)")
+                         f"n_layer={cfg.n_layer}: check it against a reference of its size (--model {size}), or "
+                         f"build it with the reference's config (--config), where its constructor takes one")
     top = _leaves(model, skip=[bname])
     embs = [(n, m) for n, m in top if isinstance(m, nn.Embedding)]
     wte = next((x for x in embs if x[1].num_embeddings == V), None)
@@ -204,9 +207,19 @@ def find_structure(model: nn.Module, cfg: Config) -> Structure:
     return Structure(Part(*wte), Part(*wpe), blocks, Part(*norms[0]), lm_head, style)
 
 
+class InProjection(nn.Module):
+    """nn.MultiheadAttention's in_proj_weight [3d, d] and in_proj_bias as a layer (GPT-2's c_attn, [out, in]):
+    the same Parameters, so loading it loads the learner's. Never called (MHA reads them directly): no stage."""
+
+    def __init__(self, mha: nn.MultiheadAttention):
+        super().__init__()
+        self.weight, self.bias = mha.in_proj_weight, mha.in_proj_bias
+
+
 def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
     d, hidden = cfg.n_embd, cfg.hidden
-    leaves = _leaves(block)
+    leaves = [(f"{n}.in_proj", InProjection(m)) if isinstance(m, nn.MultiheadAttention) and m.in_proj_weight
+              is not None else (n, m) for n, m in _leaves(block)]
     norms = [(n, m) for n, m in leaves if _is_norm(m, d)]
     lin = [(n, m) for n, m in leaves if _weight2d(m) is not None]
     strange = [n for n, m in leaves if (n, m) not in norms + lin]
@@ -330,12 +343,12 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
 # ---- running it: every stage, by forward hooks ----------------------------------------------------------
 
 def _tensor(o):
-    """A module's output tensor: the tensor, a tuple's first element, or an output object's logits."""
+    """A module's output tensor: the tensor, a tuple's first element, an output object's or a dict's logits."""
     if isinstance(o, torch.Tensor):
         return o
     if isinstance(o, (tuple, list)) and o and isinstance(o[0], torch.Tensor):
         return o[0]
-    logits = getattr(o, "logits", None)
+    logits = o.get("logits") if isinstance(o, dict) else getattr(o, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else None
 
 
@@ -398,6 +411,8 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
                 hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: keep(f"h{i}_attn_probs", a[0]) if (
                     a[0].dim() == 4 and tuple(a[0].shape[-3:]) == (H, T, T)) else None))
         hook("attn.c_proj", out(f"h{i}_attn_out"))
+        if isinstance(r["attn"].module, nn.MultiheadAttention):  # it reads out_proj's weight without calling it
+            hook("attn", out(f"h{i}_attn_out"))
         hook("ln_2", first_input(f"h{i}_attn_resid"), pre=True)
         hook("ln_2", out(f"h{i}_ln_2"))
         hook("mlp.c_fc", out(f"h{i}_c_fc"))
@@ -423,7 +438,7 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
     if logits is None or logits.dim() != 3 or logits.shape[-1] != cfg.vocab_size:
         got = tuple(logits.shape) if logits is not None else "no tensor"
         raise CheckError(f"{name} returned {got}; a GPT-2 returns logits (1, T, {cfg.vocab_size}) (or a tuple or "
-                         "output object holding them first)")
+                         "output object holding them first, or a dict's 'logits')")
     seen["logits"] = logits.detach().float().numpy()
     seen["headless"] = headless
     return seen
@@ -470,20 +485,23 @@ def _float64(t):
     return torch.as_tensor(np.asarray(t), dtype=torch.float64)
 
 
-def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=False):
-    """The known mistake that the first divergent stage equals (closest first), else dropout, else the worst
-    element: a gpt2ffn.diagnose.Diagnosis."""
+def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=False, seen=None):
+    """The known mistake that the first divergent stage equals (closest first; mistakes equal there told apart
+    by the learner's later stages, `seen`, where they differ), else dropout, else the worst element: a
+    gpt2ffn.diagnose.Diagnosis. A stage with NaN/Inf is matched on its finite values, to NON_FINITE_MISTAKES."""
     from .diagnose import Diagnosis
     from .diagnose import diagnose as plain
     cfg, t = ref.cfg, ref.stages
     key = stage if layer is None else f"h{layer}_{stage}"
     expected = t[key] if stage != "logits" else t["logits"][:, -got.shape[1]:]
     found = []   # (distance, key, name, fix)
+    finite = np.isfinite(got)
 
     def offer(k, want):
         want = want.detach().numpy() if isinstance(want, torch.Tensor) else want
-        if want.shape == got.shape and np.isfinite(want).all():
-            dist = float(np.abs(got - want).max())
+        if want.shape == got.shape and np.isfinite(want).all() and (finite.all() or k in NON_FINITE_MISTAKES
+                                                                    and 2 * finite.sum() >= finite.size):
+            dist = float(np.abs(got - want)[finite].max())
             if stage in GOLDEN_SCALED:  # logits O(100), the residual stream to ~3000: float32 rounding alone
                 dist *= atol / max(atol, DIAGNOSE_RTOL * float(np.abs(want).max()))  # reaches 1e-5 of max
             found.append((dist, k, *{**MISTAKES, **MODEL_MISTAKES}[k]))
@@ -506,6 +524,10 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
                            t[f"h{layer}_ln_2"], t[f"h{layer}_attn_resid"], {s: t[f"h{layer}_{s}"] for s in
                                                                              ("c_fc", "gelu", "ffn")})
             hits = case.matching(stage, got, atol)
+            later = (seen or {}).get(f"h{layer}_ffn")
+            if len(hits) > 1 and later is not None:  # GELU left out and GELU after c_proj agree until the FFN output
+                after = {v.key for _, v in case.matching("ffn", later, atol)}
+                hits.sort(key=lambda h: (h[1].key not in after, h[0]))
             if hits:
                 return named(hits[0][1], stage, hits[0][0])
     elif stage == "embeddings":
@@ -667,7 +689,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                    f"FAIL (greedy tokens): {rows[-1].note}, though every stage is within tolerance")
         return ModelReport(name, info, rows, verdict)
     stage, L, mine, differ = first
-    diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), differ)
+    diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), differ, got)
     where = f"block {L}, {LABELS[stage]}" if L is not None else LABELS[stage]
     verdict = f"FAIL (first divergence: {where}, checkpoint {CHECKPOINT[stage]}): {diagnosis.text}"
     return ModelReport(name, info, rows, verdict, diagnosis, {"layer": L, "stage": stage,

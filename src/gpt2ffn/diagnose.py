@@ -327,10 +327,13 @@ class FFNCase:
 
 # ---- the known mistakes of a whole block (attention, layer norms, residuals), computed in float64 ----------
 
-def layer_norm(x, w, b, eps, unbiased=False, std_eps=False):
+def layer_norm(x, w, b, eps, unbiased=False, std_eps=False, no_sqrt=False):
     """GPT-2's LayerNorm; unbiased: the variance divided by n - 1; std_eps: (x - mean) / (std + eps), eps
-    outside the square root (the std unbiased when `unbiased`, as torch.std's default)."""
+    outside the square root (the std unbiased when `unbiased`, as torch.std's default); no_sqrt: divided by
+    var + eps itself."""
     mu = x.mean(-1, keepdim=True)
+    if no_sqrt:
+        return (x - mu) / (x.var(-1, keepdim=True, unbiased=False) + eps) * w + b
     if std_eps:
         return (x - mu) / (x.std(-1, keepdim=True, unbiased=unbiased) + eps) * w + b
     return (x - mu) / torch.sqrt(x.var(-1, keepdim=True, unbiased=unbiased) + eps) * w + b
@@ -387,6 +390,15 @@ MISTAKES = {
     "heads_interleaved": ("heads split wrongly: q/k/v reshaped as (T, d_head, n_head), head index fastest",
                           "split each of q, k, v into heads as t.view(T, n_head, d_head).transpose(0, 1): head h is "
                           "columns h*d_head .. (h+1)*d_head - 1"),
+    "qkv_per_head": ("c_attn's output split per head first: viewed as (T, n_head, 3 * d_head), then q, k, v of each "
+                     "head", "split it into q, k, v first (qkv.split(n_embd, dim=-1): q is columns 0 .. n_embd - 1), "
+                     "then each into heads"),
+    "mask_zero_fill": ("causal mask fills the future scores with 0, not -inf: they still get softmax weight",
+                       "att.masked_fill(mask, float('-inf')): a score of 0 is exp(0) = 1 after the softmax"),
+    "ln_no_sqrt": ("LayerNorm divides by var + eps, without the square root",
+                   "(x - mean) / torch.sqrt(var + eps), or nn.LayerNorm"),
+    "resid_normed": ("the residual adds the normalized x: x = ln_1(x) + attn(ln_1(x))",
+                     "the residual carries x itself: x = x + attn(ln_1(x))"),
 }
 # Mistakes of the model outside its blocks: key -> (name, what to change).
 MODEL_MISTAKES = {
@@ -412,6 +424,7 @@ def layer_norm_mistakes(x, w, b, eps: float):
     yield "ln_unbiased", layer_norm(x, w, b, eps, True)
     yield "ln_std_eps", layer_norm(x, w, b, eps, True, True)
     yield "ln_std_eps_biased", layer_norm(x, w, b, eps, False, True)
+    yield "ln_no_sqrt", layer_norm(x, w, b, eps, no_sqrt=True)
     for e in EPS_TRIED:
         if e != eps:
             yield f"ln_eps_{e:g}", layer_norm(x, w, b, e)
@@ -425,7 +438,7 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
     if mistake and mistake.startswith("ln_eps_"):
         eps = float(mistake.removeprefix("ln_eps_"))
     ln = lambda t, k: layer_norm(t, w[f"{k}.weight"], w[f"{k}.bias"], eps, unbiased,  # noqa: E731
-                                 mistake in ("ln_std_eps", "ln_std_eps_biased"))
+                                 mistake in ("ln_std_eps", "ln_std_eps_biased"), mistake == "ln_no_sqrt")
     act = _act(cfg.gelu_approximate)
 
     def attn(h):
@@ -436,6 +449,8 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
             ba = 0 * ba
         c_attn = h @ wa + ba                                                   # (1, T, 3d)
         q, k, v = c_attn.split(d, -1)                                          # (1, T, d) each
+        if mistake == "qkv_per_head":  # (1, T, H, 3 dh) split on the last axis, each head's q | k | v
+            q, k, v = (t.reshape(1, T, d) for t in c_attn.reshape(1, T, H, 3 * dh).split(dh, -1))
         if mistake == "q_k_swapped":
             q, k = k, q
         heads = lambda t: t.reshape(1, T, H, dh).transpose(1, 2)               # noqa: E731  (1, H, T, dh)
@@ -449,7 +464,7 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
         mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None], "mask_excludes_self": i[None, :] >= i[:, None],
                 "mask_off_by_one": i[None, :] > i[:, None] + 1}.get(mistake, i[None, :] > i[:, None])
         if mask is not None and mistake != "mask_after_softmax":
-            att = att.masked_fill(mask, float("-inf"))
+            att = att.masked_fill(mask, 0.0 if mistake == "mask_zero_fill" else float("-inf"))
         p = torch.softmax(att, dim=-2 if mistake == "softmax_axis" else -1)
         if mistake == "mask_after_softmax":
             p = p.masked_fill(mask, 0.0)
@@ -474,7 +489,7 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
         return {"ln_1": h1, **a, "attn_resid": h1 + m["ffn"], "ln_2": out, **m, "block": out}
     h1 = ln(x, "ln_1")
     a = attn(h1)
-    r = a["attn_out"] if mistake == "no_resid_attn" else x + a["attn_out"]
+    r = a["attn_out"] if mistake == "no_resid_attn" else (h1 if mistake == "resid_normed" else x) + a["attn_out"]
     h2 = ln(r, "ln_2")
     m = mlp(h2)
     return {"ln_1": h1, **a, "attn_resid": r, "ln_2": h2, **m,

@@ -80,6 +80,14 @@ def super_message(name, e) -> str:
             f"(nn.Module sets itself up there; without it torch says: {e})")
 
 
+class NoIPython:
+    """What `get_ipython()` returns in a notebook exported to .py (nbconvert writes `get_ipython().run_line_magic(
+    'matplotlib', 'inline')` for %matplotlib, `.system(...)` for !pip): every magic and shell command does nothing."""
+
+    def __getattr__(self, name):
+        return lambda *args, **kwargs: None
+
+
 def load_object(target: str):
     """(object, label) for FILE.py:NAME; the file is imported as a module from its path (its __main__ block
     does not run)."""
@@ -102,6 +110,7 @@ def load_object(target: str):
     name_in_sys = ".".join(dotted) if len(dotted) > 1 else f"gpt2ffn_check_{path.stem}"
     spec = importlib.util.spec_from_file_location(name_in_sys, path)
     module = importlib.util.module_from_spec(spec)
+    module.get_ipython = NoIPython  # a notebook's export (nbconvert): its %magics and !commands do nothing here
     sys.modules[spec.name] = module  # @dataclass and pickling look a class's module up by name
     try:
         if len(dotted) > 1:
@@ -199,9 +208,9 @@ class BothStyles(dict):
             raise AttributeError(f"config has no field {name!r}; it has {', '.join(self)}") from None
 
 
-def _call(cls, args: list, how: str, cfg_label: str, cfg=None):
+def _call(cls, args: list, how: str, cfg_label: str, cfg=None, kwargs=None):
     try:
-        return cls(*args)
+        return cls(*args, **(kwargs or {}))
     except Exception as e:
         who = super_missing(e)
         if who:
@@ -240,13 +249,23 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
         sig = None
     params = [] if sig is None else [p for p in sig.parameters.values()
                                      if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)]
+    named = [] if sig is None else [p for p in sig.parameters.values()
+                                    if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    values, raw = (ref, None) if config is None else override(config, ref)
+    fields = gpt2_values(values)
+    if named and not (len(params) == 1 and params[0].name in WIDTH_ARGS) \
+            and all(p.name in fields or p.default is not p.empty for p in named) \
+            and any(p.name in fields for p in named):
+        # GPT(vocab_size=..., n_embd=..., ...): each argument a GPT-2 field's name gets its value
+        kw = {p.name: (raw or {}).get(p.name, fields[p.name]) for p in named if p.name in fields}
+        how = f"{cls.__name__}({', '.join(f'{n}={v!r}' for n, v in kw.items())})"
+        return _call(cls, [], how, "", kwargs=kw), how
     if len(params) > 1 or (params and params[0].kind is inspect.Parameter.KEYWORD_ONLY):
         raise CheckError(f"{cls.__name__}{sig} wants {', '.join(p.name for p in params)}; check builds a class with "
                          f"one config dict (GPT_CONFIG_124M) or its file's config class: make an instance in "
                          f"your file (ffn = {cls.__name__}(...)) and check that (FILE.py:ffn)")
     if not params:
         return _call(cls, [], f"{cls.__name__}()", ""), f"{cls.__name__}()"
-    values, raw = (ref, None) if config is None else override(config, ref)
     if params[0].name in WIDTH_ARGS:  # FeedForward(n_embd) (Karpathy's lecture), the book's LayerNorm(emb_dim)
         how = f"{cls.__name__}({params[0].name}={values.n_embd})"
         return _call(cls, [values.n_embd], how, ""), how
@@ -272,6 +291,10 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     except AttributeError as e:
         if "'dict' object has no attribute" not in str(e):
             _call(cls, [book], f"{cls.__name__}({label})", label, book)  # re-raise it as a CheckError
+    except KeyError as e:  # the dict read with another style's keys (cfg["n_embd"]): both styles answer below
+        key = e.args[0] if e.args else None
+        if key in book or key not in fields:
+            _call(cls, [book], f"{cls.__name__}({label})", label, book)
     except Exception:
         _call(cls, [book], f"{cls.__name__}({label})", label, book)
     both = BothStyles({**gpt2_values(values), **book})
