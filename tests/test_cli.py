@@ -30,6 +30,8 @@ def test_gelu_plot(tmp_path, capsys):
     png = tmp_path / "gelu.png"
     assert main(["gelu", "--plot", str(png)]) == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert main(["gelu", "--plot", str(tmp_path / "noext")]) == 0  # the file written is the file named
+    assert capsys.readouterr().out.endswith(f"wrote {tmp_path / 'noext.png'}\n") and (tmp_path / "noext.png").is_file()
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -37,6 +39,16 @@ def test_gelu_plot(tmp_path, capsys):
     (["nope"], "invalid choice: 'nope'"),
     (["gelu", "abc"], "invalid float value: 'abc'"),
     ([], "the following arguments are required: command"),
+    # from an outside round of the CLI: each was taken (or a Python class name) before
+    (["gelu", "--plot", "/"], "argument --plot: / is a directory; give a file in it"),
+    (["gelu", "--plot", ""], "argument --plot: give a file name"),
+    (["gelu", "--plot", "x.txt"], "argument --plot: x.txt: write .png, .pdf, .svg, not .txt"),
+    (["gelu", "--plot", "/nonexistent/x.png"], "error: /nonexistent/x.png: No such file or directory"),
+    (["extract", "--model", "random:tiny", "--ids", "1", "--out", ""], "argument --out: give a directory"),
+    (["extract", "--model", "random:tiny", "--ids", "1,,2", "--out", "o"], "argument --ids: expected comma-separated"),
+    (["verify", "--golden", "g", "--repeat", "0"], "argument --repeat: an int >= 1, got '0'"),
+    (["bench", "--repeats", "5"], "argument --repeats: an int >= 10, got '5'"),
+    (["generate", "--model", "random:tiny", "--ids", "1,2", "--stop", ""], "--stop takes non-empty strings"),
 ])
 def test_errors_are_one_line_exit_2(argv, message, capsys):
     assert main(argv) == 2
@@ -157,3 +169,33 @@ def test_bench_accuracy_fits_a_small_context():
     from gpt2ffn.bench import bench_accuracy
     r = bench_accuracy("random:tiny", ("int8",), log=lambda *a: None)
     assert r["positions"] == 128 and 0 <= r["precisions"]["int8"]["mean_kld"] < 1e-2
+
+
+def test_generate_fits_its_default_length_to_a_small_context(tmp_path, capsys):
+    """No --max-new-tokens on an 8-position model: the room the context has (it was 50, refused); given, checked."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=8, vocab_size=64)).save_pretrained(tmp_path)
+    assert main(["generate", "--model", str(tmp_path), "--ids", "1,2"]) == 0
+    assert "2 prompt + 6 new tokens" in capsys.readouterr().err
+    assert main(["generate", "--model", str(tmp_path), "--ids", "1,2", "--max-new-tokens", "7"]) == 2
+
+
+def test_extract_into_an_old_set_removes_its_files(tmp_path, capsys):
+    """A 1-block set over a 2-block one leaves no h1_* file behind (an engine reading by name took them)."""
+    assert main(["extract", "--model", "random:tiny", "--ids", "1,2", "--layers", "all", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "h1_ffn.npy").is_file()
+    (tmp_path / "mine.txt").write_text("a file of the user's: kept")
+    assert main(["extract", "--model", "random:tiny", "--ids", "1,2", "--layers", "0", "--out", str(tmp_path)]) == 0
+    assert not list(tmp_path.glob("h1_*")) and (tmp_path / "mine.txt").is_file()
+
+
+def test_an_untied_head_is_no_reference(tmp_path, capsys):
+    """A checkpoint whose lm_head differs from wte: extract wrote logits from that head under a manifest saying
+    ln_f @ wte^T, and check failed a correct model against it; both refuse it, as generate and verify do."""
+    import torch
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, n_positions=16, vocab_size=64,
+                               tie_word_embeddings=False)).save_pretrained(tmp_path / "m")
+    assert main(["extract", "--model", str(tmp_path / "m"), "--ids", "1,2", "--out", str(tmp_path / "g")]) == 2
+    assert "its lm_head.weight differs from wte" in capsys.readouterr().err

@@ -70,10 +70,26 @@ def cmd_gelu(args):
 
 
 def _ids(text):
+    parts = text.split(",")
     try:
-        return [int(t) for t in text.split(",") if t.strip()]
+        ids = [int(t) for t in parts if t.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 15496,11,616, got {text!r}") from None
+        ids = None
+    if ids is None or len(ids) != len(parts) and text.strip():  # 1,,2: a missing id, not 1,2
+        raise argparse.ArgumentTypeError(f"expected comma-separated token ids like 15496,11,616, got {text!r}")
+    return ids
+
+
+def _at_least(least: int):
+    def check(text):
+        try:
+            n = int(text)
+        except ValueError:
+            n = None
+        if n is None or n < least:
+            raise argparse.ArgumentTypeError(f"an int >= {least}, got {text!r}")
+        return n
+    return check
 
 
 def _counts(text):
@@ -95,6 +111,32 @@ def _port(text):
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"a TCP port is an int in [0, 65535], got {text!r}")
     return port
+
+
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
+def _plot_file(text):
+    """--plot's file: named, not a directory, a format matplotlib writes (no suffix: .png, said as written)."""
+    path = Path(text)
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a file name, e.g. --plot gelu.png")
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file in it, e.g. {path / 'plot.png'}")
+    if not path.suffix:
+        return str(path) + ".png"
+    if path.suffix.lower() not in PLOT_FORMATS:
+        raise argparse.ArgumentTypeError(f"{text}: write {', '.join(PLOT_FORMATS)}, not {path.suffix}")
+    return text
+
+
+def _out_dir(text):
+    """A directory to write into: named (an empty string would write into the current directory)."""
+    if not text.strip():
+        raise argparse.ArgumentTypeError("give a directory, e.g. --out golden")
+    if Path(text).exists() and not Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file; give a directory")
+    return text
 
 
 def _tol(text):
@@ -268,10 +310,15 @@ def cmd_generate(args):
                             need_tokenizer=args.ids is None)
     if tok is None and args.stop:
         raise UsageError("gpt2ffn generate: --stop needs the checkpoint's tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+    if any(not st for st in args.stop):
+        raise UsageError("gpt2ffn generate: --stop takes non-empty strings (an empty one would stop at once)")
     decode = tok.decode if tok is not None else None
-    s = Sampling(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     ids = tok.encode(args.prompt) if args.ids is None else args.ids
+    new = args.max_new_tokens
+    if new is None:  # not given: 50, or what the context has room for (an 8-position model's 2-token prompt: 6)
+        new = max(1, min(50, model.config.n_positions - len(ids)))
+    s = Sampling(max_new_tokens=new, temperature=args.temperature, top_k=args.top_k,
+                 top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     if rank != 0:  # --tp: the other ranks run rank 0's forward passes on their shards
         engine_for(model, [ids], s, decode).follow()
         return _leave(args.tp)
@@ -370,7 +417,7 @@ def build_parser() -> Parser:
 
     p = sub.add_parser("gelu", help="print GELU (tanh and exact) at points, or plot both with ReLU")
     p.add_argument("x", nargs="*", type=float, help="points to evaluate, e.g. -2 0.5 3")
-    p.add_argument("--plot", metavar="FILE", help="write a PNG: tanh GELU, exact GELU, ReLU, and exact - tanh")
+    p.add_argument("--plot", metavar="FILE", type=_plot_file, help="write a PNG: tanh GELU, exact GELU, ReLU, and exact - tanh")
     p.set_defaults(func=cmd_gelu)
     p = sub.add_parser("extract", help="write golden tensors from HF GPT-2 (forward hooks) with a manifest")
     p.add_argument("--model", required=True, help="HF checkpoint directory, or random:<preset>[:seed] "
@@ -378,7 +425,7 @@ def build_parser() -> Parser:
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--prompt", help="text, encoded with the tokenizer in the model directory")
     src.add_argument("--ids", type=_ids, help="token ids, e.g. 15496,11,616")
-    p.add_argument("--out", required=True, help="output directory")
+    p.add_argument("--out", required=True, type=_out_dir, help="output directory")
     p.add_argument("--layers", default="0", help="blocks to extract: comma-separated (0,3) or 'all' (default 0)")
     p.add_argument("--format", choices=("npy", "bin", "safetensors"), default="npy",
                    help="npy: a .npy file per tensor (default); bin: raw little-endian float32 per tensor, C order, "
@@ -395,10 +442,10 @@ def build_parser() -> Parser:
     p.add_argument("--atol", type=_atol, default=1e-4, help="absolute tolerance (default 1e-4, seed 001's)")
     p.add_argument("--tol", type=_tol, action="append", default=[], metavar="KEY=ATOL",
                    help="per-checkpoint tolerance by number (09), stage (ffn) or tensor (h0_ffn); repeatable")
-    p.add_argument("--repeat", type=int, default=1, help="also check that N runs are bit-identical")
+    p.add_argument("--repeat", type=_at_least(1), default=1, help="also check that N runs are bit-identical")
     p.add_argument("--strict", action="store_true", help="a missing candidate file counts as a failure")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plot", metavar="FILE", help="also write a PNG: max abs diff per checkpoint and layer, "
+    p.add_argument("--plot", metavar="FILE", type=_plot_file, help="also write a PNG: max abs diff per checkpoint and layer, "
                    "tolerance as a line, failing bars marked")
     p.set_defaults(func=cmd_verify)
 
@@ -432,7 +479,7 @@ def build_parser() -> Parser:
                    "without a tokenizer then streams the new ids")
     p.add_argument("--model", help="HF checkpoint directory or random:<preset>[:seed]; default: "
                    "openai-community/gpt2 from the local HF cache")
-    p.add_argument("--max-new-tokens", type=int, default=50)
+    p.add_argument("--max-new-tokens", type=int, help="default 50, or the room the context has left")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
@@ -499,7 +546,7 @@ def build_parser() -> Parser:
     p.add_argument("--quick", action="store_true", help="a small grid (d=768; tokens 1, 64, 512)")
     p.add_argument("--dims", type=_counts, help="n_embd values, e.g. 768,1600 (default 768,1024,1280,1600)")
     p.add_argument("--tokens", type=_counts, help="token counts, e.g. 1,64,2048 (default 1,8,64,512,2048)")
-    p.add_argument("--repeats", type=int, default=15, help="timed runs per point after warm-up (>= 10)")
+    p.add_argument("--repeats", type=_at_least(10), default=15, help="timed runs per point after warm-up (>= 10)")
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
     p.add_argument("--model", action="store_true", help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF")
@@ -516,12 +563,15 @@ def build_parser() -> Parser:
                         "with --model: random:<preset>[:seed], the size timed (gpt2, gpt2-medium, -large, -xl)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
                    help="where the timed modules run (auto: CUDA when present; default cpu)")
-    p.add_argument("--out", default="benchmarks/results", help="where the JSON and PNG go")
+    p.add_argument("--out", default="benchmarks/results", type=_out_dir, help="where the JSON and PNG go")
     p.set_defaults(func=cmd_bench)
     return parser
 
 
 def main(argv=None) -> int:
+    # HF's progress bars and config warnings ("Loading weights: 100%|...") are not the CLI's one-line output
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         args = build_parser().parse_args(argv)
         return args.func(args)
@@ -531,8 +581,12 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # `gpt2ffn verify --json | head`: the reader has gone; say nothing more (Python's recipe)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except (OSError, ValueError, TypeError) as e:
-        print(f"error: {type(e).__name__}: {e}".splitlines()[0], file=sys.stderr)
+    except OSError as e:  # a file that cannot be read or written: what happened, to which file
+        print(f"error: {e.filename}: {e.strerror}" if e.filename and e.strerror else f"error: {e}".splitlines()[0],
+              file=sys.stderr)
+        return 2
+    except (ValueError, TypeError) as e:
+        print(f"error: {e}".splitlines()[0], file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         return 130

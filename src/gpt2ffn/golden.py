@@ -153,6 +153,10 @@ def load_reference(source: str):
                                                              dtype=torch.float32).eval()
     except Exception as e:
         raise CheckpointError(f"HF transformers could not load {path}: {str(e).splitlines()[0]}") from None
+    if not torch.equal(model.lm_head.weight, model.transformer.wte.weight):  # the golden sets' logits are ln_f @ wte^T
+        raise ConfigError(f"{path / 'config.json'} sets tie_word_embeddings=false and its lm_head.weight differs "
+                          "from wte: GPT-2 ties the LM head to wte, as the golden sets' logits (ln_f @ wte^T) and "
+                          "gpt2ffn's GPT-2 do, so it is not a GPT-2 to judge against or take golden tensors from")
     files = {p.name: sha256(p) for p in sorted(path.iterdir())
              if p.suffix in (".safetensors", ".bin") or p.name.endswith(".index.json")}
     return model, cfg, {"source": str(path.resolve()), "files": files}
@@ -231,6 +235,22 @@ def parse_layers(spec: str, n_layer: int) -> list:
     return layers
 
 
+def remove_old_set(out_dir: Path):
+    """A golden set written there before: its files go first (a set of other layers or another model left files an
+    engine reading by name would take: h1_*.npy beside a 1-block set). Only the files its manifest names."""
+    old = out_dir / "manifest.json"
+    try:
+        m = json.loads(old.read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(m, dict) or not isinstance(m.get("tensors"), dict):
+        return
+    names = [e.get("file") for e in m["tensors"].values() if isinstance(e, dict)] + [m.get("token_ids_file"), BUNDLE]
+    for name in {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}:
+        (out_dir / name).unlink(missing_ok=True)
+    old.unlink()
+
+
 def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progress=True,
             file_format="npy") -> dict:
     """Write golden tensors, block weights and manifest.json to out_dir, as file_format (FILE_FORMATS).
@@ -263,6 +283,7 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
             entries[alias] = dict(entries[name], kind="alias", alias_of=name)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
+    remove_old_set(out_dir)
     arrays = {name: np.ascontiguousarray(tensors[name], dtype="<f4") for name in entries}
     if file_format == "safetensors":
         from safetensors.numpy import save_file
