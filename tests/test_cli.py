@@ -49,6 +49,10 @@ def test_gelu_plot(tmp_path, capsys):
     (["verify", "--golden", "g", "--repeat", "0"], "argument --repeat: an int >= 1, got '0'"),
     (["bench", "--repeats", "5"], "argument --repeats: an int >= 10, got '5'"),
     (["generate", "--model", "random:tiny", "--ids", "1,2", "--stop", ""], "--stop takes non-empty strings"),
+    (["generate", "--model", "", "x"], "--model is empty"),
+    (["serve", "--model", ""], "--model is empty"),
+    (["bench", "--batch", "4"], "--batch applies to --model"),
+    (["bench", "--weights", "random:tiny"], "--weights applies to --model or --accuracy"),
 ])
 def test_errors_are_one_line_exit_2(argv, message, capsys):
     assert main(argv) == 2

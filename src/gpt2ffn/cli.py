@@ -291,6 +291,12 @@ def cmd_gelu_effect(args):
 def cmd_bench(args):
     """Side-by-side timings against the peers."""
     from .bench import run, summarize
+    given = {"--batch": args.batch is not None and not args.model, "--precision": args.precision is not None and not
+             (args.model or args.accuracy), "--weights": args.weights != "random:gpt2" and not (args.model or
+             args.accuracy)}
+    for flag, alone in given.items():  # a flag the FFN grid does not read would be ignored: say so before it runs
+        if alone:
+            raise UsageError(f"gpt2ffn bench: {flag} applies to --model{'' if flag == '--batch' else ' or --accuracy'}")
     result = run(args)
     if "forward" in result:
         print("\n" + summarize(result))

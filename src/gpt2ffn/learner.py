@@ -142,6 +142,8 @@ def override(config, base: Config | None = None) -> tuple:
     if isinstance(config, dict):
         return dataclasses.replace(base or Config(), **Config.fields_of(config, ignore_unknown=True)), config
     text = str(config)
+    if Path(text).is_dir():
+        raise CheckError(f"--config {text} is a directory: give JSON text, a .json file or a preset name")
     if text.lstrip().startswith(("{", "[")) or text.endswith(".json"):
         try:
             d = json.loads(Path(text).read_text() if text.endswith(".json") else text)

@@ -60,6 +60,9 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     activations: 'fp32' or 'int8' (integer dot products, int8/int4 weights on the CPU); None: the machine's
     default for the precision (kernels.packed.default_activations). kv_dtype: the KV caches' dtype
     (GPT2.kv_dtype; None: its default, fp16 for bf16/int8/int4 weights on the CPU, else the weights' dtype)."""
+    if spec is not None and not spec.strip():
+        raise Gpt2ffnError("--model is empty: give a checkpoint directory, a model id in the local HF cache, or "
+                           "random:<preset>[:seed]")
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if device.startswith("cuda"):

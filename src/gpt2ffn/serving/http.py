@@ -624,6 +624,9 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     import uvicorn
     if any(not name.strip() for name in served_names) or len(set(served_names)) < len(served_names):
         raise Gpt2ffnError(f"--served-model-name takes distinct, non-empty names, got {list(served_names)}")
+    if model_spec is not None and not model_spec.strip():
+        raise Gpt2ffnError("--model is empty: give a checkpoint directory, a model id in the local HF cache, or "
+                           "random:<preset>[:seed]")
     if model_spec and model_spec.startswith("random:"):
         parse_random(model_spec)  # an unknown preset is one line here, before "serving on"
     elif model_spec and not Path(model_spec).is_dir():
