@@ -12,7 +12,7 @@ from gpt2ffn.check_model import reference
 from gpt2ffn.cli import main
 from gpt2ffn.diagnose import MISTAKES, MODEL_MISTAKES, block_forward
 from gpt2ffn.tolerances import GOLDEN_ATOL
-from learners import BOOK, HF, MHA, MINGPT, MUTANTS, NANOGPT, plant
+from learners import BOOK, HF, MHA, MINGPT, MUTANTS, NANOGPT, OWN_PARAMS, plant
 
 TINY = "random:tiny:3"  # n_embd 64, 2 blocks, 4 heads, vocab 512, 128 positions: the fast reference
 
@@ -436,6 +436,8 @@ class FeedForward(nn.Module):
 @pytest.mark.parametrize("source, target, said", [
     (MHA, "GPTModel", "PASS: learner.py:GPTModel computes GPT-2"),                       # nn.MultiheadAttention
     (MHA.replace("attn_mask=self.mask[:T, :T], ", ""), "GPTModel", "no causal mask"),   # ... and a mistake in it
+    (OWN_PARAMS, "GPT", "PASS"),                                                          # attention's own Parameters
+    (OWN_PARAMS.replace("y @ self.c_proj_w", "y @ self.c_proj_w.T"), "GPT", "attn.c_proj weight not transposed"),
     (NANOGPT.replace("return logits, loss", "return {'logits': logits, 'loss': loss}"), "GPT", "PASS"),  # a dict
     (NANOGPT + "\nmodel = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=64))"
                ".to(torch.bfloat16)\n", "model", "PASS"),                                 # kept in bf16

@@ -127,7 +127,7 @@ def _common(names: list) -> str:
 def _blocks(model: nn.Module) -> tuple:
     """(name, container) of the learner's transformer blocks: the list of same-type modules with most weights."""
     found = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.ModuleList, nn.Sequential)) and len(m)
-             and len({type(c) for c in m}) == 1 and sum(_weight2d(x) is not None for x in m[0].modules()) >= 3]
+             and len({type(c) for c in m}) == 1 and sum(p.dim() == 2 for p in m[0].parameters()) >= 3]
     if not found:
         raise CheckError(f"{type(model).__name__} has no list of transformer blocks (an nn.ModuleList or "
                          "nn.Sequential of blocks, each with attention and an FFN)")
@@ -207,19 +207,37 @@ def find_structure(model: nn.Module, cfg: Config) -> Structure:
     return Structure(Part(*wte), Part(*wpe), blocks, Part(*norms[0]), lm_head, style)
 
 
-class InProjection(nn.Module):
-    """nn.MultiheadAttention's in_proj_weight [3d, d] and in_proj_bias as a layer (GPT-2's c_attn, [out, in]):
-    the same Parameters, so loading it loads the learner's. Never called (MHA reads them directly): no stage."""
+class OwnLinear(nn.Module):
+    """A layer's weight and bias that a module reads directly, as a layer: nn.MultiheadAttention's in_proj_weight
+    [3d, d] and in_proj_bias (GPT-2's c_attn, [out, in]), or a module's own Parameters (`c_attn_w [d, 3d]`,
+    `c_attn_b`: x @ W + b). The same Parameters, so loading it loads the learner's; never called: no stage of its
+    own (the module holding it gives the attention output)."""
 
-    def __init__(self, mha: nn.MultiheadAttention):
+    def __init__(self, weight, bias):
         super().__init__()
-        self.weight, self.bias = mha.in_proj_weight, mha.in_proj_bias
+        self.weight, self.bias = weight, bias
+
+
+def _own_layers(name: str, m: nn.Module) -> list:
+    """(name, layer) of what a leaf module holds: itself, or per matrix of its own Parameters an OwnLinear (its
+    bias the vector whose name has the same stem: c_attn_w / c_attn_b, W_proj / b_proj)."""
+    if isinstance(m, nn.MultiheadAttention) and m.in_proj_weight is not None:
+        return [(f"{name}.in_proj", OwnLinear(m.in_proj_weight, m.in_proj_bias))]
+    own = [(k, p) for k, p in m._parameters.items() if p is not None]
+    mats = [(k, p) for k, p in own if p.dim() == 2]
+    if not mats or [k for k, _ in mats] == ["weight"]:
+        return [(name, m)]
+    stem = lambda k, tail: re.sub(rf"(^|[._])({tail})$|^({tail})[._]", "", k, flags=re.I)  # noqa: E731
+    out = []
+    for k, w in mats:
+        b = next((p for j, p in own if p.dim() == 1 and stem(j, "bias|b") == stem(k, "weight|w")), None)
+        out.append((f"{name}.{stem(k, 'weight|w') or k}", OwnLinear(w, b)))
+    return out
 
 
 def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
     d, hidden = cfg.n_embd, cfg.hidden
-    leaves = [(f"{n}.in_proj", InProjection(m)) if isinstance(m, nn.MultiheadAttention) and m.in_proj_weight
-              is not None else (n, m) for n, m in _leaves(block)]
+    leaves = [x for n, m in _leaves(block) for x in _own_layers(n, m)]
     norms = [(n, m) for n, m in leaves if _is_norm(m, d)]
     lin = [(n, m) for n, m in leaves if _weight2d(m) is not None]
     strange = [n for n, m in leaves if (n, m) not in norms + lin]
@@ -411,8 +429,8 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
                 hooks.append(m.register_forward_pre_hook(lambda mod, a, i=i: keep(f"h{i}_attn_probs", a[0]) if (
                     a[0].dim() == 4 and tuple(a[0].shape[-3:]) == (H, T, T)) else None))
         hook("attn.c_proj", out(f"h{i}_attn_out"))
-        if isinstance(r["attn"].module, nn.MultiheadAttention):  # it reads out_proj's weight without calling it
-            hook("attn", out(f"h{i}_attn_out"))
+        if isinstance(r["attn.c_proj"].module, OwnLinear) or isinstance(r["attn"].module, nn.MultiheadAttention):
+            hook("attn", out(f"h{i}_attn_out"))  # its projection is read, not called (MHA's out_proj, x @ W + b)
         hook("ln_2", first_input(f"h{i}_attn_resid"), pre=True)
         hook("ln_2", out(f"h{i}_ln_2"))
         hook("mlp.c_fc", out(f"h{i}_c_fc"))
