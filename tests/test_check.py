@@ -434,7 +434,7 @@ def test_tanh_where_the_config_says_exact(tmp_path, capsys):
     (SEED_002 + "\nffn = FeedForward({'emb_dim': 500})\n", "ffn",
      "first linear layer layers.0 maps 500 -> 2000; GPT-2 here (random:tiny:3) has n_embd=64, c_fc maps 64 -> 256; "
      "500 fits no GPT-2 width (768, 1024, 1280, 1600)"),
-    (SEED_002.replace("4 * cfg", "8 * cfg"), "FeedForward", "hidden width is 512 (8x n_embd), wider than GPT-2's 256"),
+    (SEED_002.replace("4 * cfg", "8 * cfg"), "FeedForward", "hidden width is 512 (8x n_embd), wider than the reference's 256"),
     ("""
         class Wants(nn.Module):
             def __init__(self, cfg):

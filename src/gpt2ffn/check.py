@@ -310,8 +310,11 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
     if hidden // 2 != o1 < hidden:  # named as a variant of its own width
         case = dataclasses.replace(case, width=o1, _known=None)
     if o1 > hidden:
-        raise CheckError(f"{name}'s hidden width is {o1} ({o1 / d:g}x n_embd), wider than GPT-2's {hidden} "
-                         f"({hidden / d:g}x): no GPT-2 weights fit it; use nn.Linear(emb_dim, 4 * emb_dim)")
+        fix = ("use nn.Linear(emb_dim, 4 * emb_dim)" if hidden == 4 * d else
+               f"this reference's FFN is n_inner = {hidden} wide (not 4 x n_embd): build c_fc as "
+               f"nn.Linear(n_embd, n_inner) from the checkpoint's config")
+        raise CheckError(f"{name}'s hidden width is {o1} ({o1 / d:.4g}x n_embd), wider than the reference's {hidden} "
+                         f"({hidden / d:.4g}x): no GPT-2 weights fit it; {fix}")
     w = case.weights
     notes = [_load(l1, w["c_fc.weight"][:, :o1], w["c_fc.bias"][:o1], lay1, n1),
              _load(l2, w["c_proj.weight"][:o1], w["c_proj.bias"], lay2, n2)]
