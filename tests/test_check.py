@@ -163,6 +163,15 @@ mlp = MLP(64, 256)
     (SEED_003, "mlp"),
     (SEED_003, "MLP"),  # the class itself: MLP(embed_dim, intermediate_size), GPT-2 fields' names, given their values
     ("""
+        class Defaults(nn.Module):  # arguments with defaults keep them (hidden_size here the FFN's width, not HF's)
+            def __init__(self, n_embd=64, hidden_size=256):
+                super().__init__()
+                self.c_fc, self.c_proj = nn.Linear(n_embd, hidden_size), nn.Linear(hidden_size, n_embd)
+
+            def forward(self, x):
+                return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        """, "Defaults"),
+    ("""
         from dataclasses import dataclass
 
 
@@ -748,7 +757,7 @@ def test_an_ffn_holding_its_weights_as_parameters(golden, tmp_path, capsys, appr
     f = learner_file(tmp_path, SEED_001_PARAMS.replace("APPROX", approx))
     code, out, err = run(["check", f"{f}:FFN", "--golden", golden], capsys)
     assert out.splitlines()[-1].startswith(verdict), out + err
-    assert "c_fc = c_fc (OwnParameters, [in, out]), c_proj = c_proj (OwnParameters, [in, out])" in out
+    assert "c_fc = c_fc (OwnLinear, [in, out]), c_proj = c_proj (OwnLinear, [in, out])" in out
 
 
 def test_layers_are_taken_in_the_order_the_forward_calls_them(golden, tmp_path, capsys):

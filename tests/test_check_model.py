@@ -433,6 +433,16 @@ class FeedForward(nn.Module):
 '''
 
 
+W1B1 = """        d = config.n_embd
+        self.W1, self.b1 = nn.Parameter(torch.zeros(d, 4 * d)), nn.Parameter(torch.zeros(4 * d))
+        self.W2, self.b2 = nn.Parameter(torch.zeros(4 * d, d)), nn.Parameter(torch.zeros(d))
+        self.gelu = nn.GELU(approximate="tanh")
+
+    def forward(self, x):
+        return self.gelu(x @ self.W1 + self.b1) @ self.W2 + self.b2
+"""
+
+
 @pytest.mark.parametrize("source, target, said", [
     (MHA, "GPTModel", "PASS: learner.py:GPTModel computes GPT-2"),                       # nn.MultiheadAttention
     (MHA.replace("attn_mask=self.mask[:T, :T], ", ""), "GPTModel", "no causal mask"),   # ... and a mistake in it
@@ -442,10 +452,12 @@ class FeedForward(nn.Module):
     (NANOGPT + "\nmodel = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=64))"
                ".to(torch.bfloat16)\n", "model", "PASS"),                                 # kept in bf16
     (NANOGPT.replace("    def __init__(self, config):\n        super().__init__()\n        self.config = config\n",
-                     "    def __init__(self, vocab_size=50257, block_size=1024, n_layer=12, n_head=12, n_embd=768, "
-                     "dropout=0.0, bias=True):\n        super().__init__()\n        self.config = config = GPTConfig("
+                     "    def __init__(self, *, vocab_size, block_size, n_layer, n_head, n_embd, dropout=0.0, "
+                     "bias=True):\n        super().__init__()\n        self.config = config = GPTConfig("
                      "block_size, vocab_size, n_layer, n_head, n_embd, dropout, bias)\n"),
-     "GPT", "PASS"),                                                                       # keyword arguments
+     "GPT", "PASS"),                                                       # required keyword arguments, GPT-2's names
+    (re.sub(r"(class MLP\(nn.Module\):\n\n    def __init__\(self, config\):\n        super\(\).__init__\(\)\n)"
+            r"(.|\n)*?(\n\nclass Block)", lambda m: m[1] + W1B1 + m[3], NANOGPT), "GPT", "PASS"),  # W1, b1 Parameters
     (re.sub(r"config\.(\w+)", r'config["\1"]', re.sub(r"@dataclass\nclass GPTConfig:\n(    .*\n)+", "", NANOGPT)),
      "GPT", "PASS"),                                                                       # cfg["n_embd"], a dict
 ])

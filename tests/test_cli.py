@@ -191,6 +191,12 @@ def test_extract_into_an_old_set_removes_its_files(tmp_path, capsys):
     (tmp_path / "mine.txt").write_text("a file of the user's: kept")
     assert main(["extract", "--model", "random:tiny", "--ids", "1,2", "--layers", "0", "--out", str(tmp_path)]) == 0
     assert not list(tmp_path.glob("h1_*")) and (tmp_path / "mine.txt").is_file()
+    other = tmp_path / "other"  # a manifest.json that is not a golden set's: nothing it names is touched
+    other.mkdir()
+    (other / "manifest.json").write_text('{"tensors": {"x": {"file": "mine.txt"}}}')
+    (other / "mine.txt").write_text("kept")
+    assert main(["extract", "--model", "random:tiny", "--ids", "1,2", "--out", str(other)]) == 0
+    assert (other / "mine.txt").read_text() == "kept"
 
 
 def test_an_untied_head_is_no_reference(tmp_path, capsys):

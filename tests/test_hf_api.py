@@ -231,7 +231,7 @@ def test_generate_refuses_what_it_does_not_do_in_one_line(hf_dir):
         ours.generate(torch.tensor([[3, 7, 4]]), pad_token_id=7)
 
 
-def test_what_hf_scripts_read_off_the_model(hf, hf_dir):
+def test_what_hf_scripts_read_off_the_model(hf, hf_dir, tmp_path):
     ours = GPT2.from_pretrained(hf_dir)
     assert ours.device == hf.device and ours.dtype == hf.dtype
     for kw in ({}, {"exclude_embeddings": True}, {"only_trainable": True}):
@@ -249,6 +249,8 @@ def test_what_hf_scripts_read_off_the_model(hf, hf_dir):
         getattr(out, "past_key_values")  # noqa: B009
     for dtype, want in [("auto", torch.float32), ("bfloat16", torch.bfloat16), (torch.float16, torch.float16)]:
         assert GPT2.from_pretrained(hf_dir, dtype=dtype, precision=None).dtype == want
+    half = GPT2.from_pretrained(hf_dir, dtype=torch.bfloat16, precision=None).save_pretrained(tmp_path / "bf16")
+    assert GPT2.from_pretrained(half, dtype="auto", precision=None).dtype == torch.bfloat16  # config.json's dtype
     assert GPT2.from_pretrained(hf_dir, torch_dtype=torch.bfloat16, precision=None).dtype == torch.bfloat16
     with pytest.raises(Gpt2ffnError, match=r"dtype='int8' is not a float dtype \(int8 weights: precision='int8'\)"):
         GPT2.from_pretrained(hf_dir, dtype="int8")
@@ -272,3 +274,4 @@ def test_a_model_id_is_read_from_the_local_hf_cache(hf_dir, tmp_path, monkeypatc
         assert load("openai-community/gpt2", need_tokenizer=False)[2] == "openai-community/gpt2"  # not abc123
     with pytest.raises(Gpt2ffnError, match=r"nor is 'nobody/gpt9' in the local HF cache \(.*hub\); gpt2ffn never"):
         GPT2.from_pretrained("nobody/gpt9")
+    assert GPT2.from_pretrained("gpt2", dtype="auto", precision=None).dtype == torch.float32  # read from the cache

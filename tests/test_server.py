@@ -234,8 +234,14 @@ def test_documented_fields_that_change_nothing_are_taken(server):
              "response_format": {"type": "text"}}
     r = httpx.post(server.url + "/v1/completions", json={**base, **extra})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == want, r.text
-    llama = {**{k: v for k, v in base.items() if k != "max_tokens"}, "n_predict": 6, "repeat_penalty": 1.0}
-    assert httpx.post(server.url + "/v1/completions", json=llama).json()["choices"][0]["text"] == want
+    penalized = httpx.post(server.url + "/v1/completions", json={**base, "repetition_penalty": 1.3}).json()
+    llama = {**{k: v for k, v in base.items() if k != "max_tokens"}, "n_predict": 6, "repeat_penalty": 1.3}
+    got = httpx.post(server.url + "/v1/completions", json=llama).json()
+    assert got["choices"][0]["text"] == penalized["choices"][0]["text"] and got["usage"] == penalized["usage"]
+    for extra in ({"n_predict": None}, {"n_predict": -1, "max_tokens": None}, {"priority": 0.0},  # -1: no limit
+                  {"stream": True, "stream_options": {"include_usage": False, "include_obfuscation": False}}):
+        r = httpx.post(server.url + "/v1/completions", json={**base, **extra})
+        assert r.status_code == 200, (extra, r.text)
 
 
 @pytest.mark.parametrize("content, said", [

@@ -334,3 +334,30 @@ def test_an_eos_token_that_does_not_stop_keeps_its_text(model):
     s = Sampling(max_new_tokens=3, eos_token_id=[37, 0], logit_bias={37: 100.0})
     r = Engine(model, ByteTokenizer().decode).run([Request([1, 2], s, sink=lambda ev: texts.append(ev.text))])[0]
     assert r.output == [37] and r.finish_reason == "stop" and "".join(texts) == ""
+
+
+def test_a_cut_loop_ends_every_request_even_one_submitted_after_it():
+    """Loop.cut (the server's shutdown deadline, a second Ctrl-C): running requests end with an error event saying
+    why, and so does a request that comes after it, whatever the thread was doing (it went through while the
+    idle thread warmed the KV cache). Without a cut the same request runs to its length (the control)."""
+    import threading
+
+    from gpt2ffn.serving.engine import SHUTTING_DOWN, Loop
+    model = load("random:tiny", precision=None)[0]
+
+    def run(loop):
+        done, events = threading.Event(), []
+        loop.submit(Request([1, 2, 3], Sampling(max_new_tokens=40),
+                            sink=lambda ev: (events.append(ev), ev.finish_reason and done.set())))
+        assert done.wait(30)
+        return events[-1]
+
+    loop = Loop(Engine(model, max_batch=2))
+    try:
+        assert run(loop).finish_reason == "length"
+        loop.cut(f"{SHUTTING_DOWN} (a test)")
+        last = run(loop)
+        assert last.finish_reason == "error" and last.text == f"{SHUTTING_DOWN} (a test)"
+        assert run(loop).finish_reason == "error"  # it stays
+    finally:
+        loop.stop()

@@ -13,7 +13,6 @@ which form it computes.
 
 import dataclasses
 import inspect
-import re
 import sys
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -25,12 +24,14 @@ import torch.nn as nn
 from .check_model import (
     DEFAULT_MODEL,
     TOKEN_IDS,
+    OwnLinear,
     block_function_mistake,
     check_model,
     check_model_function,
     is_model,
     is_model_function,
     model_source,
+    own_linears,
 )
 from .config import Config
 from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
@@ -240,10 +241,6 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     return check_ffn(module, in_order(module, linears, ref_cfg.n_embd), name, built, case_of(layer))
 
 
-class OwnParameters(nn.Module):
-    """A linear layer's weight and bias that a module holds as its own Parameters (never called: no stage)."""
-
-
 def raw_linears(module: nn.Module, d: int) -> list:
     """A module holding an FFN's weights as its own Parameters, two matrices and their biases (seed 001's FFN
     struct: c_fc_weight [d, 4d], c_fc_bias, c_proj_weight, c_proj_bias): (name, a stand-in module holding the
@@ -253,18 +250,7 @@ def raw_linears(module: nn.Module, d: int) -> list:
     holders = [c for c in module.children() if any(True for _ in c.parameters())]  # an activation module holds none
     if len(mats) != 2 or any(p.dim() > 2 for _, p in own) or holders:
         return []
-    stem = lambda n, tail: re.sub(rf"[._]?({tail})$", "", n, flags=re.I)  # noqa: E731
-    vecs = [p for _, p in own if p.dim() == 1]
-    out = []
-    for i, (n, w) in enumerate(mats):
-        layer = OwnParameters()
-        layer.weight = w  # the module's own Parameter: loading it loads the learner's
-        by_name = next((p for m, p in own if p.dim() == 1 and stem(m, "bias|b") == stem(n, "weight|w")), None)
-        # else by length (W1, b1, W2, b2 in any order): c_fc's bias is the hidden width, c_proj's n_embd
-        fits = [p for p in vecs if (p.shape[0] == d) == (i == 1)] if len(vecs) == 2 else []
-        layer.bias = by_name if by_name is not None else fits[0] if len(fits) == 1 else None
-        out.append((stem(n, "weight|w") or n, layer))
-    return out
+    return [(n, OwnLinear(w, b)) for n, w, b in own_linears(own, d)]  # loading them loads the learner's
 
 
 def in_order(module: nn.Module, linears: list, d: int) -> list:

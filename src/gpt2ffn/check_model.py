@@ -218,26 +218,45 @@ class OwnLinear(nn.Module):
         self.weight, self.bias = weight, bias
 
 
-def _own_layers(name: str, m: nn.Module) -> list:
-    """(name, layer) of what a leaf module holds: itself, or per matrix of its own Parameters an OwnLinear (its
-    bias the vector whose name has the same stem: c_attn_w / c_attn_b, W_proj / b_proj)."""
+def stem(name: str, tail: str) -> str:
+    """A Parameter's name without its weight / bias mark: c_attn_w, c_fc_weight -> c_attn, c_fc; W1, Wq, W_q -> 1,
+    q, q; weight -> '' (tail: 'weight|w' or 'bias|b')."""
+    cut = re.sub(rf"(^|[._])({tail})$", "", name, flags=re.I)
+    return cut if cut != name else re.sub(rf"^({tail})[._]?", "", name, flags=re.I)
+
+
+def own_linears(own: list, d: int) -> list:
+    """A module's own Parameters as layers: (stem, weight, bias or None) per matrix. A bias is the vector with the
+    matrix's stem (c_attn_w / c_attn_b, W1 / b1, Wq / bq), else the one vector whose length is one of the
+    matrix's sides, else (two matrices, two vectors: an FFN's W1, b1, W2, b2 in any order) the first matrix's
+    the hidden width and the second's n_embd."""
+    mats = [(k, p) for k, p in own if p.dim() == 2]
+    vecs = [(k, p) for k, p in own if p.dim() == 1]
+    bias = {k: next((p for j, p in vecs if stem(j, "bias|b") == stem(k, "weight|w")), None) for k, _ in mats}
+    for k, w in mats:
+        free = [p for _, p in vecs if p.shape[0] in w.shape and all(p is not b for b in bias.values())]
+        if bias[k] is None and len(free) == 1:
+            bias[k] = free[0]
+    if len(mats) == 2 == len(vecs) and any(b is None for b in bias.values()):
+        for i, (k, _) in enumerate(mats):
+            fits = [p for _, p in vecs if (p.shape[0] == d) == (i == 1)]
+            bias[k] = fits[0] if len(fits) == 1 else None
+    return [(stem(k, "weight|w") or k, w, bias[k]) for k, w in mats]
+
+
+def _own_layers(name: str, m: nn.Module, d: int) -> list:
+    """(name, layer) of what a leaf module holds: itself, or per matrix of its own Parameters an OwnLinear."""
     if isinstance(m, nn.MultiheadAttention) and m.in_proj_weight is not None:
         return [(f"{name}.in_proj", OwnLinear(m.in_proj_weight, m.in_proj_bias))]
     own = [(k, p) for k, p in m._parameters.items() if p is not None]
-    mats = [(k, p) for k, p in own if p.dim() == 2]
-    if not mats or [k for k, _ in mats] == ["weight"]:
+    if not any(p.dim() == 2 for _, p in own) or [k for k, p in own if p.dim() == 2] == ["weight"]:
         return [(name, m)]
-    stem = lambda k, tail: re.sub(rf"(^|[._])({tail})$|^({tail})[._]", "", k, flags=re.I)  # noqa: E731
-    out = []
-    for k, w in mats:
-        b = next((p for j, p in own if p.dim() == 1 and stem(j, "bias|b") == stem(k, "weight|w")), None)
-        out.append((f"{name}.{stem(k, 'weight|w') or k}", OwnLinear(w, b)))
-    return out
+    return [(f"{name}.{k}", OwnLinear(w, b)) for k, w, b in own_linears(own, d)]
 
 
 def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
     d, hidden = cfg.n_embd, cfg.hidden
-    leaves = [x for n, m in _leaves(block) for x in _own_layers(n, m)]
+    leaves = [x for n, m in _leaves(block) for x in _own_layers(n, m, d)]
     norms = [(n, m) for n, m in leaves if _is_norm(m, d)]
     lin = [(n, m) for n, m in leaves if _weight2d(m) is not None]
     strange = [n for n, m in leaves if (n, m) not in norms + lin]

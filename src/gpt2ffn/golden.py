@@ -235,20 +235,18 @@ def parse_layers(spec: str, n_layer: int) -> list:
     return layers
 
 
-def remove_old_set(out_dir: Path):
-    """A golden set written there before: its files go first (a set of other layers or another model left files an
-    engine reading by name would take: h1_*.npy beside a 1-block set). Only the files its manifest names."""
-    old = out_dir / "manifest.json"
+def set_files(out_dir: Path) -> set:
+    """The files a golden set there names (its manifest.json's, a gpt2ffn golden set's only): what a new set
+    written there removes of them once it is written (a set of other layers or another model left files an
+    engine reading by name would take: h1_*.npy beside a 1-block set)."""
     try:
-        m = json.loads(old.read_text())
+        m = json.loads((out_dir / "manifest.json").read_text())
     except (OSError, ValueError):
-        return
-    if not isinstance(m, dict) or not isinstance(m.get("tensors"), dict):
-        return
+        return set()
+    if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("tensors"), dict):
+        return set()
     names = [e.get("file") for e in m["tensors"].values() if isinstance(e, dict)] + [m.get("token_ids_file"), BUNDLE]
-    for name in {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}:
-        (out_dir / name).unlink(missing_ok=True)
-    old.unlink()
+    return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
 
 
 def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progress=True,
@@ -283,7 +281,7 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
             entries[alias] = dict(entries[name], kind="alias", alias_of=name)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    remove_old_set(out_dir)
+    old_files = set_files(out_dir)
     arrays = {name: np.ascontiguousarray(tensors[name], dtype="<f4") for name in entries}
     if file_format == "safetensors":
         from safetensors.numpy import save_file
@@ -323,6 +321,8 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
                      "gpt2ffn": __import__("gpt2ffn").__version__},
     }
     (out_dir / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    for name in old_files - set_files(out_dir):  # the old set's files the new one did not write again
+        (out_dir / name).unlink(missing_ok=True)
     return manifest
 
 

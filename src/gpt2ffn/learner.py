@@ -42,6 +42,10 @@ FIELD_NAMES = {
 }
 
 
+# Argument names the keyword path of build() leaves alone: they mean different widths in different code.
+AMBIGUOUS_ARGS = ("hidden_size", "dim", "eps")
+
+
 def gpt2_values(cfg: Config) -> dict:
     """Every field name a learner's config may have -> its value for GPT-2 of cfg's shape (biases on)."""
     value = {k: getattr(cfg, k) for k in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size", "hidden",
@@ -254,12 +258,13 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     named = [] if sig is None else [p for p in sig.parameters.values()
                                     if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
     values, raw = (ref, None) if config is None else override(config, ref)
-    fields = gpt2_values(values)
-    if named and not (len(params) == 1 and params[0].name in WIDTH_ARGS) \
-            and all(p.name in fields or p.default is not p.empty for p in named) \
-            and any(p.name in fields for p in named):
-        # GPT(vocab_size=..., n_embd=..., ...): each argument a GPT-2 field's name gets its value
-        kw = {p.name: (raw or {}).get(p.name, fields[p.name]) for p in named if p.name in fields}
+    # names that say one GPT-2 field and nothing else (hidden_size is HF's width but many a learner's FFN width)
+    fields = {k: v for k, v in gpt2_values(values).items() if k not in AMBIGUOUS_ARGS}
+    required = [p for p in named if p.default is p.empty]
+    if required and not (len(params) == 1 and params[0].name in WIDTH_ARGS) and all(p.name in fields for p in required):
+        # MLP(embed_dim, intermediate_size), GPT(*, vocab_size, n_embd, ...): each required argument a GPT-2 field's
+        # name gets its value; one with a default keeps it, unless --config asks for the reference's values
+        kw = {p.name: fields[p.name] for p in named if p.name in fields and (p in required or config is not None)}
         how = f"{cls.__name__}({', '.join(f'{n}={v!r}' for n, v in kw.items())})"
         return _call(cls, [], how, "", kwargs=kw), how
     if len(params) > 1 or (params and params[0].kind is inspect.Parameter.KEYWORD_ONLY):

@@ -611,11 +611,11 @@ class GPT2(TrainChecked):
         activations: as quantize's ('fp32', 'int8' for int8/int4 weights; None: the machine's default)."""
         if torch_dtype is not None:
             dtype = torch_dtype
+        path = resolve_checkpoint(path)  # a directory, a file, or a model id in the local HF cache
         dtype = torch_dtype_of(dtype, path)
         if precision not in (None, "fp32") and dtype != torch.float32:
             raise ConfigError(f"precision={precision!r} quantizes a float32 model's weights; it does not combine "
                               f"with dtype={dtype} (give precision=None, or dtype=torch.float32)")
-        path = resolve_checkpoint(path)  # a directory, a file, or a model id in the local HF cache
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         model = cls(Config.from_pretrained(directory))
@@ -656,7 +656,8 @@ class GPT2(TrainChecked):
             path.mkdir(parents=True, exist_ok=True)
             save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
             config = self.config.to_hf_dict()
-            config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+            config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"],  # dtype: the tensors', as HF writes
+                          dtype=str(tensors["transformer.wte.weight"].dtype).removeprefix("torch."))
             (path / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         if parallel:
             torch.distributed.barrier()

@@ -401,10 +401,13 @@ def name_os_thread(name: str):
         pass
 
 
+SHUTTING_DOWN = "the server is shutting down"  # how a cut request's error event starts (http.py answers 503)
+
+
 def _halt_at_exit(ref):
     loop = ref()
     if loop is not None:
-        loop.halt("the server is shutting down")
+        loop.halt(SHUTTING_DOWN)
 
 
 class Loop:
@@ -439,7 +442,8 @@ class Loop:
 
     def cut(self, message: str):
         """End every running and waiting request with an error event carrying message, from the engine's own
-        thread at its next turn (between steps): the clients get it and their streams close properly."""
+        thread at its next turn (between steps): the clients get it and their streams close properly. It stays:
+        a request submitted after it is ended the same way."""
         with self.wake:
             self.cutting = message
             self.wake.notify()
@@ -456,7 +460,7 @@ class Loop:
             with self.wake:
                 while not self.engine.has_work() and not self.stopping and self.cold is None:
                     self.wake.wait()
-                cutting, self.cutting = self.cutting, None
+                cutting = self.cutting  # sticky: a request that comes after the cut is cut too
                 if self.stopping and not self.engine.has_work():
                     self.engine.close()
                     return

@@ -42,7 +42,7 @@ from ..model import parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
 from ..weights import cached_snapshot, hub_cache
-from .engine import QueueFull
+from .engine import SHUTTING_DOWN, QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
     ChatCompletion,
@@ -699,7 +699,6 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
 # ends with an error event (a stream closes properly: the client reads why; a whole answer is a 503), and uvicorn,
 # DRAIN_GRACE later, closes the connections. A second Ctrl-C ends them at once, the same way.
 DRAIN_GRACE = 5
-SHUTTING_DOWN = "the server is shutting down"
 
 
 def draining_server():

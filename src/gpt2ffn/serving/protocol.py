@@ -53,6 +53,7 @@ class Body(BaseModel):
 class StreamOptions(Body):
     include_usage: bool = Field(False, description="a last chunk with the usage, and no choices")
     continuous_usage_stats: bool = Field(False, description="vLLM's usage in every chunk: not supported (false only)")
+    include_obfuscation: bool = Field(True, description="OpenAI's padding of stream chunks: accepted; none is added")
 
     @field_validator("continuous_usage_stats")
     @classmethod
@@ -91,6 +92,16 @@ NEUTRAL = {
 }
 
 
+def _same(value, allowed) -> bool:
+    """value is the allowed one: equal and of its kind (a number for a number, 0.0 for 0; not true for 1)."""
+    number = (int, float)
+    if isinstance(value, bool) or isinstance(allowed, bool):
+        return value is allowed
+    if isinstance(value, number) and isinstance(allowed, number):
+        return value == allowed
+    return type(value) is type(allowed) and value == allowed
+
+
 class SamplingFields(Body):
     """What completions and chat share: OpenAI's sampling fields and the common extras of vLLM and
     llama-server (n_predict and repeat_penalty are llama-server's names of max_tokens and repetition_penalty).
@@ -106,16 +117,18 @@ class SamplingFields(Body):
             return data
         data = dict(data)
         for theirs, ours in (("n_predict", "max_tokens"), ("repeat_penalty", "repetition_penalty")):
-            if theirs in data:
-                if ours in data and data[ours] is not None:
-                    raise PydanticCustomError("alias", f"give {ours} or llama-server's {theirs}, not both")
-                data[ours] = data.pop(theirs)
+            value = data.pop(theirs, None)
+            if value is None:  # not sent, or null: nothing asked
+                continue
+            if data.get(ours) is not None:
+                raise PydanticCustomError("alias", f"give {ours} or llama-server's {theirs}, not both",
+                                          {"field": theirs})
+            data[ours] = None if theirs == "n_predict" and value == -1 else value  # -1: llama-server's no limit
         for name, (allowed, why) in NEUTRAL.items():
             if name in cls.model_fields or name not in data:
                 continue
             value = data.pop(name)
-            if value is not None and allowed is not None and not any(value == a and type(value) is type(a)
-                                                                     for a in allowed):
+            if value is not None and allowed is not None and not any(_same(value, a) for a in allowed):
                 raise PydanticCustomError("unsupported", f"{why} (got {json.dumps(value)[:60]})", {"field": name})
         return data
 
