@@ -77,14 +77,18 @@ def fresh_model() -> GPT2:
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--batch", type=int, default=8, help="global batch (sequences); divisible by the world size")
-    p.add_argument("--seq", type=int, default=32, help="tokens per sequence")
+    p.add_argument("--steps", type=int, default=30, help="optimizer steps (>= 1)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences, >= 1); divisible by the world size")
+    p.add_argument("--seq", type=int, default=32, help=f"tokens per sequence (1 to the model's {CFG.n_positions})")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--compare", action="store_true", help="rank 0 also trains one process on the same batches")
     p.add_argument("--out", help="write the loss curves as JSON")
     args = p.parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
+    for flag, value, most in (("--steps", args.steps, None), ("--batch", args.batch, None),
+                              ("--seq", args.seq, CFG.n_positions)):
+        if not 1 <= value <= (most or value):
+            raise SystemExit(f"error: {flag} must be in [1, {most or 'inf'}], got {value}")
     if args.batch % world:
         raise SystemExit(f"error: --batch {args.batch} does not split evenly over {world} ranks")
     rank = 0

@@ -11,7 +11,7 @@ import tempfile
 import pytest
 import torch
 
-from gpt2ffn import Config, FeedForward
+from gpt2ffn import Config, FeedForward, quantize
 from gpt2ffn.model import GPT2, random_weights_
 
 # n_head 4 and hidden 128 divide by 2 and 4; a vocabulary of 98 does not (uneven vocab-parallel shards).
@@ -109,6 +109,21 @@ def worker(rank, world, store, queue, cfg=CFG):
                 back = GPT2.from_pretrained(saved).eval()
                 with torch.no_grad():
                     out[f"saved_logits_{vocab_parallel}"] = excess(back(ids), logits0, 1e-5)
+        # a model packed for inference, its fp32 weights held once (load_model's default): its values come back
+        held = parallel.parallelize(quantize(copy.deepcopy(ref), "fp32"))
+        with torch.no_grad():
+            out["held_once"] = excess(held(ids), logits0, 1e-5)
+        # a request rank 0 refuses (too long) still releases the followers: the next generate lines up
+        long = [[1] * (cfg.n_positions + 8)]
+        if rank == 0:
+            try:
+                generate(held, long, s)
+            except Gpt2ffnError as e:
+                out["refused_long"] = str(e)
+            out["tokens_after"] = (generate(held, PROMPTS, s), tokens0)
+        else:
+            engine_for(held, long, s).follow()
+            engine_for(held, PROMPTS, s).follow()
     except Exception as e:  # the test reads the message
         out["error"] = f"{type(e).__name__}: {e}"
     queue.put((rank, out))
@@ -177,6 +192,19 @@ def test_sharded_model_saves_the_whole_checkpoint(ranks):
     assert "error" not in results[0], results[0]
     for vp in (True, False):
         assert results[0][f"saved_{vp}"] and results[0][f"saved_logits_{vp}"] <= 1e-5
+
+
+def test_a_held_once_model_and_a_refused_request(ranks):
+    """parallelize of a model whose fp32 weights are held once gets them back (it failed at the first forward:
+    'NoneType' has no attribute 'stale'); a request rank 0 refuses releases the other ranks (they died of a gloo
+    'Connection closed by peer'), and the next generate gives one process's tokens."""
+    world, results = ranks
+    for r in results.values():
+        assert "error" not in r, r["error"]
+        assert r["held_once"] <= 1e-5
+    assert "exceeds the context" in results[0]["refused_long"]
+    got, expected = results[0]["tokens_after"]
+    assert got == expected
 
 
 def test_world_size_not_dividing_heads_is_refused_not_hung(ranks):

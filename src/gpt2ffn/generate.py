@@ -41,8 +41,8 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
     requests = [Request(list(p), s if s.seed is None or not i else replace(s, seed=s.seed + i))
                 for i, p in enumerate(prompts)]
     row = {r.id: i for i, r in enumerate(requests)}
-    engine.add(*requests)
-    try:
+    try:  # a request refused (too long, empty) still releases a TPEngine's other ranks: close() below
+        engine.add(*requests)
         while engine.has_work():
             out = [None] * len(prompts)
             for ev in engine.step():

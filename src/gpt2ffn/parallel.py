@@ -93,10 +93,12 @@ def _shard(module, name, placements, mesh, shape=None):
 
 def _unpack(module):
     """Drop packed copies (gpt2ffn.quantize): they were made from the whole matrices; a sharded layer runs its
-    local fp32 shard."""
+    local fp32 shard. A weight held once (load_model's default fp32) gets its values back from them first."""
     for m in module.modules():
         if getattr(m, "packed", None) is not None:
-            m.packed = None
+            if m.dropped:
+                m.restore_weight()
+            m.packed, m.hold_once = None, False
     module.__dict__.pop("_plan", None)
 
 
@@ -161,6 +163,8 @@ def parallelize(model, mesh: DeviceMesh | None = None, vocab_parallel: bool = Tr
     A world size that does not divide n_head or the hidden width raises Gpt2ffnError before any collective.
     vocab_parallel: the tied wte / lm_head split by vocabulary rows (else every rank keeps all of it).
     Packed weights (gpt2ffn.quantize) are dropped: the shards run in fp32 on torch's ops."""
+    if not isinstance(model, (GPT2, FeedForward)):
+        raise Gpt2ffnError(f"parallelize takes a GPT2 or a FeedForward, got {type(model).__name__}")
     world = mesh.size() if mesh is not None else (dist.get_world_size() if dist.is_initialized() else None)
     if world is None:
         raise Gpt2ffnError("tensor parallelism needs torch.distributed: launch with torchrun --nproc-per-node N "
@@ -171,8 +175,6 @@ def parallelize(model, mesh: DeviceMesh | None = None, vocab_parallel: bool = Tr
     mesh = mesh or make_mesh(world)
     if isinstance(model, FeedForward):
         return shard_ffn(model, mesh)
-    if not isinstance(model, GPT2):
-        raise Gpt2ffnError(f"parallelize takes a GPT2 or a FeedForward, got {type(model).__name__}")
     _unpack(model)
     for block in model.transformer.h:
         shard_attention(block.attn, mesh)

@@ -659,7 +659,19 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     if max_model_len is not None and model_spec and (model_spec.startswith("random:") or Path(model_spec).is_dir()):
         check_max_len(max_model_len, (parse_random(model_spec)[0] if model_spec.startswith("random:") else
                                       Config.from_pretrained(model_spec)).n_positions)  # not after "serving on"
-    sock = listen(host, port) if rank == 0 else None  # bound before anything loads: a port in use is one line
+    sock, failed = None, None
+    if rank == 0:  # bound before anything loads: a port in use is one line
+        try:
+            sock = listen(host, port)
+        except Gpt2ffnError as e:
+            failed = str(e)
+    if tp > 1:  # every rank learns it: a follower would wait for passes that never come (then a gloo traceback)
+        import torch.distributed as dist
+        box = [failed]
+        dist.broadcast_object_list(box, src=0)
+        failed = box[0]
+    if failed is not None:
+        raise Gpt2ffnError(failed)
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
                   dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,
                   skip_tokenizer, served_names)

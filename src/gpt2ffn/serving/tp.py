@@ -8,6 +8,9 @@ rank calls them in the same order; only rank 0 uses the logits. Block numbers me
 the cache geometry is rank 0's (broadcast when the engine is made) and only rank 0 allocates.
 """
 
+import signal
+import threading
+
 import torch
 import torch.distributed as dist
 
@@ -61,14 +64,23 @@ class TPEngine(Engine):
         return super().step()
 
     def follow(self):
-        """Ranks > 0: run each forward pass rank 0 broadcasts, until it closes the engine."""
-        with torch.no_grad(), attention_kernels(self.device):
-            while True:
-                call = self.broadcast(None)
-                if call == STOP:
-                    return
-                ids, positions, tables, args = call
-                super().forward(ids, positions, tables, *args)
+        """Ranks > 0: run each forward pass rank 0 broadcasts, until it closes the engine. Meanwhile Ctrl-C and
+        SIGTERM are rank 0's to act on (torchrun sends them to every rank): a follower that died of them left rank
+        0's passes and its STOP without a peer ("Connection closed by peer"); rank 0 drains, closes the engine,
+        and this returns. The handlers are given back after."""
+        ignore = threading.current_thread() is threading.main_thread()
+        saved = [(sig, signal.signal(sig, signal.SIG_IGN)) for sig in (signal.SIGINT, signal.SIGTERM)] if ignore else []
+        try:
+            with torch.no_grad(), attention_kernels(self.device):
+                while True:
+                    call = self.broadcast(None)
+                    if call == STOP:
+                        return
+                    ids, positions, tables, args = call
+                    super().forward(ids, positions, tables, *args)
+        finally:
+            for sig, handler in saved:
+                signal.signal(sig, handler)
 
     def close(self):
         """Rank 0: release the followers (their follow() returns)."""
