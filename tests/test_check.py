@@ -782,3 +782,31 @@ def test_layers_are_taken_in_the_order_the_forward_calls_them(golden, tmp_path, 
         ''')
     code, out, err = run(["check", f"{f}:FFN", "--golden", golden], capsys)
     assert code == 0 and "c_fc = w1 (C, [in, out]), c_proj = w2 (C, [in, out])" in out, out + err
+
+
+def test_build_gives_required_arguments_gpt2_values_and_config_its_own():
+    """A class of GPT-2 field names: its required arguments get the reference's values, one with a default keeps
+    it, and --config's values win (null in a config.json means the reference's); ambiguous names are left alone."""
+    from gpt2ffn.learner import build
+
+    class M(torch.nn.Module):
+        def __init__(self, n_embd, n_head, bias=True, dropout=0.1):
+            super().__init__()
+            self.args = (n_embd, n_head, bias, dropout)
+
+    ref = Config.from_name("tiny")
+    assert build(M, ref)[0].args == (64, 4, True, 0.1)
+    assert build(M, ref, '{"bias": false, "dropout": 0.0}')[0].args == (64, 4, False, 0.0)
+    assert build(M, ref, '{"n_inner": null, "n_embd": 32}')[0].args == (32, 4, True, 0.1)
+
+
+def test_own_parameters_pair_their_biases_not_a_norm_gain():
+    from gpt2ffn.check_model import own_linears
+    d = 8
+    own = [("ln_scale", torch.ones(d)), ("W_in", torch.zeros(d, 4 * d)), ("W_out", torch.zeros(4 * d, d)),
+           ("b_out", torch.zeros(d))]
+    pairs = {k: b for k, _, b in own_linears(own, d)}
+    assert pairs["in"] is None and pairs["out"] is own[3][1]
+    w1, b1, w2, b2 = torch.zeros(d, 4 * d), torch.zeros(4 * d), torch.zeros(4 * d, d), torch.zeros(d)
+    pairs = {k: b for k, _, b in own_linears([("W1", w1), ("W2", w2), ("b2", b2), ("b1", b1)], d)}
+    assert pairs["1"] is b1 and pairs["2"] is b2

@@ -52,6 +52,7 @@ def test_gelu_plot(tmp_path, capsys):
     (["generate", "--model", "", "x"], "--model is empty"),
     (["serve", "--model", ""], "--model is empty"),
     (["bench", "--batch", "4"], "--batch applies to --model"),
+    (["serve", "--model", "random:tiny", "--host", "a" * 70], "is not a host name"),
     (["bench", "--weights", "random:tiny"], "--weights applies to --model or --accuracy"),
 ])
 def test_errors_are_one_line_exit_2(argv, message, capsys):
@@ -197,6 +198,10 @@ def test_extract_into_an_old_set_removes_its_files(tmp_path, capsys):
     (other / "mine.txt").write_text("kept")
     assert main(["extract", "--model", "random:tiny", "--ids", "1,2", "--out", str(other)]) == 0
     assert (other / "mine.txt").read_text() == "kept"
+    bundle = tmp_path / "bundle"  # a safetensors set, then an .npy one: the bundle goes
+    for fmt in ("safetensors", "npy"):
+        assert main(["extract", "--model", "random:tiny", "--ids", "1,2", "--format", fmt, "--out", str(bundle)]) == 0
+    assert not list(bundle.glob("*.safetensors")) and (bundle / "h0_ffn.npy").is_file()
 
 
 def test_an_untied_head_is_no_reference(tmp_path, capsys):

@@ -225,13 +225,16 @@ def stem(name: str, tail: str) -> str:
     return cut if cut != name else re.sub(rf"^({tail})[._]?", "", name, flags=re.I)
 
 
+NORM_LIKE = re.compile(r"gamma|beta|scale|shift|gain|norm|^ln|_ln", re.I)
+
+
 def own_linears(own: list, d: int) -> list:
     """A module's own Parameters as layers: (stem, weight, bias or None) per matrix. A bias is the vector with the
     matrix's stem (c_attn_w / c_attn_b, W1 / b1, Wq / bq), else the one vector whose length is one of the
     matrix's sides, else (two matrices, two vectors: an FFN's W1, b1, W2, b2 in any order) the first matrix's
     the hidden width and the second's n_embd."""
     mats = [(k, p) for k, p in own if p.dim() == 2]
-    vecs = [(k, p) for k, p in own if p.dim() == 1]
+    vecs = [(k, p) for k, p in own if p.dim() == 1 and not NORM_LIKE.search(k)]  # a gain or shift is no bias
     bias = {k: next((p for j, p in vecs if stem(j, "bias|b") == stem(k, "weight|w")), None) for k, _ in mats}
     for k, w in mats:
         free = [p for _, p in vecs if p.shape[0] in w.shape and all(p is not b for b in bias.values())]

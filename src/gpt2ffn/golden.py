@@ -245,7 +245,7 @@ def set_files(out_dir: Path) -> set:
         return set()
     if not isinstance(m, dict) or m.get("format") != FORMAT or not isinstance(m.get("tensors"), dict):
         return set()
-    names = [e.get("file") for e in m["tensors"].values() if isinstance(e, dict)] + [m.get("token_ids_file"), BUNDLE]
+    names = [e.get("file") for e in m["tensors"].values() if isinstance(e, dict)] + [m.get("token_ids_file")]
     return {n for n in names if isinstance(n, str) and "/" not in n and n not in ("", ".", "..")}
 
 

@@ -9,12 +9,17 @@ CUDA is present, each rank on its own GPU). Run as README says:
 """
 
 import os
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
 from .errors import Gpt2ffnError
 from .parallel import backend
+
+# How long a collective may wait: the other ranks of `serve --tp` sit in one (the next forward pass's broadcast)
+# for as long as no request comes; with the default (30 min for gloo) an idle server lost them.
+IDLE = timedelta(days=365)
 
 
 def init(tp: int, command: str = "generate") -> int:
@@ -29,8 +34,8 @@ def init(tp: int, command: str = "generate") -> int:
         raise Gpt2ffnError(f"--tp {tp} but torchrun started {world} processes: use --nproc-per-node {tp}")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    if not dist.is_initialized():
-        dist.init_process_group(backend())
+    if not dist.is_initialized():  # no timeout that matters: a server's followers wait between requests
+        dist.init_process_group(backend(), timeout=IDLE)
     return dist.get_rank()
 
 

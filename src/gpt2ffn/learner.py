@@ -264,7 +264,9 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     if required and not (len(params) == 1 and params[0].name in WIDTH_ARGS) and all(p.name in fields for p in required):
         # MLP(embed_dim, intermediate_size), GPT(*, vocab_size, n_embd, ...): each required argument a GPT-2 field's
         # name gets its value; one with a default keeps it, unless --config asks for the reference's values
-        kw = {p.name: fields[p.name] for p in named if p.name in fields and (p in required or config is not None)}
+        given = {k: v for k, v in (raw or {}).items() if v is not None}  # --config's own values, as it gave them
+        kw = {p.name: given.get(p.name, fields[p.name]) for p in named
+              if p.name in fields and (p in required or config is not None)}
         how = f"{cls.__name__}({', '.join(f'{n}={v!r}' for n, v in kw.items())})"
         return _call(cls, [], how, "", kwargs=kw), how
     if len(params) > 1 or (params and params[0].kind is inspect.Parameter.KEYWORD_ONLY):

@@ -96,6 +96,8 @@ def _unpack(module):
     local fp32 shard. A weight held once (load_model's default fp32) gets its values back from them first."""
     for m in module.modules():
         if getattr(m, "packed", None) is not None:
+            if m.held_at():  # a layer packed at bf16/int8/int4 alone: its only values are rounded
+                raise Gpt2ffnError(f"tensor parallelism shards fp32 weights; a layer here is packed at {m.held_at()}")
             if m.dropped:
                 m.restore_weight()
             m.packed, m.hold_once = None, False

@@ -756,6 +756,8 @@ def listen(host: str, port: int) -> socket.socket:
                                                              flags=socket.AI_PASSIVE)[0]
     except socket.gaierror as e:
         raise Gpt2ffnError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    except (UnicodeError, ValueError) as e:  # a label over 63 characters, a NUL
+        raise Gpt2ffnError(f"--host {host!r} is not a host name: {e}") from None
     sock = socket.socket(family, kind, proto)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:

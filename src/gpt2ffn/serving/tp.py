@@ -80,7 +80,8 @@ class TPEngine(Engine):
                     super().forward(ids, positions, tables, *args)
         finally:
             for sig, handler in saved:
-                signal.signal(sig, handler)
+                if handler is not None:  # None: a handler installed from C, which Python cannot put back
+                    signal.signal(sig, handler)
 
     def close(self):
         """Rank 0: release the followers (their follow() returns)."""
