@@ -767,19 +767,29 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def check_spec(spec: str):
+    """A model as the CLI, load() and serve name it: a checkpoint directory, a model id in the local HF cache,
+    or random:<preset>[:seed] (an unknown preset named); else one line saying which these are."""
+    if not spec.strip():
+        raise Gpt2ffnError("--model is empty: give a checkpoint directory, a model id in the local HF cache, or "
+                           "random:<preset>[:seed]")
+    if spec.startswith("random:"):
+        parse_random(spec)
+    elif not Path(spec).is_dir() and (Path(spec).exists() or cached_snapshot(spec) is None):
+        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory, a model id in the local HF cache "
+                           f"({hub_cache()}), nor random:<preset>[:seed]")
+
+
 def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32", activations: str | None = None) -> GPT2:
-    """GPT2 in eval mode from a checkpoint directory or `random:<preset>[:seed]`; weights only, no tokenizer.
-    precision: as GPT2.from_pretrained's."""
-    from pathlib import Path
+    """GPT2 in eval mode from a checkpoint directory, a model id in the local HF cache or
+    `random:<preset>[:seed]`; weights only, no tokenizer. precision: as GPT2.from_pretrained's."""
+    check_spec(spec)
     if spec.startswith("random:"):
         cfg, seed, _ = parse_random(spec)
         model = random_weights_(GPT2(cfg), seed).to(dtype).eval()
         if precision is not None and dtype == torch.float32:
             return quantize(model, precision, activations=activations)
         return model
-    if not Path(spec).is_dir() and (Path(spec).exists() or cached_snapshot(spec) is None):
-        raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory, a model id in the local HF cache "
-                           f"({hub_cache()}), nor random:<preset>[:seed]")
     return GPT2.from_pretrained(spec, dtype=dtype, precision=precision, activations=activations)
 
 

@@ -38,10 +38,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import Config
 from ..errors import Gpt2ffnError
 from ..loading import resolve_device
-from ..model import parse_random
+from ..model import check_spec, parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
-from ..weights import cached_snapshot, hub_cache
 from .engine import SHUTTING_DOWN, QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
@@ -624,16 +623,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     import uvicorn
     if any(not name.strip() for name in served_names) or len(set(served_names)) < len(served_names):
         raise Gpt2ffnError(f"--served-model-name takes distinct, non-empty names, got {list(served_names)}")
-    if model_spec is not None and not model_spec.strip():
-        raise Gpt2ffnError("--model is empty: give a checkpoint directory, a model id in the local HF cache, or "
-                           "random:<preset>[:seed]")
-    if model_spec and model_spec.startswith("random:"):
-        parse_random(model_spec)  # an unknown preset is one line here, before "serving on"
-    elif model_spec and not Path(model_spec).is_dir():
-        found = None if Path(model_spec).exists() else cached_snapshot(model_spec)
-        if found is None:
-            raise Gpt2ffnError(f"model {model_spec!r} is neither a checkpoint directory, a model id in the local "
-                               f"HF cache ({hub_cache()}), nor random:<preset>[:seed]")
+    if model_spec is not None:
+        check_spec(model_spec)  # an unknown preset or model is one line here, before "serving on"
     if chat_template and not Path(chat_template).is_file():
         raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
     if model_spec and Path(model_spec).is_dir() and not skip_tokenizer and not has_tokenizer_files(model_spec):
