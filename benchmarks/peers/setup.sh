@@ -22,7 +22,9 @@ mkdir -p "$BUILD/sdist" "$BUILD/wheels" "$BUILD/logs" "$BUILD/npm"
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 "${PIP[@]}" -q -U pip wheel
 # torch named explicitly so the constraint pins it to the local CPU wheel (no CUDA download).
-"${PIP[@]}" -q torch==2.13.0 ctranslate2 onnxruntime onnx optimum-onnx transformers threadpoolctl sentencepiece
+# diskcache and jinja2: llama-cpp-python imports them, and its wheel is installed with --no-deps below.
+"${PIP[@]}" -q torch==2.13.0 ctranslate2 onnxruntime onnx optimum-onnx transformers threadpoolctl sentencepiece \
+    diskcache jinja2
 
 # llama-cpp-python from its sdist, kept extracted: its vendor/llama.cpp has convert_hf_to_gguf.py and gguf-py.
 if [ ! -d "$SRC" ]; then
