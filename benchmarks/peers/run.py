@@ -153,11 +153,19 @@ def accuracy(args, cases, log):
     return out
 
 
-def cpu_name():
-    for line in Path("/proc/cpuinfo").read_text().splitlines():
-        if line.startswith("model name"):
-            return line.split(":", 1)[1].strip()
-    return platform.processor()
+def cpu_name(main_python=MAIN_PYTHON):
+    """gpt2ffn.bench.cpu_info() through gpt2ffn's python: the model name with family/model and Zen generation
+    ("AMD EPYC" alone names Zen 3, 4 and 5 alike) and the vector extensions; else the bare model name."""
+    try:
+        out = subprocess.run([main_python, "-c", "import json; from gpt2ffn.bench import cpu_info; "
+                              "print(json.dumps(cpu_info()))"], capture_output=True, text=True, timeout=120)
+        info = json.loads(out.stdout)
+        return f"{info['cpu']}; {' '.join(info['isa'])}"
+    except (OSError, ValueError, KeyError, subprocess.TimeoutExpired):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+        return platform.processor()
 
 
 def fmt(x, spec):
@@ -207,7 +215,7 @@ def main():
         rows.append(row)
     # the switches that hold an engine to a lower instruction set, where set (GPT2FFN_ISA=avx2, CTranslate2's own)
     held = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
-    report = {"machine": {"cpu": cpu_name(), "threads": 2, "python": platform.python_version(), "isa_env": held},
+    report = {"machine": {"cpu": cpu_name(args.main_python), "threads": 2, "python": platform.python_version(), "isa_env": held},
               "model": json.loads((args.models / "prepare.json").read_text())["model"]
               + " (gpt2ffn's random_weights_, saved with save_pretrained)",
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
