@@ -3,6 +3,7 @@ stale, weights held once (state_dict in HF's layout from the packed copy, train(
 invariance of the native kernels, and the whole GPT-2 against HF."""
 
 import copy
+import types
 
 import numpy as np
 import pytest
@@ -196,6 +197,19 @@ def test_probe_is_cached_on_disk(tmp_path, monkeypatch):
     assert "bf16" in cached and '"decode"' in cached
     monkeypatch.setattr(kp, "linear", None)  # a second probe would call it; the cache answers instead
     quantize(ffn_for(SHAPES[0]), "bf16", keep_fp32=True)
+
+
+def test_probe_cache_key_names_the_cpu_and_the_kernel_build(tmp_path, monkeypatch):
+    """A rebuilt extension is probed again (its routes and prefetch distances are not the old build's), and the key
+    tells CPUs of one model name apart by family and model."""
+    lib = tmp_path / "_C.so"
+    lib.write_bytes(b"one build")
+    monkeypatch.setattr(kp, "_C", types.SimpleNamespace(__file__=str(lib)))
+    before = kp.machine_key()
+    lib.write_bytes(b"another build")
+    assert kp.machine_key() != before
+    if any(line.startswith("cpu family") for line in open("/proc/cpuinfo")):
+        assert "(family " in before
 
 
 @pytest.mark.parametrize("precision", PRECISIONS)

@@ -171,12 +171,30 @@ def _cache_file() -> Path:
 
 
 def machine_key() -> str:
-    cpu = platform.processor()
+    """What a cached probe result holds for: the CPU (model name with family and model: "AMD EPYC" alone names
+    Zen 3, 4 and 5 alike), torch, threads, the kernel build picked, and that build's file (size and mtime), so
+    that rebuilt kernels are timed again instead of inheriting the old ones' routes and prefetch distances."""
+    fields = {}
     try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
+        for line in open("/proc/cpuinfo"):
+            key, _, value = line.partition(":")
+            if key.strip() in ("model name", "cpu family", "model"):
+                fields.setdefault(key.strip(), value.strip())
+            elif not line.strip():
+                break  # the first processor's block
+    except OSError:
         pass
-    return f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|isa {ISA}"
+    cpu = fields.get("model name") or platform.processor()
+    if "cpu family" in fields:
+        cpu += f" (family {fields['cpu family']} model {fields.get('model')})"
+    build = ""
+    if _C is not None:
+        try:
+            st = os.stat(_C.__file__)
+            build = f"|build {st.st_size}-{st.st_mtime_ns}"
+        except (OSError, AttributeError, TypeError):
+            pass
+    return f"{cpu}|torch {torch.__version__}|threads {torch.get_num_threads()}|isa {ISA}{build}"
 
 
 def _cached(key: str, compute) -> dict:
