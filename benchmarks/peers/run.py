@@ -215,7 +215,8 @@ def main():
         rows.append(row)
     # the switches that hold an engine to a lower instruction set, where set (GPT2FFN_ISA=avx2, CTranslate2's own)
     held = {k: os.environ[k] for k in ISA_ENV if k in os.environ}
-    report = {"machine": {"cpu": cpu_name(args.main_python), "threads": 2, "python": platform.python_version(), "isa_env": held},
+    report = {"machine": {"cpu": cpu_name(args.main_python), "threads": 2, "python": platform.python_version(),
+                          "isa_env": held},
               "model": json.loads((args.models / "prepare.json").read_text())["model"]
               + " (gpt2ffn's random_weights_, saved with save_pretrained)",
               "prompt_tokens": args.prompt_tokens, "new_tokens": args.new_tokens, "rounds": args.rounds,
