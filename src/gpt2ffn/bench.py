@@ -21,6 +21,7 @@ from . import kernels, reference
 from .config import Config
 from .errors import ConfigError, Gpt2ffnError
 from .ffn import FeedForward
+from .kernels.packed import cpuinfo
 from .tolerances import tolerance
 
 FULL = {"d": [768, 1024, 1280, 1600], "tokens": [1, 8, 64, 512, 2048]}
@@ -51,14 +52,8 @@ def _linear_stack(ffn, gelu):
 def cpu_info() -> dict:
     """/proc/cpuinfo's model name, family/model (with AMD's Zen generation: "AMD EPYC" names none) and the
     vector extensions that pick a kernel: enough to tell which machine a number came from."""
-    fields = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
-            if key.strip() == "flags":
-                break
-    except OSError:
+    fields = cpuinfo()
+    if not fields:
         return {"cpu": platform.processor() or "unknown", "isa": []}
     family, model = int(fields.get("cpu family", -1)), int(fields.get("model", -1))
     zen = None

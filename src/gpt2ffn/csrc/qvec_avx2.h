@@ -19,8 +19,8 @@ struct W { __m256i lo, hi; };
 // Decode's one-row tile covers the whole super-block (4 blocks of 16 lanes), so each step's 256 bytes of weights
 // are read in order. With 2 blocks a pass read 2 of every 4 lines and came back for the others, which the
 // hardware prefetchers did not follow: on an AMD EPYC Zen 3 (AVX2 only) the 48 int8 layers of GPT-2 124M took
-// 7.7 -> 5.1-5.6 ms a decode step, int4 4.8 -> 2.7-2.9 ms (the loads had stalled; the float sums now live on
-// the stack, touched once a group).
+// 4.60-5.17 -> 3.87-4.43 ms a decode step, int4 2.81-2.97 -> 2.33-2.61 ms (benchmarks/decode_chain.py, 3 runs
+// each, interleaved; the loads had stalled; the float sums now live on the stack, touched once a group).
 constexpr int QNB1 = 4;  // decode's blocks of 16 lanes (prefill: qrun8 below)
 constexpr int64_t XR = 8;  // rows a tile of int8 activations interleaves (qlinear_impl.h: xword)
 static inline __m256i load32(const uint8_t* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }

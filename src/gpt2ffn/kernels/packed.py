@@ -170,20 +170,26 @@ def _cache_file() -> Path:
     return Path(root) / "routes.json"
 
 
+def cpuinfo() -> dict:
+    """The first processor's fields of /proc/cpuinfo (model name, cpu family, model, flags, ...); {} where there is
+    none."""
+    fields = {}
+    try:
+        for line in open("/proc/cpuinfo"):
+            if not line.strip():
+                break  # the end of the first processor's block
+            key, _, value = line.partition(":")
+            fields.setdefault(key.strip(), value.strip())
+    except OSError:
+        pass
+    return fields
+
+
 def machine_key() -> str:
     """What a cached probe result holds for: the CPU (model name with family and model: "AMD EPYC" alone names
     Zen 3, 4 and 5 alike), torch, threads, the kernel build picked, and that build's file (size and mtime), so
     that rebuilt kernels are timed again instead of inheriting the old ones' routes and prefetch distances."""
-    fields = {}
-    try:
-        for line in open("/proc/cpuinfo"):
-            key, _, value = line.partition(":")
-            if key.strip() in ("model name", "cpu family", "model"):
-                fields.setdefault(key.strip(), value.strip())
-            elif not line.strip():
-                break  # the first processor's block
-    except OSError:
-        pass
+    fields = cpuinfo()
     cpu = fields.get("model name") or platform.processor()
     if "cpu family" in fields:
         cpu += f" (family {fields['cpu family']} model {fields.get('model')})"
