@@ -122,104 +122,123 @@ static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
 // xword): a tile's step of 4 k (I4A8: two steps) is 32 consecutive bytes, row m's word at byte 4m, so one
 // pointer walks every row (8 row pointers took the general registers the loop needs).
 //
+// A tile runs group by group, and within a group over the super-block's 8 registers of lanes v: the group's
+// weights (G / 4 steps of 256 bytes, 2 KB for int8 at G = 32; int4 half that) and its rows' activations stay in
+// L1 while the 8 passes read them, and a few rows' decode step streams each group's weights from memory in
+// order. With v outermost (each pass the whole of K for one register) a tile read the super-block 8 times over,
+// 32 bytes of every 256, and the activations as often. AMD EPYC Zen 3, 2 threads, before -> after
+// (benchmarks/decode_chain.py --rows N, the 48 layers of GPT-2 124M, int8 activations, 2 runs each):
+// 2 rows int8 12.8-13.3 -> 9.6-10.6 ms, int4 7.4-8.7 -> 4.5-5.3; 4 rows int8 14.7-15.0 -> 11.8-13.6, int4
+// 8.8-9.8 -> 6.6-6.7; 8 rows int8 15.0-15.5 -> 11.5-13.2, int4 10.3-11.0 -> 6.2. A 128-token prefill
+// (benchmarks/prefill_ab.py, 7 rounds): int4 133.0 -> 114.1 ms, int8 144.7 -> 138.7 (within the noise). The
+// float sums, 8 x MR registers, live on the stack, touched once a group.
+//
 // GCC's partial redundancy elimination hoisted every row's broadcast above the first product, 8 live copies
 // that pushed the sums to the stack; without it each row's chain runs in order in 4 registers.
 //
 // The weights of super-block sb + 1 come into L2 while sb's are computed: the tiles over sb's rows (tile t of
-// nt) share its lines out, the registers of lanes v = 0, 2, 4, 6 (a 64-byte line holds two) each prefetching
-// the lines they read, one super-block on, for groups t, t + nt, ... (outside the inner loop: a prefetch
-// there slowed it). A prefill's weights came from memory as the first tile read them.
+// nt) share its lines out, each prefetching a whole group's lines, one super-block on, for groups t, t + nt, ...
+// (outside the inner loop: a prefetch there slowed it). A prefill's weights came from memory as the first tile
+// read them.
 template <int FMT, int MR>
-__attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a, int64_t m0, int64_t sb, int v,
-                                                             int t, int nt) {
+__attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a, int64_t m0, int64_t sb, int t,
+                                                             int nt) {
   constexpr int STEP = FMT == I4A8 ? 8 : 4;
   constexpr int32_t OFF = FMT == I4A8 ? 8 : I8_OFFSET;
   const int64_t K = a.K, G = a.group, ng = K / G, next = (K / STEP) * 256;
-  const uint8_t* w = static_cast<const uint8_t*>(a.w) + sb * next + v * 32;
-  int until = v % 2 == 0 && sb + 1 < a.nsuper ? t + 1 : -1;  // groups to the next prefetch (-1: none)
+  const uint8_t* wsb = static_cast<const uint8_t*>(a.w) + sb * next;
+  int until = sb + 1 < a.nsuper ? t + 1 : -1;  // groups to the next prefetch (-1: none)
   const uint8_t* x = reinterpret_cast<const uint8_t*>(a.xq) + (m0 / XR) * XR * K + (m0 % XR) * 4;  // xword(m0, 0)
-  __m256 acc[MR];
-  for (int m = 0; m < MR; m++) acc[m] = _mm256_setzero_ps();
+  alignas(32) float acc[8][MR][8];
+  for (int v = 0; v < 8; v++)
+    for (int m = 0; m < MR; m++) _mm256_store_ps(acc[v][m], _mm256_setzero_ps());
   for (int64_t g = 0; g < ng; g++) {
     if (--until == 0) {  // this group's lines of super-block sb + 1
-      const char* p = reinterpret_cast<const char*>(w + next + g * (G / STEP) * 256);
-      for (int64_t i = 0; i < G / STEP; i++) _mm_prefetch(p + i * 256, _MM_HINT_T1);
+      const char* p = reinterpret_cast<const char*>(wsb + next + g * (G / STEP) * 256);
+      for (int64_t i = 0; i < G / STEP * 4; i++) _mm_prefetch(p + i * 64, _MM_HINT_T1);
       until = nt;
     }
-    __m256i part[MR];
-    for (int m = 0; m < MR; m++) part[m] = _mm256_set1_epi32(-OFF * a.xsum[(m0 + m) * ng + g]);
-    if constexpr (FMT == I4A8) {
-      const __m256i mask = _mm256_set1_epi8(15);
+    for (int v = 0; v < 8; v++) {
+      const uint8_t* w = wsb + v * 32;
+      __m256i part[MR];
+      for (int m = 0; m < MR; m++) part[m] = _mm256_set1_epi32(-OFF * a.xsum[(m0 + m) * ng + g]);
+      if constexpr (FMT == I4A8) {
+        const __m256i mask = _mm256_set1_epi8(15);
 #ifdef GPT2FFN_AVXVNNI
-      const uint8_t* wp = w + g * (G / 8) * 256;
-      const uint8_t* xw = x + g * (G / 4) * 4 * XR;
-      for (int64_t k = g * G; k < (g + 1) * G; k += 8, wp += 256, xw += 8 * XR) {
-        const __m256i b = load32(wp);
-        const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
-        for (int m = 0; m < MR; m++) {
-          const uint8_t* xm = xw + 4 * m;
-          part[m] = dot4(dot4(part[m], lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm))), hi,
-                         _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4 * XR)));
-        }
-      }
-#else
-      // q <= 15, |x| <= 127: one step adds at most 4 x 15 x 127 = 7620 to a 16-bit pair sum, so 4 steps
-      // (32 k) add in 16 bits before one madd widens them
-      for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
-        __m256i p16[MR];
-        for (int m = 0; m < MR; m++) p16[m] = _mm256_setzero_si256();
-        const uint8_t* wp = w + (k0 / 8) * 256;
-        const uint8_t* xw = x + (k0 / 4) * 4 * XR;
-        for (int64_t k = k0; k < std::min(k0 + 32, (g + 1) * G); k += 8, wp += 256, xw += 8 * XR) {
+        const uint8_t* wp = w + g * (G / 8) * 256;
+        const uint8_t* xw = x + g * (G / 4) * 4 * XR;
+        for (int64_t k = g * G; k < (g + 1) * G; k += 8, wp += 256, xw += 8 * XR) {
           const __m256i b = load32(wp);
           const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
           for (int m = 0; m < MR; m++) {
             const uint8_t* xm = xw + 4 * m;
-            const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm)));
-            const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4 * XR)));
-            p16[m] = _mm256_add_epi16(p16[m], _mm256_add_epi16(pl, ph));
+            part[m] = dot4(dot4(part[m], lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm))), hi,
+                           _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4 * XR)));
           }
         }
-        for (int m = 0; m < MR; m++) part[m] = _mm256_add_epi32(part[m], _mm256_madd_epi16(p16[m], _mm256_set1_epi16(1)));
-      }
+#else
+        // q <= 15, |x| <= 127: one step adds at most 4 x 15 x 127 = 7620 to a 16-bit pair sum, so 4 steps
+        // (32 k) add in 16 bits before one madd widens them
+        for (int64_t k0 = g * G; k0 < (g + 1) * G; k0 += 32) {
+          __m256i p16[MR];
+          for (int m = 0; m < MR; m++) p16[m] = _mm256_setzero_si256();
+          const uint8_t* wp = w + (k0 / 8) * 256;
+          const uint8_t* xw = x + (k0 / 4) * 4 * XR;
+          for (int64_t k = k0; k < std::min(k0 + 32, (g + 1) * G); k += 8, wp += 256, xw += 8 * XR) {
+            const __m256i b = load32(wp);
+            const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
+            for (int m = 0; m < MR; m++) {
+              const uint8_t* xm = xw + 4 * m;
+              const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm)));
+              const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4 * XR)));
+              p16[m] = _mm256_add_epi16(p16[m], _mm256_add_epi16(pl, ph));
+            }
+          }
+          for (int m = 0; m < MR; m++) part[m] = _mm256_add_epi32(part[m], _mm256_madd_epi16(p16[m], _mm256_set1_epi16(1)));
+        }
 #endif
-    } else {
-      // pointers stepped, not (k / 4) * 256 recomputed: a signed division's 7 scalar instructions a step
-      // took ports the vector instructions need
-      const uint8_t* wp = w + g * (G / 4) * 256;
-      const uint8_t* xw = x + g * (G / 4) * 4 * XR;
-      for (int64_t k = g * G; k < (g + 1) * G; k += 4, wp += 256, xw += 4 * XR) {
-        const Q8 q = q8load(wp);
-        for (int m = 0; m < MR; m++) part[m] = q8dot(part[m], q, xw + 4 * m);
+      } else {
+        // pointers stepped, not (k / 4) * 256 recomputed: a signed division's 7 scalar instructions a step
+        // took ports the vector instructions need
+        const uint8_t* wp = w + g * (G / 4) * 256;
+        const uint8_t* xw = x + g * (G / 4) * 4 * XR;
+        for (int64_t k = g * G; k < (g + 1) * G; k += 4, wp += 256, xw += 4 * XR) {
+          const Q8 q = q8load(wp);
+          for (int m = 0; m < MR; m++) part[m] = q8dot(part[m], q, xw + 4 * m);
+        }
       }
+      // acc += float(sum_k q_k x_k) * (d * scale), as qtile
+      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
+      for (int m = 0; m < MR; m++)
+        _mm256_store_ps(acc[v][m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m]),
+                                                   _mm256_mul_ps(s, _mm256_set1_ps(a.xscale[(m0 + m) * ng + g])),
+                                                   _mm256_load_ps(acc[v][m])));
     }
-    // acc += float(sum_k q_k x_k) * (d * scale), as qtile
-    const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
-    for (int m = 0; m < MR; m++)
-      acc[m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m]), _mm256_mul_ps(s, _mm256_set1_ps(a.xscale[(m0 + m) * ng + g])), acc[m]);
   }
-  const int64_t col = sb * 64 + v * 8;
-  const __m256 b = a.bias ? _mm256_loadu_ps(a.bias + col) : _mm256_setzero_ps();
-  for (int m = 0; m < MR; m += 2) {  // rows in pairs through the 16-lane activation
-    const int m1 = m + 1 < MR ? m + 1 : m;
-    const V y = activate(V{_mm256_add_ps(acc[m], b), _mm256_add_ps(acc[m1], b)}, a.act);
-    _mm256_storeu_ps(a.y + (m0 + m) * a.ldy + col, y.lo);
-    if (m1 != m) _mm256_storeu_ps(a.y + (m0 + m1) * a.ldy + col, y.hi);
+  for (int v = 0; v < 8; v++) {
+    const int64_t col = sb * 64 + v * 8;
+    const __m256 b = a.bias ? _mm256_loadu_ps(a.bias + col) : _mm256_setzero_ps();
+    for (int m = 0; m < MR; m += 2) {  // rows in pairs through the 16-lane activation
+      const int m1 = m + 1 < MR ? m + 1 : m;
+      const V y = activate(V{_mm256_add_ps(_mm256_load_ps(acc[v][m]), b), _mm256_add_ps(_mm256_load_ps(acc[v][m1]), b)},
+                           a.act);
+      _mm256_storeu_ps(a.y + (m0 + m) * a.ldy + col, y.lo);
+      if (m1 != m) _mm256_storeu_ps(a.y + (m0 + m1) * a.ldy + col, y.hi);
+    }
   }
 }
 
-// Rows in tiles of 8 (then 4, 2, 1), each over the super-block's 8 registers of lanes.
+// Rows in tiles of 8 (then 4, 2, 1), each over the whole super-block.
 template <int FMT>
 static void qrun8(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const int nt = static_cast<int>(a.M / 8 + (a.M % 8 >= 4) + (a.M % 4 >= 2) + (a.M % 2));  // tiles a super-block
   for (int64_t sb = sb0; sb < sb1; sb++) {
     int64_t m = 0;
     int t = 0;
-    for (; m + 8 <= a.M; m += 8, t++)
-      for (int v = 0; v < 8; v++) qtile8<FMT, 8>(a, m, sb, v, t, nt);
-    if (m + 4 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 4>(a, m, sb, v, t, nt); m += 4, t++; }
-    if (m + 2 <= a.M) { for (int v = 0; v < 8; v++) qtile8<FMT, 2>(a, m, sb, v, t, nt); m += 2, t++; }
-    if (m < a.M) for (int v = 0; v < 8; v++) qtile8<FMT, 1>(a, m, sb, v, t, nt);
+    for (; m + 8 <= a.M; m += 8, t++) qtile8<FMT, 8>(a, m, sb, t, nt);
+    if (m + 4 <= a.M) qtile8<FMT, 4>(a, m, sb, t, nt), m += 4, t++;
+    if (m + 2 <= a.M) qtile8<FMT, 2>(a, m, sb, t, nt), m += 2, t++;
+    if (m < a.M) qtile8<FMT, 1>(a, m, sb, t, nt);
   }
 }
 #define GPT2FFN_QRUN8 1
