@@ -127,7 +127,8 @@ static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
 // L1 while the 8 passes read them, and a few rows' decode step streams each group's weights from memory in
 // order. With v outermost (each pass the whole of K for one register) a tile read the super-block 8 times over,
 // 32 bytes of every 256, and the activations as often. AMD EPYC Zen 3, 2 threads, before -> after
-// (benchmarks/decode_chain.py --rows N, the 48 layers of GPT-2 124M, int8 activations, 2 runs each):
+// (benchmarks/decode_chain.py --rows N, the 48 layers of GPT-2 124M, int8 activations, 2 runs each;
+// benchmarks/results/decode-chain-rows-zen3.json):
 // 2 rows int8 12.8-13.3 -> 9.6-10.6 ms, int4 7.4-8.7 -> 4.5-5.3; 4 rows int8 14.7-15.0 -> 11.8-13.6, int4
 // 8.8-9.8 -> 6.6-6.7; 8 rows int8 15.0-15.5 -> 11.5-13.2, int4 10.3-11.0 -> 6.2. A 128-token prefill
 // (benchmarks/prefill_ab.py, 7 rounds): int4 133.0 -> 114.1 ms, int8 144.7 -> 138.7 (within the noise). The
