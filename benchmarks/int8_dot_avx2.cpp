@@ -11,7 +11,11 @@
 // - 4 x 16, both ways: ONNX Runtime's MLAS tile (QgemmU8S8KernelAvx2: 4 rows, two registers, each broadcast
 //   meets both);
 // - int16 (exact): the weight bytes sign-extended to int16 once a step, each row's 4 k stored as int16 and
-//   broadcast (vpbroadcastq), 2 x vpmaddwd + 2 x vpaddd a row.
+//   broadcast (vpbroadcastq), 2 x vpmaddwd + 2 x vpaddd a row;
+// - rows in lanes (exact, 2 multiply-pipe instructions per 32 products, not 3): a register holds 8 rows' 4 k,
+//   stored 16 times, once per sign pattern of 4 weights (pattern p negates bytes k % 4 in p's bits); per output
+//   column, |q| broadcast and the copy for q's pattern loaded, then vpmaddubsw + vpmaddwd + vpaddd. |q| and the
+//   pattern's byte offset are stored with the weights here, the best case for it.
 // Each row's sum passes through an empty asm: without it GCC reassociated the rows' chains. Best of 5 runs.
 // README ("AMD EPYC Zen 3, AVX2 only": "Why, layer by layer") quotes it.
 #include <immintrin.h>
@@ -25,10 +29,13 @@ constexpr int STEPS = 64;  // steps in the L1 buffers, walked round and round
 alignas(64) uint8_t W[STEPS][64];
 alignas(64) int8_t X[STEPS][8][4];
 alignas(64) int16_t X16[STEPS][8][4];
+alignas(64) int8_t XV[STEPS][16][32];  // rows in lanes: 8 rows' 4 k per sign pattern
+alignas(64) uint8_t AQ[STEPS][32];     // |q| of 8 columns' 4 k
+alignas(64) uint16_t OFF[STEPS][8];    // each column's pattern, as a byte offset into XV[step]
 
 static inline __m256i bcast(int s, int r) { return _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(X[s][r])); }
 
-// KIND: 0 8x8 sign trick, 1 8x8 saturating, 2 4x16 sign trick, 3 4x16 saturating, 4 int16
+// KIND: 0 8x8 sign trick, 1 8x8 saturating, 2 4x16 sign trick, 3 4x16 saturating, 4 int16, 5 rows in lanes
 template <int KIND>
 __attribute__((noinline)) __m256i run(long n) {
   __m256i a0 = _mm256_setzero_si256(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
@@ -56,6 +63,15 @@ __attribute__((noinline)) __m256i run(long n) {
         asm("" : "+x"(acc0), "+x"(acc1));
       };
       row(a0, a1, 0), row(a2, a3, 1), row(a4, a5, 2), row(a6, a7, 3);
+    } else if constexpr (KIND == 5) {
+      const char* xv = reinterpret_cast<const char*>(XV[s]);
+      auto col = [&](__m256i& acc, int c) {
+        const __m256i w = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(AQ[s] + 4 * c));
+        const __m256i x = _mm256_load_si256(reinterpret_cast<const __m256i*>(xv + OFF[s][c]));
+        acc = _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), one));
+        asm("" : "+x"(acc));
+      };
+      col(a0, 0), col(a1, 1), col(a2, 2), col(a3, 3), col(a4, 4), col(a5, 5), col(a6, 6), col(a7, 7);
     } else {
       const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(wb));
       const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(wb, 1));
@@ -89,10 +105,22 @@ int main() {
     for (int i = 0; i < 64; i++) W[s][i] = static_cast<uint8_t>(1 + (s * 37 + i * 11) % 255);
     for (int r = 0; r < 8; r++)
       for (int i = 0; i < 4; i++) X[s][r][i] = X16[s][r][i] = static_cast<int8_t>((s * 13 + r * 7 + i * 5) % 255 - 127);
+    for (int p = 0; p < 16; p++)
+      for (int i = 0; i < 32; i++) XV[s][p][i] = static_cast<int8_t>((p >> (i % 4) & 1 ? -1 : 1) * X[s][i / 4][i % 4]);
+    for (int c = 0; c < 8; c++) {
+      int p = 0;
+      for (int i = 0; i < 4; i++) {
+        const int q = W[s][4 * c + i] - 128;
+        AQ[s][4 * c + i] = static_cast<uint8_t>(q < 0 ? -q : q);
+        p |= (q < 0) << i;
+      }
+      OFF[s][c] = static_cast<uint16_t>(p * 32);
+    }
   }
   time_it<0>("8 x 8 sign trick (ours, exact)");
   time_it<1>("8 x 8 u8s8 saturating");
   time_it<2>("4 x 16 sign trick (exact)");
   time_it<3>("4 x 16 u8s8 saturating (MLAS)");
   time_it<4>("8 x 8 int16 vpmaddwd (exact)");
+  time_it<5>("rows in lanes, 16 signed copies (exact)");
 }

@@ -177,6 +177,52 @@ def test_batch_invariant():
         assert torch.equal(native(x[:rows], p), full[:rows]), rows
 
 
+def special_rows(K=1024, M=5, seed=5):
+    """Rows of K activations whose groups of 32 hold what quantization has edges for: all zeros (d = 0), exact
+    ties (max 127, so 1 / d = 1 and 2.5 -> 2, -3.5 -> -4), one huge value beside tiny ones, and random rest."""
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(seed))
+    x[:, 0:32] = 0.0
+    ties = torch.tensor([127.0] + [k + 0.5 for k in range(-16, 15)])
+    x[:, 32:64] = ties
+    x[:, 64:96] = 1e-6
+    x[:, 70] = 3e4
+    x[1, 512:544] = -ties
+    return x, ties
+
+
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+def test_sixteen_groups_at_once_quantize_as_defined(isa, precision):
+    """K = 1024: the AVX-512 builds quantize 16 groups of 32 in one pass (csrc/qlinear_avx512.cpp:
+    quantize_16x32), the others group by group; both must equal quantize_activations' definition."""
+    x, ties = special_rows()
+    w = torch.randn(1024, 96, generator=torch.Generator().manual_seed(6))
+    p = Packed(w, None, precision, activations="int8")
+    want = reference64(x, p, w, None)
+    err = float((native(x, p).double() - want).abs().max() / want.abs().max())
+    assert err < 2e-6, (isa, err)
+    # negative control: ties rounded away from zero (not to even) move the sums past the tolerance
+    q, d = quantize_activations(x, 32)
+    q_away = torch.where((x / d.repeat_interleave(32, 1)).frac().abs() == 0.5,
+                         torch.trunc(x / d.repeat_interleave(32, 1)) + torch.sign(x), q.float())
+    away = (q_away.double() * d.repeat_interleave(32, 1).double()) @ p.weights().double()
+    assert float((away - want).abs().max() / want.abs().max()) > 2e-6
+
+
+def test_sixteen_groups_at_once_equal_every_build():
+    x, _ = special_rows(M=21)
+    w = torch.randn(1024, 192, generator=torch.Generator().manual_seed(7))
+    p = Packed(w, None, "int8", activations="int8")
+    outs = {}
+    for name in ISAS:
+        old = _C.set_isa(name)
+        try:
+            outs[name] = native(x, p)
+        finally:
+            _C.set_isa(old)
+    first = next(iter(outs.values()))
+    assert all(torch.equal(first, y) for y in outs.values()), {k: bool(torch.equal(first, y)) for k, y in outs.items()}
+
+
 def test_activation_quantization_matches_its_definition():
     x = torch.tensor([[0.0] * 32 + [1.0, -2.0, 0.5] + [0.0] * 29])
     q, d = quantize_activations(x, 32)

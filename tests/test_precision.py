@@ -92,6 +92,22 @@ def test_native_is_batch_invariant_and_deterministic(precision):
             assert torch.equal(ffn(x[-rows:]), batch[-rows:]), rows
 
 
+@pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason="native kernels not built here")
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_long_k_prefill_in_blocks_is_batch_invariant(precision):
+    """K = 2112 > csrc/linear.h KBLOCK: a prefill of many rows sums K in blocks, its running sums passing through
+    the output between blocks; each row alone (summed in one pass) must get the same bits. int8 / int4 on fp32
+    activations, which the float kernels run."""
+    g = torch.Generator().manual_seed(8)
+    w, b, x = torch.randn(2112, 128, generator=g) / 40, torch.randn(128, generator=g), torch.randn(40, 2112, generator=g)
+    p = kp.Packed(w, b, precision)
+    y = kp.linear(x, p, None, p.bias, "native", "tanh")
+    for r in (0, 17, 39):
+        assert torch.equal(kp.linear(x[r:r + 1], p, None, p.bias, "native", "tanh"), y[r:r + 1]), r
+    # negative control: the same products summed in another order (torch's) differ in the last bits
+    assert not torch.equal(torch.nn.functional.gelu(torch.addmm(b, x, p.weights()), approximate="tanh"), y)
+
+
 def test_state_dict_is_unchanged_with_keep_fp32():
     ffn = ffn_for(SHAPES[0])
     before = {k: v.clone() for k, v in ffn.state_dict().items()}

@@ -39,6 +39,12 @@ extern int64_t prefetch_bytes[6];
 // with fp32 activations (int8's lm_head) widen every weight per pass, so they keep the wide tiles. The tiling
 // never changes an output's order of operations.
 constexpr int64_t FEW_ROWS = 8;
+// Prefill of the float kernels sums K in blocks of this many inputs (rounded down to whole chunks), every row over
+// one block before the next (linear_impl.h: run).
+#ifndef GPT2FFN_KBLOCK
+#define GPT2FFN_KBLOCK 1024
+#endif
+constexpr int64_t KBLOCK = GPT2FFN_KBLOCK;
 enum Act : int { ACT_NONE = 0, ACT_GELU_TANH = 1, ACT_RELU = 2 };
 // Top-p's bins of the logits (ops.cpp: top_p_; linear_impl.h: exp_bins_row): width 1/64 from the top, the last
 // one holding everything below -64

@@ -3,6 +3,7 @@
 // target pragma and include no torch header, so no inline function of torch's is ever built for an
 // instruction set the CPU may lack.
 #pragma once
+#include <algorithm>
 #include <cmath>
 
 #include "act_impl.h"
@@ -27,19 +28,24 @@ static inline void prefetch_row(const void* row, int64_t bytes, int64_t pf) {
 // first tile over a super-block, which meets its weights in memory, prefetches the next chunk's rows into L2
 // as it starts a chunk (the whole next super-block, as the integer kernels prefetch, crowded L2 out here:
 // fp32's is 768 KB at K = 3072; slower).
+// kb0 .. kb1: the inputs this call sums (prefill's K blocks, linear.h: KBLOCK; whole chunks): the first block
+// starts from zero, a later one from the running sums it finds in y, and only the last one adds the bias and
+// applies the activation. The sums pass through y as fp32, so each output's chain of operations is unchanged.
 template <int FMT, int MR, int NB, bool PF = false>
-static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t sb, int j0, bool ahead = false) {
-  const int64_t K = a.K, ldx = a.ldx;
+static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t sb, int j0, bool ahead = false,
+                        int64_t kb0 = 0, int64_t kb1 = -1) {
+  const int64_t K = kb1 < 0 ? a.K : kb1, ldx = a.ldx;
+  const bool resume = kb0 > 0, finish = K == a.K;
   constexpr bool quantized = FMT == I8 || FMT == I4;
   constexpr int64_t esize = FMT == F32 ? 4 : FMT == BF16 ? 2 : 1;
   const int64_t pf = PF ? prefetch_bytes[FMT] : 0;
   const int64_t C = quantized ? a.group : CHUNK;
-  const int64_t ngroups = quantized ? K / C : 0;
-  const int64_t rows = FMT == I4 ? K / 2 : K;  // rows of 64 lanes in this super-block
+  const int64_t ngroups = quantized ? a.K / C : 0;
+  const int64_t rows = FMT == I4 ? a.K / 2 : a.K;  // rows of 64 lanes in this super-block
   V acc[MR][NB], part[MR][NB];
   for (int m = 0; m < MR; m++)
-    for (int j = 0; j < NB; j++) acc[m][j] = vzero();
-  for (int64_t k0 = 0; k0 < K; k0 += C) {
+    for (int j = 0; j < NB; j++) acc[m][j] = resume ? vload(y + m * a.ldy + sb * SUPER + (j0 + j) * 16) : vzero();
+  for (int64_t k0 = kb0; k0 < K; k0 += C) {
     const int64_t k1 = k0 + C < K ? k0 + C : K;
     if (ahead) {  // the next chunk's rows of the tile's lanes into L2
       const int64_t r0 = FMT == I4 ? k1 / 2 : k1, r1 = FMT == I4 ? (k1 + C) / 2 : k1 + C;
@@ -89,6 +95,10 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
   }
   for (int j = 0; j < NB; j++) {
     const int64_t col = sb * SUPER + (j0 + j) * 16;
+    if (!finish) {
+      for (int m = 0; m < MR; m++) vstore(y + m * a.ldy + col, acc[m][j]);
+      continue;
+    }
     const V b = a.bias ? vload(a.bias + col) : vzero();
     for (int m = 0; m < MR; m++) vstore(y + m * a.ldy + col, activate(vadd(acc[m][j], b), a.act));
   }
@@ -109,24 +119,30 @@ template <int FMT>
 static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const bool stream = a.M <= 2 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
   const bool few = (FMT == F32 || FMT == BF16) && a.M <= FEW_ROWS;  // int8/int4 widen per pass: they keep the tiles
-  for (int64_t sb = sb0; sb < sb1; sb++) {
-    for (int64_t m = 0; m < a.M;) {
-      const float* x = a.x + m * a.ldx;
-      float* y = a.y + m * a.ldy;
-      const int64_t r = a.M - m;
-      // prefill's first tile over a super-block reads it from memory (a decode step of a few rows keeps its way)
-      const bool ahead = m == 0 && a.M > 2 && !few;
-      if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, ahead); m += 2; }
-      else if (VREGS < 32 && FMT != I4 && r >= 6) { for (int j = 0; j < 4; j++) tile<FMT, 6, 1>(a, x, y, sb, j, ahead); m += 6; }
-      else if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j, ahead); m += 3; }
-      else if (FMT != I4 && r >= 6) { tile<FMT, 6, 4>(a, x, y, sb, 0, ahead); m += 6; }
-      else if (r >= 6) { tile<FMT, 6, 2>(a, x, y, sb, 0, ahead); tile<FMT, 6, 2>(a, x, y, sb, 2, ahead); m += 6; }
-      else if (r >= 4) { tile<FMT, 4, 2>(a, x, y, sb, 0, ahead); tile<FMT, 4, 2>(a, x, y, sb, 2, ahead); m += 4; }
-      else if (r == 3) { tile<FMT, 3, 2>(a, x, y, sb, 0, ahead); tile<FMT, 3, 2>(a, x, y, sb, 2, ahead); m += 3; }
-      else if (r == 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0); m += 2; }
-      else { stream ? tile<FMT, 1, 4, true>(a, x, y, sb, 0) : tile<FMT, 1, 4>(a, x, y, sb, 0); m += 1; }
+  // prefill of a long K in blocks of KBLOCK inputs (whole chunks), every row's sums over one block before the
+  // next: the block's weights and the rows' inputs stay in L2 while the tiles reread them
+  const int64_t C = FMT == I8 || FMT == I4 ? a.group : CHUNK;
+  const int64_t kblock = a.M > FEW_ROWS && a.K > KBLOCK ? std::max<int64_t>(KBLOCK / C, 1) * C : a.K;
+  for (int64_t sb = sb0; sb < sb1; sb++)
+    for (int64_t kb0 = 0; kb0 < a.K; kb0 += kblock) {
+      const int64_t kb1 = std::min(a.K, kb0 + kblock);
+      for (int64_t m = 0; m < a.M;) {
+        const float* x = a.x + m * a.ldx;
+        float* y = a.y + m * a.ldy;
+        const int64_t r = a.M - m;
+        // prefill's first tile over a super-block reads it from memory (a decode step of a few rows keeps its way)
+        const bool ahead = m == 0 && a.M > 2 && !few;
+        if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, ahead, kb0, kb1); m += 2; }
+        else if (VREGS < 32 && FMT != I4 && r >= 6) { for (int j = 0; j < 4; j++) tile<FMT, 6, 1>(a, x, y, sb, j, ahead, kb0, kb1); m += 6; }
+        else if (VREGS < 32 && FMT != I4 && r >= 3) { for (int j = 0; j < 4; j++) tile<FMT, 3, 1>(a, x, y, sb, j, ahead, kb0, kb1); m += 3; }
+        else if (FMT != I4 && r >= 6) { tile<FMT, 6, 4>(a, x, y, sb, 0, ahead, kb0, kb1); m += 6; }
+        else if (r >= 6) { tile<FMT, 6, 2>(a, x, y, sb, 0, ahead, kb0, kb1); tile<FMT, 6, 2>(a, x, y, sb, 2, ahead, kb0, kb1); m += 6; }
+        else if (r >= 4) { tile<FMT, 4, 2>(a, x, y, sb, 0, ahead, kb0, kb1); tile<FMT, 4, 2>(a, x, y, sb, 2, ahead, kb0, kb1); m += 4; }
+        else if (r == 3) { tile<FMT, 3, 2>(a, x, y, sb, 0, ahead, kb0, kb1); tile<FMT, 3, 2>(a, x, y, sb, 2, ahead, kb0, kb1); m += 3; }
+        else if (r == 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, false, kb0, kb1); m += 2; }
+        else { stream ? tile<FMT, 1, 4, true>(a, x, y, sb, 0) : tile<FMT, 1, 4>(a, x, y, sb, 0, false, kb0, kb1); m += 1; }
+      }
     }
-  }
 }
 
 // Rows r < MQ of out[:, 0 : 16 NV] = sum_j p[r][j] v[j, 0 : 16 NV] * inv[r] over keys j < n in order: each

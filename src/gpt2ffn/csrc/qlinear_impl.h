@@ -5,7 +5,8 @@
 //   W wload_i8(p); VI dot_i8(acc, w, x4);  wload_i4(p, lo, hi); VI dot_i4(acc, lo, hi, x4lo, x4hi)
 //   VI viset1(int32_t);  V vcvt(VI acc): float(acc);  INT8_DOT: the instruction's name;
 //   quantize_group16(x, q, G, d, sum): one group of G (a multiple of 16) activations quantized as
-//   quantize_rows' scalar loop does;  I8_OFFSET: what dot_i8 adds to q (128 when it sums (q + 128) * x as
+//   quantize_rows' scalar loop does (and, defining GPT2FFN_QUANTIZE_16X32, quantize_16x32(x, q, d, sum): 16
+//   groups of 32 at once, the same operations);  I8_OFFSET: what dot_i8 adds to q (128 when it sums (q + 128) * x as
 //   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile, QNB1 decode's
 //   (the 256-bit builds define GPT2FFN_QRUN8 and no QMR / QNB: they prefill through their own qrun8).
 // Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
@@ -41,7 +42,13 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
   if constexpr (XR > 1) row.resize(K);
   for (int64_t m = m0; m < m1; m++) {
     int8_t* qrow = XR > 1 ? row.data() : xq + m * K;
-    for (int64_t g = 0; g < ng; g++) {
+    int64_t g = 0;
+#ifdef GPT2FFN_QUANTIZE_16X32
+    if (G == 32)  // 16 groups at a time, then the rest one by one
+      for (; g + 16 <= ng; g += 16)
+        quantize_16x32(a.x + m * a.ldx + g * G, qrow + g * G, xs + m * ng + g, xsum + m * ng + g);
+#endif
+    for (; g < ng; g++) {
       const float* x = a.x + m * a.ldx + g * G;
       int8_t* q = qrow + g * G;
       if (G % 16 == 0) {  // the same operations, 16 at a time
