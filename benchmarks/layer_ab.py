@@ -1,7 +1,9 @@
-"""One linear layer's prefill GEMM (M rows through `kernels.packed.linear`, native route) for two trees of gpt2ffn,
+"""One linear layer's prefill (M rows through `kernels.packed.linear`, native route) for two trees of gpt2ffn,
 interleaved: this checkout against another (a `git worktree` of an earlier commit, its native library built in
-place), one process per tree and round, products per second per layer shape. What prefill_ab.py shows for a whole
-prompt, layer by layer, so a kernel change can be timed on the shapes it targets.
+place), one process per tree and round (the order alternating), products per second per layer shape. What
+prefill_ab.py shows for a whole prompt, layer by layer, so a kernel change can be timed on the shapes it targets.
+The time is the whole `_C.linear` call: the output's allocation, int8 / int4's activation quantization, the threads'
+fork and join and the GEMM.
 
     git worktree add /tmp/base HEAD~1 && (cd /tmp/base && python setup.py build_ext --inplace)
     python benchmarks/layer_ab.py --against /tmp/base --precision int8 --shapes 1024x4096 4096x1024
@@ -29,7 +31,7 @@ import json, time, torch
 torch.set_num_threads({threads})
 from gpt2ffn.kernels.formats import DEFAULT_ACTIVATIONS, Packed
 from gpt2ffn.kernels.packed import linear
-import gpt2ffn._C as C
+import gpt2ffn, gpt2ffn._C as C
 g = torch.Generator().manual_seed(0)
 out = {{}}
 with torch.inference_mode():
@@ -42,7 +44,7 @@ with torch.inference_mode():
         for _ in range({repeats}):
             t0 = time.perf_counter(); linear(x, p, None, p.bias, "native"); ts.append(time.perf_counter() - t0)
         out[f"{{K}}x{{N}}"] = min(ts) * 1e3
-print(json.dumps({{"ms": out, "isa": C.isa()}}))
+print(json.dumps({{"ms": out, "isa": C.isa(), "package": gpt2ffn.__file__}}))
 """
 
 
@@ -53,7 +55,18 @@ def one(src: Path, args, shapes) -> dict:
     code = ONE.format(threads=args.threads, shapes=shapes, precision=args.precision, rows=args.rows,
                       repeats=args.repeats)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(got["package"]).resolve().is_relative_to(src.resolve()):  # an installed gpt2ffn answered instead
+        sys.exit(f"{src} has no gpt2ffn of its own (src/gpt2ffn): the run imported {got['package']}")
+    return got
+
+
+def commit(src: Path) -> str:
+    """The tree's HEAD and whether it has uncommitted changes (what its numbers are of)."""
+    git = ["git", "-C", str(src)]
+    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+    return head + (" + uncommitted changes" if dirty.strip() else "")
 
 
 def main():
@@ -78,8 +91,8 @@ def main():
     runs = {name: [] for name in trees}
     t0 = time.perf_counter()
     for r in range(args.rounds):
-        for name, src in trees.items():
-            runs[name].append(one(src, args, shapes))
+        for name in (("this", "against") if r % 2 == 0 else ("against", "this")):
+            runs[name].append(one(trees[name], args, shapes))
         print(f"round {r + 1}/{args.rounds} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
     rows = []
     print(f"| K x N | {args.against} ms | G products/s | this tree ms | G products/s | ratio |")
@@ -97,8 +110,9 @@ def main():
     if args.out:
         from gpt2ffn.bench import cpu_info
         args.out.write_text(json.dumps({
-            "machine": {"cpu": cpu_info(), "threads": args.threads, "isa": runs["this"][0]["isa"]},
-            "precision": args.precision, "rows": args.rows, "against": str(args.against), "rounds": args.rounds,
+            "machine": {"cpu": cpu_info(), "threads": args.threads},
+            "trees": {n: {"path": str(src), "commit": commit(src), "isa": runs[n][0]["isa"]} for n, src in trees.items()},
+            "precision": args.precision, "rows": args.rows, "rounds": args.rounds,
             "repeats_per_process": args.repeats, "wall_s": time.perf_counter() - t0, "results": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")
 

@@ -42,8 +42,8 @@ for T in {tokens!r}:
     for _ in range({repeats}):
         t0 = time.perf_counter(); run(); ts.append(time.perf_counter() - t0)
     out[T] = statistics.median(ts) * 1e3
-import gpt2ffn._C as C
-print(json.dumps({{"ms": out, "isa": C.isa()}}))
+import gpt2ffn, gpt2ffn._C as C
+print(json.dumps({{"ms": out, "isa": C.isa(), "package": gpt2ffn.__file__}}))
 """
 
 
@@ -54,7 +54,10 @@ def one(src: Path, args) -> dict:
     code = ONE.format(threads=args.threads, model=str(args.model), precision=args.precision,
                       tokens=args.tokens, repeats=args.repeats)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if not Path(got["package"]).resolve().is_relative_to(src.resolve()):  # an installed gpt2ffn answered instead
+        sys.exit(f"{src} has no gpt2ffn of its own (src/gpt2ffn): the run imported {got['package']}")
+    return got
 
 
 def main():

@@ -190,25 +190,32 @@ def special_rows(K=1024, M=5, seed=5):
     return x, ties
 
 
-@pytest.mark.parametrize("precision", ["int8", "int4"])
-def test_sixteen_groups_at_once_quantize_as_defined(isa, precision):
-    """K = 1024: the AVX-512 builds quantize 16 groups of 32 in one pass (csrc/qlinear_avx512.cpp:
-    quantize_16x32), the others group by group; both must equal quantize_activations' definition."""
-    x, ties = special_rows()
-    w = torch.randn(1024, 96, generator=torch.Generator().manual_seed(6))
-    p = Packed(w, None, precision, activations="int8")
-    want = reference64(x, p, w, None)
-    err = float((native(x, p).double() - want).abs().max() / want.abs().max())
-    assert err < 2e-6, (isa, err)
-    # negative control: ties rounded away from zero (not to even) move the sums past the tolerance
-    q, d = quantize_activations(x, 32)
-    q_away = torch.where((x / d.repeat_interleave(32, 1)).frac().abs() == 0.5,
-                         torch.trunc(x / d.repeat_interleave(32, 1)) + torch.sign(x), q.float())
-    away = (q_away.double() * d.repeat_interleave(32, 1).double()) @ p.weights().double()
-    assert float((away - want).abs().max() / want.abs().max()) > 2e-6
+@pytest.mark.parametrize("K,group", [(1024, 32), (544, 32), (768, 24), (96, 8)])
+def test_native_quantization_is_the_definition_bit_for_bit(isa, K, group):
+    """q, d and the sums of q as each build's kernels read them (_C.quantize_activations) equal
+    quantize_activations' definition exactly. K = 1024 and 544 run the AVX-512 builds' 16-groups-at-once
+    quantizer (csrc/qlinear_avx512.cpp: quantize_16x32; 544: one block of 16 and one group alone); 24 and 8 the
+    group-by-group one. The rows hold all-zero groups, exact ties, and a huge value beside tiny ones."""
+    x, _ = special_rows(K=max(K, 544))
+    x = x[:, :K].contiguous()
+    q, d, sums = _C.quantize_activations(x, group)
+    want_q, want_d = quantize_activations(x, group)
+    assert torch.equal(d, want_d), (isa, float((d - want_d).abs().max()))
+    assert torch.equal(q, want_q), (isa, int((q != want_q).sum()))
+    assert torch.equal(sums, want_q.view(x.shape[0], K // group, group).sum(-1, dtype=torch.int32))
+    # negative control: ties rounded away from zero (not to even) change q
+    away = torch.trunc(x / want_d.repeat_interleave(group, 1) + 0.5 * torch.sign(x)).clamp(-127, 127)
+    assert not torch.equal(q, torch.where(want_d.repeat_interleave(group, 1) == 0, 0.0, away).to(torch.int8))
+
+
+def test_native_quantization_refuses_what_it_cannot_lay_out():
+    with pytest.raises(RuntimeError, match="multiple of 4"):
+        _C.quantize_activations(torch.randn(2, 60), 30)
 
 
 def test_sixteen_groups_at_once_equal_every_build():
+    """Through the integer kernels: every build's outputs equal (on an AVX-512 CPU the others include avx2's
+    group-by-group quantizer)."""
     x, _ = special_rows(M=21)
     w = torch.randn(1024, 192, generator=torch.Generator().manual_seed(7))
     p = Packed(w, None, "int8", activations="int8")

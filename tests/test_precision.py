@@ -104,7 +104,8 @@ def test_long_k_prefill_in_blocks_is_batch_invariant(precision):
     y = kp.linear(x, p, None, p.bias, "native", "tanh")
     for r in (0, 17, 39):
         assert torch.equal(kp.linear(x[r:r + 1], p, None, p.bias, "native", "tanh"), y[r:r + 1]), r
-    # negative control: the same products summed in another order (torch's) differ in the last bits
+    # the comparison is bitwise, which the order of a sum shows in: torch's order of the same products differs
+    # (a build whose blocks are not whole chunks fails the rows above: checked by hand when the blocks landed)
     assert not torch.equal(torch.nn.functional.gelu(torch.addmm(b, x, p.weights()), approximate="tanh"), y)
 
 

@@ -86,20 +86,21 @@ struct Isa {
   QuantFn quantize;
   const RowOps* rows;
   const char* (*int8_dot)();
+  int64_t xr;  // rows the build's int8 activations interleave in a tile (qlinear_impl.h: xword): 1 or 8
 };
 // AVX-512 VNNI with AMX-INT8 (Intel Sapphire Rapids and later): the integer kernels' blocks of 16 rows on tiles
 static const Isa kAvx512Amx{"avx512amx", avx512::linear_range, avx512::attend, avx512::attend_causal,
-                            avx512::qlinear_range_amx, avx512::quantize_rows, &kRows512, avx512::int8_dot_amx};
+                            avx512::qlinear_range_amx, avx512::quantize_rows, &kRows512, avx512::int8_dot_amx, 1};
 static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::attend_causal, avx512::qlinear_range,
-                        avx512::quantize_rows, &kRows512, avx512::int8_dot};
+                        avx512::quantize_rows, &kRows512, avx512::int8_dot, 1};
 // AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
 static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx512::attend_causal, avx2::qlinear_range,
-                               avx2::quantize_rows, &kRows512, avx2::int8_dot};
+                               avx2::quantize_rows, &kRows512, avx2::int8_dot, 8};
 static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avx2::attend_causal, avxvnni::qlinear_range,
-                         avxvnni::quantize_rows, &kRows256, avxvnni::int8_dot};
+                         avxvnni::quantize_rows, &kRows256, avxvnni::int8_dot, 8};
 static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::attend_causal, avx2::qlinear_range,
-                       avx2::quantize_rows, &kRows256, avx2::int8_dot};
-static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr};
+                       avx2::quantize_rows, &kRows256, avx2::int8_dot, 8};
+static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0};
 
 static bool supports(const Isa& i) {
   __builtin_cpu_init();
@@ -239,6 +240,31 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   at::parallel_for(0, nsuper, 1, [&](int64_t s0, int64_t s1) { fn(a, s0, s1); });
   if (act == "none") at::gelu_(y, "none");
   return N == nsuper * 64 ? y : y.narrow(1, 0, N);
+}
+
+// x (M, K) float32 -> the int8 activations this build's integer kernels read: q (M, K) int8 (row-major here, whatever
+// the build's own interleave), d (M, K / group) float32 and the sums of q (M, K / group) int32; for tests against
+// gpt2ffn.kernels.formats.quantize_activations, bit for bit.
+std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t group) {
+  const Isa* isa = kIsa;
+  TORCH_CHECK(isa->quantize != nullptr, "gpt2ffn._C.quantize_activations needs AVX2+FMA or AVX-512");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
+              "x must be a 2-D float32 CPU tensor with unit stride along K, got ", x.sizes(), " ", x.scalar_type());
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, "group ", group, " must be a multiple of 4 dividing K=", K);
+  const int64_t ng = K / group, xr = isa->xr;
+  LinearArgs a{};
+  a.x = x.data_ptr<float>(), a.ldx = x.stride(0), a.M = M, a.K = K, a.group = group;
+  auto xq = torch::empty({(M + 7) / 8 * 8, K}, torch::dtype(at::kChar));
+  auto d = torch::empty({M, ng}, torch::dtype(at::kFloat));
+  auto sum = torch::empty({M, ng}, torch::dtype(at::kInt));
+  isa->quantize(a, xq.data_ptr<int8_t>(), d.data_ptr<float>(), sum.data_ptr<int32_t>(), 0, M);
+  auto q = torch::empty({M, K}, torch::dtype(at::kChar));
+  const int8_t* src = xq.data_ptr<int8_t>();
+  int8_t* dst = q.data_ptr<int8_t>();
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t k = 0; k < K; k += 4) std::memcpy(dst + m * K + k, src + (m / xr) * xr * K + k * xr + (m % xr) * 4, 4);
+  return {q, d, sum};
 }
 
 // A packed linear layer's arguments (w, scale, bias, format, N, group of a Packed; an empty scale: none).
@@ -798,6 +824,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_attention", &gpt2ffn::causal_attention,
         "causal self-attention of T new tokens against past + T cached keys -> (B, T, H * hd), scores q k^T * "
         "scale (None: 1/sqrt(hd))", py::arg("q"), py::arg("k"), py::arg("v"), py::arg("scale") = py::none());
+  m.def("quantize_activations", &gpt2ffn::quantize_activations,
+        "x (M, K) -> (q, d, sum of q) per (row, group) as this build's integer kernels quantize it");
   m.def("packed_rows", &gpt2ffn::packed_rows, "rows of W^T of a packed layer, dequantized: (T,) ids -> (T, K)");
   py::class_<gpt2ffn::StepPlan>(m, "StepPlan")
       .def(py::init<>())

@@ -16,9 +16,9 @@
 // Each group's sums must leave the tiles for their own scales (a tile store, then 3 vector operations per 16
 // sums): that epilogue, not the tile products, bounds the rate. A block of 16 rows runs the super-block's 4
 // lane blocks at once (the activations' tile loaded once per group for 4 products) and keeps acc in memory.
-// Measured on an Intel Xeon (family 6 model 167), 1 thread, 128 rows, GPT-2 medium's layers: 236-264 ->
-// 271-298 G products/s (c_fc), 245-259 -> 289-328 (mlp.c_proj) against the earlier one lane block at a time
-// with each group's epilogue right after its store (README: "Prefill against CTranslate2 and ONNX Runtime").
+// Against the earlier one lane block at a time with each group's epilogue right after its store, Intel Xeon
+// (family 6 model 167), 1 thread, 128 rows, GPT-2 medium's layers: 243-273 -> 285-299 G products/s int8
+// (benchmarks/layer_ab.py; results/layer-ab-amx-xeon-amx.json; README: "AMX for the integer prefill").
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 #include <sys/syscall.h>
 #include <unistd.h>

@@ -55,7 +55,9 @@ static inline T reduce16(T (&a)[16], Op op, Perm perm) {
 
 // 16 groups of 32 activations (x[0..511]) quantized at once, the same IEEE operations as quantize_group16 on
 // each (max|x|, d = max / 127, 1 / d, round to nearest even, clamp, sum), with each group's horizontal max and
-// sum done 16 at a time (reduce16) and d and 1 / d one vector division each, for 16 groups.
+// sum done 16 at a time (reduce16) and d and 1 / d one vector division each, for 16 groups. The same bits for
+// finite x (tested against the definition, _C.quantize_activations); a NaN's group comes out as garbage in every
+// build, though not the same garbage (max takes its operands in another order here).
 #define GPT2FFN_QUANTIZE_16X32
 static inline void quantize_16x32(const float* x, int8_t* q, float* d, int32_t* sum) {
   __m512 m[16];
@@ -64,7 +66,7 @@ static inline void quantize_16x32(const float* x, int8_t* q, float* d, int32_t* 
   const __m512 amax = reduce16(m, [](__m512 u, __m512 v) { return _mm512_max_ps(u, v); },
                                [](__m512 u, __m512i i, __m512 v) { return _mm512_permutex2var_ps(u, i, v); });
   const __m512 dv = _mm512_div_ps(amax, _mm512_set1_ps(127.0f));
-  const __mmask16 nz = _mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+  const __mmask16 nz = _mm512_cmp_ps_mask(dv, _mm512_setzero_ps(), _CMP_NEQ_UQ);  // d != 0, as the scalar test
   const __m512 idv = _mm512_maskz_div_ps(nz, _mm512_set1_ps(1.0f), dv);  // 0 where d is 0
   _mm512_storeu_ps(d, dv);
   const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
