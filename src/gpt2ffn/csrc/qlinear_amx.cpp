@@ -17,7 +17,7 @@
 // sums): that epilogue, not the tile products, bounds the rate. A block of 16 rows runs the super-block's 4
 // lane blocks at once (the activations' tile loaded once per group for 4 products) and keeps acc in memory.
 // Against the earlier one lane block at a time with each group's epilogue right after its store, Intel Xeon
-// (family 6 model 167), 1 thread, 128 rows, GPT-2 medium's layers: 243-273 -> 285-299 G products/s int8
+// (family 6 model 167), 1 thread, 128 rows, GPT-2 medium's layers: 252-271 -> 308-319 G products/s int8
 // (benchmarks/layer_ab.py; results/layer-ab-amx-xeon-amx.json; README: "AMX for the integer prefill").
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 #include <sys/syscall.h>
