@@ -163,10 +163,13 @@ def test_patch_hf_refuses_what_it_does_not_understand():
     assert type(model.transformer.h[0].mlp).__name__ == "GPT2MLP"
 
 
-def test_bench_quick_smoke(tmp_path, capsys):
+def test_bench_quick_smoke(tmp_path, capsys, monkeypatch):
+    """No --out: the results go to ./gpt2ffn-bench, never into a repository's committed benchmarks/results."""
     from gpt2ffn.cli import main
-    assert main(["bench", "--dims", "96", "--tokens", "1,32", "--repeats", "10", "--backward",
-                 "--out", str(tmp_path)]) == 0
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench", "--dims", "96", "--tokens", "1,32", "--repeats", "10", "--backward"]) == 0
+    assert not (tmp_path / "benchmarks").exists()
+    tmp_path = tmp_path / "gpt2ffn-bench"
     import json
     result = json.loads((tmp_path / "bench-cpu.json").read_text())
     impls = {r["impl"] for r in result["forward"]}

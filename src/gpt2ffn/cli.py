@@ -569,7 +569,9 @@ def build_parser() -> Parser:
                         "with --model: random:<preset>[:seed], the size timed (gpt2, gpt2-medium, -large, -xl)")
     p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="cpu",
                    help="where the timed modules run (auto: CUDA when present; default cpu)")
-    p.add_argument("--out", default="benchmarks/results", type=_out_dir, help="where the JSON and PNG go")
+    p.add_argument("--out", default="gpt2ffn-bench", type=_out_dir,
+                   help="where the JSON and PNG go (default ./gpt2ffn-bench; the repository's committed results are "
+                        "rewritten only by naming them: --out benchmarks/results)")
     p.set_defaults(func=cmd_bench)
     return parser
 
