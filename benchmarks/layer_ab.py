@@ -17,12 +17,12 @@ only adds time); the table shows the medians across rounds.
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trees import commit, run_in_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -49,24 +49,9 @@ print(json.dumps({{"ms": out, "isa": C.isa(), "package": gpt2ffn.__file__}}))
 
 
 def one(src: Path, args, shapes) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(src / "src"))
-    if args.isa:
-        env["GPT2FFN_ISA"] = args.isa
     code = ONE.format(threads=args.threads, shapes=shapes, precision=args.precision, rows=args.rows,
                       repeats=args.repeats)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    if not Path(got["package"]).resolve().is_relative_to(src.resolve()):  # an installed gpt2ffn answered instead
-        sys.exit(f"{src} has no gpt2ffn of its own (src/gpt2ffn): the run imported {got['package']}")
-    return got
-
-
-def commit(src: Path) -> str:
-    """The tree's HEAD and whether it has uncommitted changes (what its numbers are of)."""
-    git = ["git", "-C", str(src)]
-    head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
-    return head + (" + uncommitted changes" if dirty.strip() else "")
+    return run_in_tree(src, code, args.isa)
 
 
 def main():

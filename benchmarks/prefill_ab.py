@@ -13,12 +13,12 @@ prompt length after two warm-ups and reports its median; the table shows the med
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from trees import run_in_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -48,16 +48,9 @@ print(json.dumps({{"ms": out, "isa": C.isa(), "package": gpt2ffn.__file__}}))
 
 
 def one(src: Path, args) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(src / "src"))
-    if args.isa:
-        env["GPT2FFN_ISA"] = args.isa
     code = ONE.format(threads=args.threads, model=str(args.model), precision=args.precision,
                       tokens=args.tokens, repeats=args.repeats)
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    got = json.loads(out.stdout.strip().splitlines()[-1])
-    if not Path(got["package"]).resolve().is_relative_to(src.resolve()):  # an installed gpt2ffn answered instead
-        sys.exit(f"{src} has no gpt2ffn of its own (src/gpt2ffn): the run imported {got['package']}")
-    return got
+    return run_in_tree(src, code, args.isa)
 
 
 def main():
