@@ -10,8 +10,10 @@
 // operand, [4 lane blocks][K / 4][16 lanes][4 k]: I8A8's stored q + 128 back to q, I4A8's nibbles to q - 8,
 // each k-quad of a lane one 4-byte word. Row r of it holds k = 4r .. 4r + 3 (I4A8's word w: low nibbles ->
 // row 2w, high nibbles -> row 2w + 1), so a group's tile is G / 4 consecutive rows. The first block of 16 rows
-// of a super-block converts each group just before its tiles read it, so the weights stream in from memory
-// under the tile work; the other blocks find the scratch in L2.
+// of a super-block converts each group just before its tiles read it; the other blocks find the scratch in L2,
+// and share out the next super-block's packed weights into L2 (prefetcht1, a piece each group), so only a
+// call's first super-block is converted from memory (GPT-2 medium int8 prefill of 128 tokens 109.0 -> 104.3 ms,
+// benchmarks/results/prefill-ab-fetch-gpt2-medium-int8-xeon-amx.json).
 //
 // Each group's sums must leave the tiles for their own scales (a tile store, then 3 vector operations per 16
 // sums): that epilogue, not the tile products, bounds the rate. A block of 16 rows runs the super-block's 4
@@ -114,14 +116,17 @@ static inline void store(int32_t (*c)[MT * 16]) {
 // memory) as qlinear_impl.h's epilogue does, acc = fma(float(sum), scale * d, acc) group by group in order, and
 // only then are group g + 1's sums stored (placed before them, the epilogue's loads waited on those stores).
 // The first block of rows (m0 0) converts each group's weights into ws just before its tiles read them.
-void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t (*cbuf)[4][MT * 16], float* acc) {
-  const int64_t K = a.K, G = a.group, ng = K / G;
+// next0 .. next1: this block's share of the next super-block's packed weights, into L2 a piece each group.
+void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t (*cbuf)[4][MT * 16], float* acc,
+               const char* next0, const char* next1) {
+  const int64_t K = a.K, G = a.group, ng = K / G, lines = (next1 - next0) / 64;
   const int8_t* xq = a.xq + m0 * K;
   const float* xs = a.xscale + m0 * ng;
   const uint16_t* sc = a.scale + sb * ng * SUPER;
   auto step = [&](int64_t g) {
     if (m0 == 0)
       for (int j = 0; j < 4; j++) signed_weights(a, sb, j, g, g + 1, ws);
+    for (int64_t l = lines * g / ng; l < lines * (g + 1) / ng; l++) _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
     products(xq, ws, K, G, g);
   };
   for (int64_t i = 0; i < MT * SUPER; i += 16) vstore(acc + i, vzero());
@@ -181,9 +186,19 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   cfg.rows[4] = MT, cfg.colsb[4] = G;                                     // activations: 16 rows x G bytes
   for (int t : {6, 7}) cfg.rows[t] = G / 4, cfg.colsb[t] = 64;            // weights: G / 4 k-quads x 16 lanes
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
-  for (int64_t sb = sb0; sb < sb1; sb++)
-    for (int64_t m0 = 0; m0 < M16; m0 += MT)
-      tile_rows(a, scratch.data(), sb, m0, cbuf, acc);
+  // The blocks of rows after the first share out the next super-block's packed weights, which come into L2
+  // while they run, so that the first block's conversion of them reads L2, not memory.
+  const int64_t sbytes = (a.format == I8A8 ? K : K / 2) * SUPER, later = M16 / MT - 1;
+  for (int64_t sb = sb0; sb < sb1; sb++) {
+    const char* next = static_cast<const char*>(a.w) + (sb + 1) * sbytes;
+    const int64_t nbytes = sb + 1 < sb1 && later > 0 ? sbytes : 0;
+    for (int64_t m0 = 0; m0 < M16; m0 += MT) {
+      const int64_t t = m0 / MT - 1;  // this block's share: none for the first
+      const char* n0 = t < 0 ? next : next + nbytes * t / later / 64 * 64;
+      const char* n1 = t < 0 ? next : next + nbytes * (t + 1) / later / 64 * 64;
+      tile_rows(a, scratch.data(), sb, m0, cbuf, acc, n0, n1);
+    }
+  }
   __asm__ volatile("tilerelease" ::);
 }
 
