@@ -58,11 +58,13 @@ def test_each_build_runs_its_own_instruction():
 
 @pytest.mark.skipif("avx512amx" not in ISAS, reason="this CPU (or its kernel) gives no AMX-INT8 tiles")
 @pytest.mark.parametrize("precision", ["int8", "int4"])
-@pytest.mark.parametrize("K,N,group", [(768, 192, None), (200, 64, None), (96, 130, 8), (128, 64, 64), (256, 64, 128)])
+@pytest.mark.parametrize("K,N,group", [(768, 192, None), (200, 64, None), (96, 130, 8), (128, 64, 64), (256, 64, 128),
+                                       (544, 64, None), (96, 64, 32), (32, 128, None)])
 @pytest.mark.parametrize("act", ["", "tanh", "relu"])
 def test_amx_tiles_equal_the_vnni_kernels_bit_for_bit(precision, K, N, group, act):
     """Blocks of 16 rows on AMX tiles, the rows after them on VNNI; groups of 20 (200 inputs), 8 and 64 fit a
-    tile, 128 does not (all VNNI): every row equals the VNNI build's, and row r of any batch equals row r alone."""
+    tile, 128 does not (all VNNI); an odd count of groups (17, 3) and a single one (the pipelined loop's ends):
+    every row equals the VNNI build's, and row r of any batch equals row r alone."""
     g = torch.Generator().manual_seed(K + N)
     w, b, x = torch.randn(K, N, generator=g), torch.randn(N, generator=g), 2 * torch.randn(40, K, generator=g)
     p = Packed(w, b if act != "relu" else None, precision, group=group, activations="int8")

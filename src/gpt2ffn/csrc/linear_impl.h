@@ -139,12 +139,15 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const int64_t kblock = a.M > FEW_ROWS && a.K > KBLOCK ? std::max<int64_t>(KBLOCK / C, 1) * C : a.K;
   // Prefill brings the next block's weights (the bytes right after this block's: the next K block, or the next
   // super-block's first) into L2 while this block's tiles run, each tile a share of its lines in proportion to
-  // its rows, where this block, the next and the rows' inputs fit in L2 together (Intel Xeon, 2 MB L2, GPT-2
-  // xl fp32: 128 rows 0.91x the time; 512 rows, where they do not fit, 1.04x with the prefetch; an AMD Zen 3's
-  // 512 KB L2 takes none at 1024 x 64 fp32). Then only a call's first block meets its weights in memory.
-  constexpr int64_t esize = FMT == F32 ? 4 : FMT == BF16 ? 2 : 1;
+  // its rows, where this block, the next and the rows' inputs fit in L2 together and there are at least
+  // FETCH_ROWS rows, whose tiles take long enough to hide the next block's reads. Intel Xeon, 2 MB L2, GPT-2
+  // medium fp32 (benchmarks/results/prefill-ab-fetch-gpt2-medium-fp32-rows-xeon-amx.json): 12 / 16 / 32 / 64
+  // rows 1.06 / 1.02 / 0.98 / 0.91x the time with it; xl 128 rows 0.91x; 512 rows, where the rows' inputs fill
+  // L2, 1.04x (an AMD Zen 3's 512 KB L2 takes none at 1024 x 64 fp32). Then only a call's first block meets
+  // its weights in memory.
+  constexpr int64_t esize = FMT == F32 ? 4 : FMT == BF16 ? 2 : 1, FETCH_ROWS = 32;
   const int64_t rows = FMT == I4 ? a.K / 2 : a.K, brows = FMT == I4 ? kblock / 2 : kblock;
-  const bool fetch = !few && a.M > FEW_ROWS && 2 * brows * SUPER * esize + a.M * kblock * 4 <= l2_bytes();
+  const bool fetch = !few && a.M >= FETCH_ROWS && 2 * brows * SUPER * esize + a.M * kblock * 4 <= l2_bytes();
   for (int64_t sb = sb0; sb < sb1; sb++)
     for (int64_t kb0 = 0; kb0 < a.K; kb0 += kblock) {
       const int64_t kb1 = std::min(a.K, kb0 + kblock);
