@@ -977,6 +977,27 @@ def test_max_model_len_beyond_the_context_is_refused(model_dir):
     svc.loop.stop()
 
 
+def test_serve_freezes_the_start_up_heap_and_nothing_else_does(model_dir):
+    """serve()'s process moves what start-up made out of the cyclic collector's sight (gc.freeze, as vLLM after
+    its warm-up), so a full collection no longer walks the model's and torch's objects; a Service made elsewhere
+    (an app in a test, a library user's) leaves the collector alone."""
+    import gc
+
+    from gpt2ffn.serving.service import Service
+    gc.unfreeze()
+    svc = Service(str(model_dir), max_batch=2, max_model_len=40)
+    svc.load()
+    svc.loop.stop()
+    assert gc.get_freeze_count() == 0
+    svc = Service(str(model_dir), max_batch=2, max_model_len=40, freeze_heap=True)
+    try:
+        svc.load()
+        svc.loop.stop()
+        assert gc.get_freeze_count() > 10_000  # torch's modules and functions at least
+    finally:
+        gc.unfreeze()
+
+
 @pytest.fixture(scope="module")
 def ids_server(model_dir, tmp_path_factory):
     """--skip-tokenizer-init on a checkpoint with no tokenizer files (the model's alone)."""

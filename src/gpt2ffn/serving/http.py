@@ -665,7 +665,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         raise Gpt2ffnError(failed)
     svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
                   dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,
-                  skip_tokenizer, served_names)
+                  skip_tokenizer, served_names, freeze_heap=True)
     if rank != 0:
         svc.load()
         svc.engine.follow()  # returns when rank 0's engine thread stops
