@@ -15,14 +15,13 @@ default); each process times --repeats calls per shape after a warm-up and repor
 only adds time); the table shows the medians across rounds.
 """
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from trees import commit, run_in_tree
+from trees import ab_parser, commit, run_in_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,17 +54,10 @@ def one(src: Path, args, shapes) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--against", type=Path, required=True, help="the other tree (a checkout with src/gpt2ffn built)")
-    p.add_argument("--precision", default="int8", choices=["fp32", "bf16", "int8", "int4"])
+    p = ab_parser(__doc__.splitlines()[0], rounds=3, repeats=20, threads=1)
     p.add_argument("--shapes", nargs="+", default=["1024x3072", "1024x1024", "1024x4096", "4096x1024"],
                    help="K x N of each layer")
     p.add_argument("--rows", type=int, default=128)
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--isa", help="GPT2FFN_ISA for both trees (default: what each picks)")
-    p.add_argument("--out", type=Path)
     args = p.parse_args()
     try:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]

@@ -11,14 +11,13 @@ trees (which native build runs: avx512amx, avx512, avxvnni, avx2). Each process 
 prompt length after two warm-ups and reports its median; the table shows the medians across rounds.
 """
 
-import argparse
 import json
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from trees import run_in_tree
+from trees import ab_parser, run_in_tree
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -54,16 +53,9 @@ def one(src: Path, args) -> dict:
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--against", type=Path, required=True, help="the other tree (a checkout with src/gpt2ffn built)")
+    p = ab_parser(__doc__.splitlines()[0], rounds=5, repeats=12, threads=2)
     p.add_argument("--model", type=Path, required=True, help="an HF GPT-2 checkpoint directory")
-    p.add_argument("--precision", default="int8", choices=["fp32", "bf16", "int8", "int4"])
     p.add_argument("--tokens", type=int, nargs="+", default=[16, 128])
-    p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--repeats", type=int, default=12)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--isa", help="GPT2FFN_ISA for both trees (default: what each picks)")
-    p.add_argument("--out", type=Path)
     args = p.parse_args()
     trees = {"this": ROOT, "against": args.against.resolve()}
     runs = {name: [] for name in trees}

@@ -1,11 +1,26 @@
 """What prefill_ab.py and layer_ab.py share: running a snippet under another tree's gpt2ffn, and naming a tree's
 commit. Not a benchmark of its own."""
 
+import argparse
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
+
+
+def ab_parser(description: str, rounds: int, repeats: int, threads: int) -> argparse.ArgumentParser:
+    """The options both A/B scripts take (the other tree, the precision, rounds, repeats, threads, ISA, output),
+    with each script's own defaults; a script adds what is its own."""
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--against", type=Path, required=True, help="the other tree (a checkout with src/gpt2ffn built)")
+    p.add_argument("--precision", default="int8", choices=["fp32", "bf16", "int8", "int4"])
+    p.add_argument("--rounds", type=int, default=rounds)
+    p.add_argument("--repeats", type=int, default=repeats)
+    p.add_argument("--threads", type=int, default=threads)
+    p.add_argument("--isa", help="GPT2FFN_ISA for both trees (default: what each picks)")
+    p.add_argument("--out", type=Path)
+    return p
 
 
 def run_in_tree(src: Path, code: str, isa: str | None = None) -> dict:

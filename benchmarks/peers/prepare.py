@@ -104,9 +104,10 @@ def quantize_onnx_blocks(src: Path, dst: Path, bits: int):
     shutil.rmtree(dst, ignore_errors=True)  # the external data file would be appended to
     dst.mkdir(parents=True)
     quantizer.model.save_model_to_file(str(dst / "model.onnx"), use_external_data_format=True)
-    done = sum(n.op_type == "MatMulNBits" for n in quantizer.model.model.graph.node)
-    left = sum(n.op_type in ("Gemm", "MatMul") and any(i.name == n.input[1] for i in model.graph.initializer)
-               for n in quantizer.model.model.graph.node)
+    graph = quantizer.model.model.graph
+    constants = {i.name for i in graph.initializer}
+    done = sum(n.op_type == "MatMulNBits" for n in graph.node)
+    left = sum(n.op_type in ("Gemm", "MatMul") and n.input[1] in constants for n in graph.node)
     print(f"  {done} MatMulNBits, {left} float MatMul/Gemm with a constant weight left", flush=True)
 
 
