@@ -16,11 +16,19 @@
 // benchmarks/results/prefill-ab-fetch-gpt2-medium-int8-xeon-amx.json).
 //
 // Each group's sums must leave the tiles for their own scales (a tile store, then 3 vector operations per 16
-// sums): that epilogue, not the tile products, bounds the rate. A block of 16 rows runs the super-block's 4
-// lane blocks at once (the activations' tile loaded once per group for 4 products) and keeps acc in memory.
-// Against the earlier one lane block at a time with each group's epilogue right after its store, Intel Xeon
-// (family 6 model 167), 1 thread, 128 rows, GPT-2 medium's layers: 252-271 -> 308-319 G products/s int8
-// (benchmarks/layer_ab.py; results/layer-ab-amx-xeon-amx.json; README: "AMX for the integer prefill").
+// sums): that epilogue, not the tile products, bounds the rate. Measured on the Intel Xeon (family 6 model 167,
+// ~3.7 GHz), alone in a loop: a TDPBSSD takes 16 cycles whether a group fills half its K (32) or all of it, a
+// tile store 16 cycles, the epilogue ~2 cycles per 16 sums; and the tile loads and stores do not overlap the
+// epilogue's vector work (each alone, then both: the times add). So the kernel keeps the tile unit's own
+// chain short: a block of 16 rows runs the super-block's lanes in two halves of 32, group by group, with two
+// pairs of sum tiles, so group g's products (tiles 0-1 or 2-3) are issued beside group g - 1's tile stores
+// (the other pair) instead of after them, and group g - 2's sums, stored a step before, are scaled into acc
+// (in memory) after both. Against the one pair of 4 sum tiles before it (4 lane blocks at once: products,
+// the epilogue of the group before, then the stores), GPT-2 xl int8 prefill of 128 tokens 425.1 -> 412.2 ms,
+// medium int8 at 16 tokens 29.0 -> 27.0 (benchmarks/results/prefill-ab-amx-halves-*.json; per layer,
+// layer-ab-amx-halves-*.json: 0.91-1.01x the time). A standalone copy of three schedules (this one, the one
+// before, one lane block at a time with acc in registers) ran within 10% of each other: 71-82 ns a group of
+// 16 rows x 64 lanes.
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -42,6 +50,22 @@
 #define TILE_STORE(t, p, stride) \
   __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(static_cast<int64_t>(stride)) : "memory")
 #define TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+// A group's products for two blocks of 16 lanes: activations in tile 4, weights b0 / b1 through tiles 6 / 7,
+// sums into tiles c0 / c1; and a pair of sum tiles stored to sums[0], sums[1].
+#define PAIR_PRODUCTS(c0, c1, b0, b1) \
+  do {                                \
+    TILE_LOAD(6, b0, 64);             \
+    TILE_ZERO(c0);                    \
+    TILE_DPBSSD(c0, 4, 6);            \
+    TILE_LOAD(7, b1, 64);             \
+    TILE_ZERO(c1);                    \
+    TILE_DPBSSD(c1, 4, 7);            \
+  } while (0)
+#define PAIR_STORE(c0, c1, sums)    \
+  do {                              \
+    TILE_STORE(c0, (sums)[0], 64);  \
+    TILE_STORE(c1, (sums)[1], 64);  \
+  } while (0)
 
 namespace gpt2ffn {
 namespace avx512 {
@@ -85,71 +109,64 @@ void signed_weights(const LinearArgs& a, int64_t sb, int j, int64_t g0, int64_t 
   }
 }
 
-// Group g's products for rows m0 .. m0 + 15 and the super-block's 4 blocks of 16 lanes: the activations into
-// tile 4 once, block j's weights into tile 6 + j % 2, its sums into tile j; store() puts tiles 0-3 in c.
-static inline void products(const int8_t* xq, const int8_t* ws, int64_t K, int64_t G, int64_t g) {
-  const int64_t R = K / 4;
-  const int8_t* w = ws + g * G * 16;
-  TILE_LOAD(4, xq + g * G, K);
-  TILE_LOAD(6, w, 64);
-  TILE_ZERO(0);
-  TILE_DPBSSD(0, 4, 6);
-  TILE_LOAD(7, w + R * 64, 64);
-  TILE_ZERO(1);
-  TILE_DPBSSD(1, 4, 7);
-  TILE_LOAD(6, w + 2 * R * 64, 64);
-  TILE_ZERO(2);
-  TILE_DPBSSD(2, 4, 6);
-  TILE_LOAD(7, w + 3 * R * 64, 64);
-  TILE_ZERO(3);
-  TILE_DPBSSD(3, 4, 7);
-}
-static inline void store(int32_t (*c)[MT * 16]) {
-  TILE_STORE(0, c[0], 64);
-  TILE_STORE(1, c[1], 64);
-  TILE_STORE(2, c[2], 64);
-  TILE_STORE(3, c[3], 64);
-}
-
-// Rows m0 .. m0 + 15 of super-block sb, all 64 lanes, group by group, software-pipelined: group g + 1's
-// products are issued, group g's sums (stored a step before) are scaled into acc (16 rows x 64 lanes, in
-// memory) as qlinear_impl.h's epilogue does, acc = fma(float(sum), scale * d, acc) group by group in order, and
-// only then are group g + 1's sums stored (placed before them, the epilogue's loads waited on those stores).
+// Rows m0 .. m0 + 15 of super-block sb, its lanes in two halves of 32, each group by group: group g's
+// activations into tile 4, its weights for the half's two blocks of 16 lanes into tiles 6 and 7, its sums into
+// tiles 0-1 (even g) or 2-3 (odd g), so that while one pair takes group g's products the other's (group g - 1)
+// are stored; group g - 2's sums, stored a step before, are then scaled into acc (16 rows x 32 lanes, in memory)
+// as qlinear_impl.h's epilogue does, acc = fma(float(sum), scale * d, acc) group by group in order.
 // The first block of rows (m0 0) converts each group's weights into ws just before its tiles read them.
 // next0 .. next1: this block's share of the next super-block's packed weights, into L2 a piece each group.
-void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t (*cbuf)[4][MT * 16], float* acc,
+void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t (*cbuf)[2][MT * 16], float* acc,
                const char* next0, const char* next1) {
-  const int64_t K = a.K, G = a.group, ng = K / G, lines = (next1 - next0) / 64;
+  const int64_t K = a.K, R = K / 4, G = a.group, ng = K / G, lines = (next1 - next0) / 64;
   const int8_t* xq = a.xq + m0 * K;
   const float* xs = a.xscale + m0 * ng;
   const uint16_t* sc = a.scale + sb * ng * SUPER;
-  auto step = [&](int64_t g) {
-    if (m0 == 0)
-      for (int j = 0; j < 4; j++) signed_weights(a, sb, j, g, g + 1, ws);
-    for (int64_t l = lines * g / ng; l < lines * (g + 1) / ng; l++) _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
-    products(xq, ws, K, G, g);
-  };
-  for (int64_t i = 0; i < MT * SUPER; i += 16) vstore(acc + i, vzero());
-  step(0);
-  store(cbuf[0]);
-  for (int64_t g = 0, b = 0; g < ng; g++, b ^= 1) {
-    if (g + 1 < ng) step(g + 1);
-    V s[4];
-    for (int j = 0; j < 4; j++) s[j] = vload_f16(sc + g * SUPER + j * 16);
-    for (int m = 0; m < MT; m++) {
-      const V d = vset1(xs[m * ng + g]);
-      for (int j = 0; j < 4; j++) {
-        float* p = acc + m * SUPER + j * 16;
-        vstore(p, vfma({_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[b][j] + m * 16))}, vmul(s[j], d), vload(p)));
+  for (int h = 0; h < 2; h++) {
+    const int8_t* w0 = ws + 2 * h * R * 64;
+    const int8_t* w1 = w0 + R * 64;
+    auto issue = [&](int64_t g) {
+      if (m0 == 0)
+        for (int j = 2 * h; j < 2 * h + 2; j++) signed_weights(a, sb, j, g, g + 1, ws);
+      const int64_t t = h * ng + g;
+      for (int64_t l = lines * t / (2 * ng); l < lines * (t + 1) / (2 * ng); l++) _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
+      TILE_LOAD(4, xq + g * G, K);
+      const int8_t *b0 = w0 + g * G * 16, *b1 = w1 + g * G * 16;
+      if (g & 1) {
+        PAIR_PRODUCTS(2, 3, b0, b1);
+        PAIR_STORE(0, 1, cbuf[0]);  // group g - 1's
+      } else {
+        PAIR_PRODUCTS(0, 1, b0, b1);
+        if (g > 0) PAIR_STORE(2, 3, cbuf[1]);
       }
+    };
+    auto scale = [&](int64_t g) {
+      const V s0 = vload_f16(sc + g * SUPER + h * 32), s1 = vload_f16(sc + g * SUPER + h * 32 + 16);
+      const int32_t(*c)[MT * 16] = cbuf[g & 1];
+      for (int m = 0; m < MT; m++) {
+        const V d = vset1(xs[m * ng + g]);
+        float* p = acc + m * 32;
+        vstore(p, vfma({_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + m * 16))}, vmul(s0, d), vload(p)));
+        vstore(p + 16, vfma({_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + m * 16))}, vmul(s1, d), vload(p + 16)));
+      }
+    };
+    for (int64_t i = 0; i < MT * 32; i += 16) vstore(acc + i, vzero());
+    for (int64_t g = 0; g < ng; g++) {
+      issue(g);
+      if (g >= 2) scale(g - 2);
     }
-    if (g + 1 < ng) store(cbuf[b ^ 1]);
-  }
-  for (int j = 0; j < 4; j++) {
-    const int64_t col = sb * SUPER + j * 16;
-    const V bv = a.bias ? vload(a.bias + col) : vzero();
-    for (int m = 0; m < MT; m++)
-      vstore(a.y + (m0 + m) * a.ldy + col, activate(vadd(vload(acc + m * SUPER + j * 16), bv), a.act));
+    if ((ng - 1) & 1)
+      PAIR_STORE(2, 3, cbuf[1]);
+    else
+      PAIR_STORE(0, 1, cbuf[0]);
+    if (ng >= 2) scale(ng - 2);
+    scale(ng - 1);
+    for (int q = 0; q < 2; q++) {
+      const int64_t col = sb * SUPER + h * 32 + q * 16;
+      const V bv = a.bias ? vload(a.bias + col) : vzero();
+      for (int m = 0; m < MT; m++)
+        vstore(a.y + (m0 + m) * a.ldy + col, activate(vadd(vload(acc + m * 32 + q * 16), bv), a.act));
+    }
   }
 }
 
@@ -179,8 +196,8 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   }
   static thread_local std::vector<int8_t> scratch;
   if (static_cast<int64_t>(scratch.size()) < K * SUPER) scratch.resize(K * SUPER);
-  alignas(64) int32_t cbuf[2][4][MT * 16];  // two groups' sums: one being stored while the other is scaled
-  alignas(64) float acc[MT * SUPER];
+  alignas(64) int32_t cbuf[2][2][MT * 16];  // two groups' sums for a half's 32 lanes: one stored, one scaled
+  alignas(64) float acc[MT * 32];
   TileConfig cfg;
   for (int c : {0, 1, 2, 3}) cfg.rows[c] = MT, cfg.colsb[c] = 64;         // int32 sums: 16 rows x 16 lanes
   cfg.rows[4] = MT, cfg.colsb[4] = G;                                     // activations: 16 rows x G bytes
