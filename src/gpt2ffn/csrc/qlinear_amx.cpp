@@ -19,14 +19,14 @@
 // sums): that epilogue, not the tile products, bounds the rate. Measured on the Intel Xeon (family 6 model 167,
 // ~3.7 GHz), alone in a loop (benchmarks/amx_tile_timing.cpp): a TDPBSSD takes 16 cycles whether a group fills
 // half its K (32) or all of it, a tile store 16 cycles, the epilogue ~2.5 cycles per 16 sums; and the tile
-// loads and stores do not overlap the epilogue's vector work (each alone, then both: the times add). So the kernel keeps the tile unit's own
-// chain short: a block of 16 rows runs the super-block's lanes in two halves of 32, group by group, with two
-// pairs of sum tiles, so group g's products (tiles 0-1 or 2-3) are issued beside group g - 1's tile stores
-// (the other pair) instead of after them, and group g - 2's sums, stored a step before, are scaled into acc
-// (in memory) after both. Against the one pair of 4 sum tiles before it (4 lane blocks at once: products,
-// the epilogue of the group before, then the stores), GPT-2 xl int8 prefill of 128 tokens 425.1 -> 412.2 ms,
-// medium int8 at 16 tokens 29.0 -> 27.0 (benchmarks/results/prefill-ab-amx-halves-*.json; per layer,
-// layer-ab-amx-halves-*.json: 0.91-1.01x the time).
+// loads and stores do not overlap the epilogue's vector work (each alone, then both: the times add). So the
+// kernel keeps the tile unit's own chain short: a block of 16 rows runs the super-block's lanes in two halves
+// of 32, group by group, with two pairs of sum tiles, so group g's products (tiles 0-1 or 2-3) are issued
+// beside group g - 1's tile stores (the other pair) instead of after them, and group g - 2's sums, stored a step
+// before, are scaled into acc (in memory) after both. Against the one pair of 4 sum tiles before it (4 lane
+// blocks at once: products, the epilogue of the group before, then the stores), GPT-2 xl int8 prefill of 128
+// tokens 425.1 -> 412.2 ms, medium int8 at 16 tokens 29.0 -> 27.0 (benchmarks/results/
+// prefill-ab-amx-halves-*.json; per layer, layer-ab-amx-halves-*.json: 0.91-1.01x the time).
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -127,7 +127,8 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
       if (m0 == 0)
         for (int j = 2 * h; j < 2 * h + 2; j++) signed_weights(a, sb, j, g, g + 1, ws);
       const int64_t t = h * ng + g;
-      for (int64_t l = lines * t / (2 * ng); l < lines * (t + 1) / (2 * ng); l++) _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
+      for (int64_t l = lines * t / (2 * ng); l < lines * (t + 1) / (2 * ng); l++)
+        _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
       TILE_LOAD(4, xq + g * G, K);
       const int8_t *b0 = w0 + g * G * 16, *b1 = w1 + g * G * 16;
       if (g & 1) {
