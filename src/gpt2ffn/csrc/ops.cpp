@@ -370,9 +370,10 @@ static StepLayer step_layer(const Lin& l, int64_t K, const std::string& act) {
 
 // A whole decode step of a GPT-2 in one call: embeddings, every block, ln_f and the lm_head, with the arguments
 // made and checked once (gpt2ffn.kernels.packed.DecodePlan builds it). All of it runs in one parallel region:
-// LayerNorms and activation quantization split by rows, each layer's super-blocks and the attention's
-// (row, head) pairs handed out to whichever thread asks next, barriers between the phases. No thread waits on
-// a serial phase or a fork, and a thread the machine slows takes less of the work. `watch` records tensors
+// LayerNorms and activation quantization split by rows, each layer's super-blocks in runs (a thread's own share
+// first, in order, then what the others left) and the attention's (row, head) pairs handed out to whichever
+// thread asks next, barriers between the phases. No thread waits on a serial phase or a fork, and a thread the
+// machine slows takes less of the work. `watch` records tensors
 // whose storage and version counter must not change (the Parameters the packed weights were made from);
 // `valid` checks them in C++ (a Python loop over ~200 tensors took ~0.2 ms a step).
 class StepPlan {
@@ -566,12 +567,13 @@ class StepPlan {
       else std::memcpy(dst, src, hd * sizeof(float));
     };
     const int phases = static_cast<int>(blocks_.size()) * 5 + 1;  // 4 layers and the heads a block, the lm_head
-    std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[phases]);
-    for (int i = 0; i < phases; i++) next[i].store(0);
+
     const float gpt2_scale = 1.0f / std::sqrt(static_cast<float>(hd));
 
     at::internal::lazy_init_num_threads();
     const int threads = at::get_num_threads();
+    std::unique_ptr<std::atomic<int64_t>[]> next(new std::atomic<int64_t>[phases * threads]);  // a phase's, a thread's
+    for (int i = 0; i < phases * threads; i++) next[i].store(0);
 #pragma omp parallel num_threads(threads)
     {
       const int tid = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -605,11 +607,18 @@ class StepPlan {
         a.xq = xqp, a.xscale = xsp, a.xsum = xsump;
         const RangeFn fn = L.int8x ? isa->qrange : isa->range;
         const int64_t chunk = std::max<int64_t>(1, L.nsuper / (8 * nt));  // ~8 runs a thread
-        std::atomic<int64_t>& counter = next[phase++];
-        for (int64_t s0; (s0 = counter.fetch_add(chunk)) < L.nsuper;) {
-          const int64_t s1 = std::min(L.nsuper, s0 + chunk);
-          fn(a, s0, s1);
-          post(s0 * 64, std::min(L.N, s1 * 64));
+        // Each thread's own share of the super-blocks first, run after run in order, then what the others have
+        // left: a thread's runs mostly follow one another, so the kernels' fetch of the super-block after a run
+        // is mostly of the one that thread takes next, and a thread the machine slows still takes less.
+        std::atomic<int64_t>* taken = &next[phase++ * nt];
+        for (int k = 0; k < nt; k++) {
+          const int u = (tid + k) % nt;
+          const int64_t begin = L.nsuper * u / nt, end = L.nsuper * (u + 1) / nt;
+          for (int64_t s0; (s0 = begin + taken[u].fetch_add(chunk)) < end;) {
+            const int64_t s1 = std::min(end, s0 + chunk);
+            fn(a, s0, s1);
+            post(s0 * 64, std::min(L.N, s1 * 64));
+          }
         }
       };
       auto residual = [&](int64_t c0, int64_t c1) {  // x += y
@@ -633,7 +642,7 @@ class StepPlan {
 #pragma omp barrier
         gemv(L[0], hp, d, qp, ldq, nothing, B);
 #pragma omp barrier
-        std::atomic<int64_t>& heads = next[phase++];
+        std::atomic<int64_t>& heads = next[phase++ * nt];
         if (causal) {  // every row's keys and values first, then each head's queries as one block
           for (int64_t j = tid; j < B * H; j += nt) {
             const int64_t b = j / H, h = j % H, at = ((slot[b] * H + h) * S + pos[b]) * hd;

@@ -13,7 +13,11 @@
 // of a super-block converts each group just before its tiles read it; the other blocks find the scratch in L2,
 // and share out the next super-block's packed weights into L2 (prefetcht1, a piece each group), so only a
 // call's first super-block is converted from memory (GPT-2 medium int8 prefill of 128 tokens 109.0 -> 104.3 ms,
-// benchmarks/results/prefill-ab-fetch-gpt2-medium-int8-xeon-amx.json).
+// benchmarks/results/prefill-ab-fetch-gpt2-medium-int8-xeon-amx.json). The run's last super-block fetches the
+// one after the run too: the decode plan (ops.cpp, StepPlan) hands each thread its own share of a layer's
+// super-blocks in order, so that is mostly the one this thread takes next (a prefill of runs of 1-6 super-blocks
+// converted one in ~4 from memory; GPT-2 xl int8, 128 tokens, 387.3 -> 359.6 ms, large 198.7 -> 186.3,
+// benchmarks/results/prefill-ab-runs-in-order-*.json).
 //
 // Each group's sums must leave the tiles for their own scales (a tile store, then 3 vector operations per 16
 // sums): that epilogue, not the tile products, bounds the rate. Measured on the Intel Xeon (family 6 model 167,
@@ -207,7 +211,7 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const int64_t sbytes = (a.format == I8A8 ? K : K / 2) * SUPER, later = M16 / MT - 1;
   for (int64_t sb = sb0; sb < sb1; sb++) {
     const char* next = static_cast<const char*>(a.w) + (sb + 1) * sbytes;
-    const int64_t nbytes = sb + 1 < sb1 && later > 0 ? sbytes : 0;
+    const int64_t nbytes = sb + 1 < a.nsuper && later > 0 ? sbytes : 0;  // the run's next, or the one after it
     for (int64_t m0 = 0; m0 < M16; m0 += MT) {
       const int64_t t = m0 / MT - 1;  // this block's share: none for the first
       const char* n0 = t < 0 ? next : next + nbytes * t / later / 64 * 64;
