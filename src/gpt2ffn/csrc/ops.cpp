@@ -373,9 +373,9 @@ static StepLayer step_layer(const Lin& l, int64_t K, const std::string& act) {
 // LayerNorms and activation quantization split by rows, each layer's super-blocks in runs (a thread's own share
 // first, in order, then what the others left) and the attention's (row, head) pairs handed out to whichever
 // thread asks next, barriers between the phases. No thread waits on a serial phase or a fork, and a thread the
-// machine slows takes less of the work. `watch` records tensors
-// whose storage and version counter must not change (the Parameters the packed weights were made from);
-// `valid` checks them in C++ (a Python loop over ~200 tensors took ~0.2 ms a step).
+// machine slows takes less of the work. `watch` records tensors whose storage and version counter must not
+// change (the Parameters the packed weights were made from); `valid` checks them in C++ (a Python loop over ~200
+// tensors took ~0.2 ms a step).
 class StepPlan {
  public:
   void add_block(const std::vector<torch::Tensor>& norms, double eps, const std::vector<torch::Tensor>& ws,
@@ -567,7 +567,6 @@ class StepPlan {
       else std::memcpy(dst, src, hd * sizeof(float));
     };
     const int phases = static_cast<int>(blocks_.size()) * 5 + 1;  // 4 layers and the heads a block, the lm_head
-
     const float gpt2_scale = 1.0f / std::sqrt(static_cast<float>(hd));
 
     at::internal::lazy_init_num_threads();
