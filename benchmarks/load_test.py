@@ -77,6 +77,8 @@ def gpt2ffn_cmd(args, port):
            "--threads", str(args.threads), "--device", args.device]
     if args.device == "cpu":
         cmd += ["--precision", args.precision]
+    else:  # CUDA: the dtype (serve's default there bfloat16)
+        cmd += ["--dtype", {"fp32": "float32", "bf16": "bfloat16"}[args.precision]]
     if args.max_batch:
         cmd += ["--max-batch", str(args.max_batch)]
     return cmd + (["--batch-invariant"] if args.batch_invariant else [])
@@ -221,7 +223,8 @@ def plot(result, path):
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--hf-dir", default="random:gpt2", help="gpt2ffn's model: HF directory (same weights as --gguf)")
-    p.add_argument("--precision", default="fp32", help="gpt2ffn serve --precision")
+    p.add_argument("--precision", choices=["fp32", "bf16", "int8", "int4"], help="gpt2ffn serve --precision "
+                   "(default fp32); on CUDA the dtype, fp32 or bf16 (default bf16)")
     p.add_argument("--batch-invariant", action="store_true", help="gpt2ffn serve --batch-invariant")
     p.add_argument("--device", default="cpu", help="gpt2ffn serve --device (cuda: its default bf16, CUDA graphs)")
     p.add_argument("--max-batch", type=int, help="gpt2ffn serve --max-batch (default its own, 64)")
@@ -238,6 +241,10 @@ def main():
     p.add_argument("--processes", type=int, default=1, help="client processes the clients are split over")
     p.add_argument("--out", default="benchmarks/results/load.json")
     args = p.parse_args()
+    if args.precision is None:
+        args.precision = "fp32" if args.device == "cpu" else "bf16"
+    elif args.device != "cpu" and args.precision not in ("fp32", "bf16"):
+        p.error(f"on --device {args.device} --precision is the dtype: fp32 or bf16, got {args.precision}")
     if args.llama_server and not args.gguf:
         p.error("--llama-server needs --gguf (the same weights as --hf-dir)")
     clients = [int(c) for c in args.clients.split(",")]

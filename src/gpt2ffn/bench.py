@@ -40,7 +40,8 @@ class BookGELU(nn.Module):
 
 def _linear_stack(ffn, gelu):
     d, hidden = ffn.c_fc.weight.shape
-    seq = nn.Sequential(nn.Linear(d, hidden), gelu, nn.Linear(hidden, d))
+    seq = nn.Sequential(nn.Linear(d, hidden), gelu, nn.Linear(hidden, d)).to(ffn.c_fc.weight.device,
+                                                                           ffn.c_fc.weight.dtype)
     with torch.no_grad():  # nn.Linear stores [out, in]: the transpose of HF's Conv1D
         seq[0].weight.copy_(ffn.c_fc.weight.t())
         seq[0].bias.copy_(ffn.c_fc.bias)
@@ -97,7 +98,7 @@ def forward_impls(ffn, device):
         from transformers import GPT2Config
         from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
         d, hidden = ffn.c_fc.weight.shape
-        mlp = GPT2MLP(hidden, GPT2Config(n_embd=d, n_head=1, resid_pdrop=0.0)).to(device).eval()
+        mlp = GPT2MLP(hidden, GPT2Config(n_embd=d, n_head=1, resid_pdrop=0.0)).to(device, ffn.c_fc.weight.dtype).eval()
         mlp.load_state_dict(ffn.state_dict())
         impls["HF GPT2MLP"] = (mlp, False)
     except ImportError:
@@ -125,10 +126,23 @@ def floors(ffn, device):
     return out
 
 
-def rounds(fns: dict, repeats: int, device="cpu") -> dict:
+def cuda_event_ms(f, calls: int) -> float:
+    """Milliseconds of one call of f on the current CUDA stream: events around `calls` back-to-back calls."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(calls):
+        f()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / calls
+
+
+def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1) -> dict:
     """Median ms of each function, timed in interleaved rounds (each round runs every function once, in
-    order), so that load changes on a shared machine touch every entry alike. Two warm-up calls each."""
-    sync = torch.cuda.synchronize if str(device).startswith("cuda") else (lambda: None)
+    order), so that load changes on a shared machine touch every entry alike. Two warm-up calls each.
+    calls > 1 (CUDA): each timing is CUDA events around that many back-to-back calls, divided."""
+    cuda = str(device).startswith("cuda")
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     for f in fns.values():
         f()
         f()
@@ -136,6 +150,9 @@ def rounds(fns: dict, repeats: int, device="cpu") -> dict:
     times = {k: [] for k in fns}
     for _ in range(repeats):
         for k, f in fns.items():
+            if calls > 1 and cuda:
+                times[k].append(cuda_event_ms(f, calls) / 1e3)
+                continue
             t0 = time.perf_counter()
             f()
             sync()
@@ -143,37 +160,47 @@ def rounds(fns: dict, repeats: int, device="cpu") -> dict:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
-def bench_forward(dims, tokens, repeats, device="cpu", log=print) -> list:
+def bench_forward(dims, tokens, repeats, device="cpu", log=print, dtypes=("fp32",)) -> list:
+    """The FFN's implementations per d, token count and dtype (fp32, bf16: bf16 on CUDA only), each checked
+    against the numpy reference at that dtype's tolerance first. On CUDA each timing is CUDA events around 20
+    back-to-back calls (one call's launch and sync would hide a 50 us GEMM)."""
     rows = []
-    for d in dims:
-        ffn = make_ffn(d, device=device)
-        impls, bare = forward_impls(ffn, device), floors(ffn, device)
-        ref = reference.FFN.from_state_dict(ffn.state_dict())
-        tol = tolerance(torch.float32)
-        for T in tokens:
-            x = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).to(device)
-            xn = x.cpu().numpy()
-            expected = ref(xn)
-            fns, correct = {}, {}
-            with torch.no_grad():
-                for name, (f, numpy_in) in {**impls, **bare}.items():
-                    arg = xn if numpy_in else x
-                    if name in impls:  # correctness first
-                        y = f(arg)
-                        y = y if numpy_in else y.cpu().numpy()
-                        correct[name] = bool(np.allclose(y, expected, atol=tol.atol, rtol=tol.rtol))
-                    fns[name] = (lambda f=f, arg=arg: f(arg))
-                ms = rounds(fns, repeats, device)
-            for name in fns:
-                rows.append({"d": d, "tokens": T, "impl": name, "ms": ms[name], "correct": correct.get(name),
-                             "gflops": 16 * T * d * d / ms[name] / 1e6})
-            _finish_shape(rows, d, T)
-            log(format_shape(rows, d, T))
+    calls = 20 if str(device).startswith("cuda") else 1
+    for dt in dtypes:
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
+        tol = tolerance(dtype)
+        for d in dims:
+            ffn = make_ffn(d, device=device).to(dtype)
+            impls, bare = forward_impls(ffn, device), floors(ffn, device)
+            ref = reference.FFN.from_state_dict({k: v.float() for k, v in ffn.state_dict().items()})
+            for T in tokens:
+                x = torch.randn(T, d, generator=torch.Generator().manual_seed(T)).to(device, dtype)
+                xn = x.float().cpu().numpy()
+                expected = ref(xn)
+                fns, correct = {}, {}
+                with torch.no_grad():
+                    for name, (f, numpy_in) in {**impls, **bare}.items():
+                        arg = xn if numpy_in else x
+                        if name in impls:  # correctness first
+                            y = f(arg)
+                            y = y if numpy_in else y.float().cpu().numpy()
+                            correct[name] = bool(np.allclose(y, expected, atol=tol.atol, rtol=tol.rtol))
+                        fns[name] = (lambda f=f, arg=arg: f(arg))
+                    ms = rounds(fns, repeats, device, calls)
+                for name in fns:
+                    rows.append({"d": d, "tokens": T, "dtype": dt, "impl": name, "ms": ms[name],
+                                 "correct": correct.get(name), "gflops": 16 * T * d * d / ms[name] / 1e6})
+                _finish_shape(rows, d, T, dt)
+                log(format_shape(rows, d, T, dt))
     return rows
 
 
-def _finish_shape(rows, d, T):
-    shape = [r for r in rows if r["d"] == d and r["tokens"] == T]
+def _shape(rows, d, T, dt):
+    return [r for r in rows if r["d"] == d and r["tokens"] == T and r.get("dtype", "fp32") == dt]
+
+
+def _finish_shape(rows, d, T, dt="fp32"):
+    shape = _shape(rows, d, T, dt)
     floor = min(r["ms"] for r in shape if r["impl"].startswith("floor"))
     ours = next(r["ms"] for r in shape if r["impl"] == OURS)
     for r in shape:
@@ -181,10 +208,10 @@ def _finish_shape(rows, d, T):
         r["ours_speedup"] = r["ms"] / ours
 
 
-def format_shape(rows, d, T) -> str:
-    shape = [r for r in rows if r["d"] == d and r["tokens"] == T]
-    lines = [f"d={d}, tokens={T}", f"  {'implementation':<36}{'ms':>10}{'GFLOP/s':>10}{'x floor':>9}{'ours faster':>13}"]
-    for r in shape:
+def format_shape(rows, d, T, dt="fp32") -> str:
+    lines = [f"d={d}, tokens={T}" + ("" if dt == "fp32" else f", {dt}"),
+             f"  {'implementation':<36}{'ms':>10}{'GFLOP/s':>10}{'x floor':>9}{'ours faster':>13}"]
+    for r in _shape(rows, d, T, dt):
         flag = "" if r["correct"] is not False else "  WRONG (failed the reference check)"
         lines.append(f"  {r['impl']:<36}{r['ms']:>10.3f}{r['gflops']:>10.1f}{r['x_floor']:>9.2f}"
                      f"{r['ours_speedup']:>12.2f}x{flag}")
@@ -269,10 +296,13 @@ def plot(rows, path):
     dims = sorted({r["d"] for r in rows})
     fig, axes = plt.subplots(1, len(dims), figsize=(5 * len(dims), 4), squeeze=False)
     for ax, d in zip(axes[0], dims):
-        for impl in dict.fromkeys(r["impl"] for r in rows):
-            pts = [(r["tokens"], r["gflops"]) for r in rows if r["d"] == d and r["impl"] == impl]
+        for impl, dt in dict.fromkeys((r["impl"], r.get("dtype", "fp32")) for r in rows):
+            pts = [(r["tokens"], r["gflops"]) for r in rows
+                   if r["d"] == d and r["impl"] == impl and r.get("dtype", "fp32") == dt]
             style = dict(linewidth=3, color="black") if impl == OURS else dict(linestyle="--") if "floor" in impl else {}
-            ax.plot(*zip(*pts), marker="o", label=impl, **style)
+            if dt != "fp32":
+                style = {**style, "alpha": 0.6}
+            ax.plot(*zip(*pts), marker="o", label=impl + ("" if dt == "fp32" else f" ({dt})"), **style)
         ax.set_xscale("log", base=2)
         ax.set_title(f"n_embd={d}")
         ax.set_xlabel("tokens")
@@ -293,9 +323,16 @@ def run(args):
     repeats = max(args.repeats, 10)
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
+    parts = {"kernels": args.kernels, "model": args.model, "accuracy": args.accuracy}
+    cuda = str(device).startswith("cuda")
+    if not any(parts.values()):  # the FFN grid: fp32 on the CPU; on CUDA fp32 and bf16 (--precision picks)
+        if not cuda and args.precision and args.precision != ["fp32"]:
+            raise Gpt2ffnError("the FFN bench on the CPU is fp32 (--precision is for --model, or the FFN on CUDA)")
+        ffn_dtypes = args.precision or (["fp32", "bf16"] if cuda else ["fp32"])
+        if any(p not in ("fp32", "bf16") for p in ffn_dtypes):
+            raise Gpt2ffnError(f"the FFN bench runs fp32 or bf16, got {', '.join(ffn_dtypes)}")
     result = {"machine": machine(), "device": device, "repeats": repeats, "quick": args.quick}
     print(f"machine: {result['machine']}")
-    parts = {"kernels": args.kernels, "model": args.model, "accuracy": args.accuracy}
     if any(parts.values()):
         if device != "cpu" and (args.kernels or args.accuracy):
             raise Gpt2ffnError("--kernels and --accuracy measure the CPU kernels and formats: use --device cpu")
@@ -313,9 +350,9 @@ def run(args):
             file.write_text(json.dumps({"machine": result["machine"], part: result[part]}, indent=1) + "\n")
             print(f"wrote {file}")
         return result
-    result["forward"] = bench_forward(dims, tokens, repeats, device)
+    result["forward"] = bench_forward(dims, tokens, repeats, device, dtypes=ffn_dtypes)
     result["dispatch"] = {str(k): v for k, v in kernels.choices().items()}
-    if str(device).startswith("cuda"):
+    if cuda:
         result["cuda_ffn"] = kernels.cuda.choices()
     if args.backward:
         bwd_dims = args.dims or ([768] if args.quick else [768, 1600])
@@ -338,14 +375,14 @@ def summarize(result) -> str:
     fwd = result["forward"]
     lines = ["| d, tokens | floor ms | gpt2ffn ms | x floor | fastest peer | its ms | ours faster | vs HF GPT2MLP |",
              "|---|---|---|---|---|---|---|---|"]
-    for d, T in dict.fromkeys((r["d"], r["tokens"]) for r in fwd):
-        shape = {r["impl"]: r for r in fwd if r["d"] == d and r["tokens"] == T}
+    for d, T, dt in dict.fromkeys((r["d"], r["tokens"], r.get("dtype", "fp32")) for r in fwd):
+        shape = {r["impl"]: r for r in _shape(fwd, d, T, dt)}
         floor = min(r["ms"] for k, r in shape.items() if k.startswith("floor"))
         ours = shape[OURS]
         peers = {k: r for k, r in shape.items() if k in PEERS and r["correct"]}
         best = min(peers, key=lambda k: peers[k]["ms"])
         hf = shape.get("HF GPT2MLP")
-        lines.append(f"| {d}, {T} | {floor:.3f} | {ours['ms']:.3f} | {ours['ms'] / floor:.2f} | {best} | "
+        lines.append(f"| {d}, {T}{'' if dt == 'fp32' else ', ' + dt} | {floor:.3f} | {ours['ms']:.3f} | {ours['ms'] / floor:.2f} | {best} | "
                      f"{peers[best]['ms']:.3f} | {peers[best]['ms'] / ours['ms']:.2f}x | "
                      f"{hf['ms'] / ours['ms']:.2f}x |" if hf else "")
     return "\n".join(lines)

@@ -291,12 +291,15 @@ def cmd_gelu_effect(args):
 def cmd_bench(args):
     """Side-by-side timings against the peers."""
     from .bench import run, summarize
+    ffn_dtype = args.device != "cpu" and set(args.precision or ()) <= {"fp32", "bf16"}  # the FFN grid's dtypes
     given = {"--batch": args.batch is not None and not args.model, "--precision": args.precision is not None and not
-             (args.model or args.accuracy), "--weights": args.weights != "random:gpt2" and not (args.model or
-             args.accuracy)}
+             (args.model or args.accuracy or ffn_dtype), "--weights": args.weights != "random:gpt2" and not
+             (args.model or args.accuracy)}
+    where = {"--batch": "--model", "--precision": "--model or --accuracy (or the FFN on --device cuda: fp32, bf16)",
+             "--weights": "--model or --accuracy"}
     for flag, alone in given.items():  # a flag the FFN grid does not read would be ignored: say so before it runs
         if alone:
-            raise UsageError(f"gpt2ffn bench: {flag} applies to --model{'' if flag == '--batch' else ' or --accuracy'}")
+            raise UsageError(f"gpt2ffn bench: {flag} applies to {where[flag]}")
     result = run(args)
     if "forward" in result:
         print("\n" + summarize(result))
