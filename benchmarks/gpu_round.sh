@@ -9,7 +9,7 @@
 #   tests: cuda-tests.txt    the tests marked cuda (model, engine, CUDA graphs against eager and HF, the FFN)
 #   bench: bench-model.json, bench.txt    gpt2ffn bench --model --device cuda: batch 1, 32, 256, bf16 and fp32,
 #                    against HF generate (eager; static cache up to batch 32), graph capture time
-#   ffn:   bench-cuda.json, ffn.txt       the FFN alone (fp32, d=768) at 1, 64, 4096 tokens: ours (the cuBLASLt
+#   ffn:   bench-cuda.json, ffn.txt       the FFN alone (fp32 and bf16, d=768) at 1, 4096, 65536 tokens: ours (the cuBLASLt
 #                    GELU epilogue where kernels/cuda.py checks and picks it) vs Linear+GELU+Linear, torch.compile,
 #                    the epilogue alone and the two bare GEMMs
 #   load:  load-cuda.json, load.txt       benchmarks/load_test.py against gpt2ffn serve --device cuda at 1, 32
@@ -19,9 +19,19 @@
 #                    loop and the engine thread (a third call: `bash benchmarks/gpu_round.sh overhead sampling`)
 #   sampling: sampling-host-cuda.json, sampling.txt   benchmarks/sampling_host.py --device cuda: the batch sampler
 #                    against the per-row loop at batch 256 (GPT-2's vocabulary), aten ops per call, engine steps
+#   attention: attention-cuda.json, attention.txt   benchmarks/gpu_attention.py: one layer's decode attention at batch
+#                    1/32/256 and cache 192/1024: the SDPA path under a mask against the Triton kernel
+#   profile: profile-cuda.json, profile.txt   benchmarks/gpu_profile.py: torch.profiler over the engine's bf16 run at
+#                    batch 1 and 256 (host time against kernel time, the top ops of each)
+# With 15 minutes of device time (one call), the parts' limits shrink: T=short bash benchmarks/gpu_round.sh
+#   bench tests ffn profile load   (bench 200 s, tests 110, ffn 150, profile 60, load 120, attention 60).
+# The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead,sampling}..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead,sampling,attention,profile}..." >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
+limit() {  # limit PART LONG SHORT: the part's time limit in seconds
+  if [ "${T:-}" = short ]; then echo "$3"; else echo "$2"; fi
+}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
@@ -29,21 +39,30 @@ export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
 } > "$OUT/gpu.txt" 2>&1
+pack() {  # the parts' .json and .png into results.tar as each part ends (8 files come back at most)
+  (cd "$OUT" && shopt -s nullglob && f=(*.json *.png) && { [ ${#f[@]} -eq 0 ] || { tar rf results.tar "${f[@]}" &&
+    rm -f "${f[@]}"; }; })
+}
 for part in "$@"; do
   case $part in
-    tests) timeout 200 python3 -m pytest -q -m cuda -p no:cacheprovider tests/ > "$OUT/cuda-tests.txt" 2>&1 ;;
-    bench) timeout 330 python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 --precision fp32 \
+    tests) timeout $(limit tests 200 110) python3 -m pytest -q -m cuda -p no:cacheprovider tests/ > "$OUT/cuda-tests.txt" 2>&1 ;;
+    bench) timeout $(limit bench 330 200) python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 --precision fp32 \
              --out "$OUT" > "$OUT/bench.txt" 2>&1 ;;
-    ffn) timeout 200 python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,64,4096 --out "$OUT" \
+    ffn) timeout $(limit ffn 300 150) python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,4096,65536 --out "$OUT" \
            > "$OUT/ffn.txt" 2>&1 ;;
-    load) timeout 330 python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda --max-batch 256 \
+    load) timeout $(limit load 330 120) python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda --max-batch 256 \
             --clients 1,32,256 --requests-per-client 2 --max-tokens 64 --processes 8 --out "$OUT/load-cuda.json" \
             > "$OUT/load.txt" 2>&1 ;;
     overhead) timeout 400 python3 benchmarks/serve_overhead.py --model random:gpt2 --device cuda --clients 256 \
                 --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" > "$OUT/overhead.txt" 2>&1 ;;
     sampling) timeout 150 python3 benchmarks/sampling_host.py --device cuda --rounds 5 \
                 --out "$OUT/sampling-host-cuda.json" > "$OUT/sampling.txt" 2>&1 ;;
+    attention) timeout $(limit attention 120 60) python3 benchmarks/gpu_attention.py --out "$OUT/attention-cuda.json" \
+                 > "$OUT/attention.txt" 2>&1 ;;
+    profile) timeout $(limit profile 150 60) python3 benchmarks/gpu_profile.py --device cuda --batch 1 256 \
+               --out "$OUT/profile-cuda.json" > "$OUT/profile.txt" 2>&1 ;;
     *) echo "unknown part $part" >&2 ;;
   esac
+  pack
 done
-tail -n 8 "$OUT"/*.txt
+tail -n 12 "$OUT"/*.txt

@@ -148,3 +148,62 @@ def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype, monkeypatch):
                 want = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=n - 9, do_sample=False,
                                    pad_token_id=0)[0, len(p):].tolist()
                 assert out == want
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype,cache_dtype,D", [(torch.float32, torch.float32, 64), (torch.bfloat16, torch.bfloat16, 64),
+                                                  (torch.float32, torch.float16, 48)])
+def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D):
+    """On a GPU: kernels/decode_attention.py writes each row's new key and value at its position of its slot and
+    nothing else, and its output is softmax(q k^T) v over keys 0..position of the slot, computed in float64
+    (rows from position 0, across a 64-key block edge, to the cache's last position)."""
+    import math
+
+    from gpt2ffn.kernels.decode_attention import available, decode_attention
+    if not available("cuda"):
+        pytest.skip("no Triton on this CUDA install")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    B, H, L = 6, 3, 200
+    kc = torch.randn(B + 2, H, L, D, device="cuda", generator=g).to(cache_dtype)
+    vc = torch.randn(B + 2, H, L, D, device="cuda", generator=g).to(cache_dtype)
+    qkv = torch.randn(B, 1, 3 * H * D, device="cuda", generator=g).to(dtype)
+    q, k, v = [t.view(B, 1, H, D).transpose(1, 2) for t in qkv.split(H * D, 2)]
+    pos = torch.tensor([0, 1, 63, 64, 130, L - 1], device="cuda")
+    k0, v0 = kc.clone(), vc.clone()
+    out = decode_attention(q, k, v, kc, vc, pos)
+    assert out.shape == (B, 1, H * D) and out.dtype == dtype
+    for b in range(B):
+        p = int(pos[b])
+        for pool, old, new in ((kc, k0, k), (vc, v0, v)):
+            want = old[b].clone()
+            want[:, p] = new[b, :, 0].to(cache_dtype)
+            assert torch.equal(pool[b], want)
+        K, V = kc[b, :, :p + 1].double(), vc[b, :, :p + 1].double()
+        s = (q[b, :, 0].double()[:, None] * K).sum(-1) / math.sqrt(D)
+        want = (s.softmax(-1)[:, :, None] * V).sum(1).reshape(-1)
+        err = ((out[b, 0].double() - want).norm() / want.norm()).item()
+        assert err < (1e-6 if dtype == torch.float32 else 8e-3), (b, err)
+    assert torch.equal(kc[B:], k0[B:]) and torch.equal(vc[B:], v0[B:])
+
+
+@pytest.mark.cuda
+def test_decode_attention_kernel_gives_the_sdpa_steps_tokens(hf_dir, monkeypatch):
+    """On a GPU, fp32 with TF32 off: the engine's decode steps through the Triton kernel give the tokens of the
+    same steps through SDPA under a mask (greedy and seeded)."""
+    from gpt2ffn.kernels.decode_attention import available
+    from gpt2ffn.serving import static
+    if not available("cuda"):
+        pytest.skip("no Triton on this CUDA install")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = load_model(str(hf_dir), dtype=torch.float32, precision=None).to("cuda").eval()
+    V, n = model.config.vocab_size, model.config.n_positions
+    g = torch.Generator().manual_seed(7)
+    ps = [torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(24)]
+    s = [Sampling(max_new_tokens=n - 9)] * 12 + [Sampling(max_new_tokens=n - 9, temperature=1.0, seed=i) for i in range(12)]
+    fused = Engine(model, max_batch=24, max_len=n)
+    assert fused.static.attends
+    got = [r.output for r in fused.run([Request(p, x) for p, x in zip(ps, s)])]
+    monkeypatch.setattr(static, "DECODE_ATTENTION", "sdpa")
+    sdpa = Engine(model, max_batch=24, max_len=n)
+    assert not sdpa.static.attends
+    assert got == [r.output for r in sdpa.run([Request(p, x) for p, x in zip(ps, s)])]

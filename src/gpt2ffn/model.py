@@ -112,10 +112,12 @@ class CausalSelfAttention(TrainChecked):
         T = x.shape[1]
         q, k, v = self.qkv(x)
         B = q.shape[0]
+        scale = self.scale(layer)
+        if T == 1 and getattr(cache, "attends", False) and not self.training:  # the cache's own decode kernel
+            return self.project(cache.attend(layer, q, k, v, scale))          # (serving/static.py)
         if cache is not None:
             k, v = cache.update(layer, k, v)                       # (B, H, past + T, C/H)
         dropout = self.attn_dropout.p if self.training else 0.0
-        scale = self.scale(layer)
         if mask is None and runs_causal_attention(q, k, v, dropout):  # query i sees keys 0..past + i
             return self.project(causal_attention(q, k, v, scale))   # (an fp16 cache widened as it is read)
         if k.dtype != q.dtype:  # an fp16 cache (GPT2.kv_dtype): its values, widened exactly

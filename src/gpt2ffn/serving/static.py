@@ -16,17 +16,23 @@ against the engine's paged path); the CPU's native decode (GPT2.decode_slots) ne
 """
 
 import contextlib
+import os
 import time
 
 import torch
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from ..kernels import decode_attention
 from ..model import GPT2
 
 # On CUDA the engine's attention (masked: paged prefill, these steps) runs on the memory-efficient, flash or
 # math kernels, not cuDNN's: cuDNN planned anew for every new shape (1.1 ms a call, 57% of the host time of
 # a batch-256 run, issue 18), and prefill's packed rows have a new shape every step.
 GPU_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.MATH]
+# A decode step's attention: "triton" (kernels/decode_attention.py: the KV write and each row's own keys in one
+# kernel) where it runs (CUDA with Triton), else "sdpa" (the write, then SDPA under a mask over the span).
+# GPT2FFN_DECODE_ATTENTION=sdpa forces SDPA, for A/B.
+DECODE_ATTENTION = os.environ.get("GPT2FFN_DECODE_ATTENTION", "triton")
 
 
 def attention_kernels(device):
@@ -55,13 +61,20 @@ def first_at_least(buckets: list, n: int) -> int:
 
 class _SlotView:
     """The cache GPT2.forward_paged is given: write each row's new key and value at its position of its slot
-    (row b is slot b), return slots 0..B-1's first `span` positions as views (no tables to bind)."""
+    (row b is slot b), return slots 0..B-1's first `span` positions as views (no tables to bind). Where
+    `attends`, the attention layers hand it the whole step instead (attend: write and attend in one kernel)."""
 
-    def __init__(self, cache, rows, positions, span: int):
+    def __init__(self, cache, rows, positions, span: int, attends: bool = False):
         self.cache, self.rows, self.positions, self.span = cache, rows, positions, span
+        self.attends = attends
 
     def bind(self, *args):
         pass
+
+    def attend(self, layer: int, q, k, v, scale):
+        """q, k, v (B, H, 1, D) of rows 0..B-1 -> attention output (B, 1, H * D), the new k, v written."""
+        return decode_attention.decode_attention(q, k, v, self.cache.k[layer], self.cache.v[layer], self.positions,
+                                                 scale)
 
     def update(self, layer: int, k, v):
         B = k.shape[0]
@@ -82,6 +95,7 @@ class StaticDecoder:
         self.spans = span_buckets(self.max_len)
         device = cache.k[0].device
         self.use_graphs = graphs and device.type == "cuda"
+        self.attends = DECODE_ATTENTION == "triton" and decode_attention.available(device)
         top = self.buckets[-1]
         # ids, positions: the step's inputs, in place (a graph reads these addresses); pinned host staging
         self.io = torch.zeros(2, top, dtype=torch.long, device=device)
@@ -144,7 +158,7 @@ class StaticDecoder:
         """The model over inputs io[:, :B] and slots 0..B-1 -> logits (B, vocab): fixed shapes for (B, span)."""
         ids, positions = self.io[0, :B, None], self.io[1, :B, None]                      # (B, 1)
         mask = (torch.arange(span, device=ids.device) <= positions)[:, None, None]   # (B, 1, 1, span)
-        view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span)
+        view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span, self.attends)
         return self.model.forward_paged(ids, positions, view, None, "last", mask)
 
     def step(self) -> torch.Tensor:
