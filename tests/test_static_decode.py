@@ -207,3 +207,23 @@ def test_decode_attention_kernel_gives_the_sdpa_steps_tokens(hf_dir, monkeypatch
     sdpa = Engine(model, max_batch=24, max_len=n)
     assert not sdpa.static.attends
     assert got == [r.output for r in sdpa.run([Request(p, x) for p, x in zip(ps, s)])]
+
+
+@pytest.mark.cuda
+def test_lm_head_pads_its_weight_on_cuda(hf_dir):
+    """On a GPU, for inference: the lm_head computes through a copy of its weight padded to 64 rows (an odd
+    vocabulary gives cuBLAS an unaligned kernel), the same logits as the unpadded weight, and a changed weight is
+    padded again."""
+    import torch.nn.functional as F
+    model = load_model(str(hf_dir), dtype=torch.float32, precision=None).to("cuda").eval()
+    head, x = model.lm_head, torch.randn(5, model.config.n_embd, device="cuda")
+    V = head.weight.shape[0]
+    with torch.no_grad():
+        padded = head.padded_weight(x)
+        assert padded.shape[0] % 64 == 0 and torch.equal(padded[:V], head.weight) and not padded[V:].any()
+        y = head(x)
+        assert y.shape == (5, V)
+        torch.testing.assert_close(y, F.linear(x, head.weight), rtol=1e-5, atol=1e-5)
+        head.weight.mul_(2)
+        torch.testing.assert_close(head(x), 2 * y, rtol=1e-5, atol=1e-5)
+    assert head.padded_weight(x.cpu()) is None

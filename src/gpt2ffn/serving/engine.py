@@ -273,13 +273,19 @@ class Engine:
         return self.prefilled(chunks, logits)
 
     def prefilled(self, chunks: list, logits) -> list:
-        """Chunks done, row i of logits chunk i's last position's: a prompt now whole emits its first token."""
-        events = []
+        """Chunks done, row i of logits chunk i's last position's: a prompt now whole emits its first token (those
+        of every such prompt drawn together, as a decode step's)."""
+        done = []
         for i, (r, _, n) in enumerate(chunks):
             r.computed += n
             if r.computed == len(r.prompt):
-                events.append(self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, i))
-        return events
+                done.append(i)
+        first = [i for i in done if chunks[i][0].params.max_new_tokens > 0]
+        emitted = {}
+        if first:
+            rows = logits if first == list(range(len(logits))) else logits[first]
+            emitted = dict(zip(first, self.emit_all([chunks[i][0] for i in first], rows)))
+        return [emitted[i] if i in emitted else self.finish(chunks[i][0], "length") for i in done]
 
     def prefill_alone(self, r: Request, start: int, n: int) -> list:
         ids = torch.tensor([r.prompt[start:start + n]], device=self.device)
@@ -312,6 +318,11 @@ class Engine:
             logits = self.static.step()
         else:
             logits = self.step_logits(rows)
+        return self.emit_all(rows, logits)
+
+    def emit_all(self, rows: list, logits) -> list:
+        """Row i of logits (B, vocab) gives rows[i] its next token: one draw for the batch, the log-probs of the
+        rows that ask in one pass, then each emitted."""
         picked = next_tokens(logits, rows, self.generator)
         asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
         lps = {}
