@@ -17,7 +17,10 @@
 // one after the run too: the decode plan (ops.cpp, StepPlan) hands each thread its own share of a layer's
 // super-blocks in order, so that is mostly the one this thread takes next (a prefill of runs of 1-6 super-blocks
 // converted one in ~4 from memory; GPT-2 xl int8, 128 tokens, 387.3 -> 359.6 ms, large 198.7 -> 186.3,
-// benchmarks/results/prefill-ab-runs-in-order-*.json).
+// benchmarks/results/prefill-ab-runs-in-order-*.json). A call of one block of rows (16-31 tokens) converts
+// nothing: its tiles read I8A8's packed q + 128 in place (a lane block's rows 256 bytes apart) through TDPBSUD
+// (unsigned weights) and each sum starts from -128 * the group's activation sum, as the VNNI kernels' do (GPT-2
+// xl int8 prefill of 16 tokens 102.9 -> 94.0 ms, large 54.8 -> 47.5, medium 25.6 -> 23.0).
 //
 // Each group's sums must leave the tiles for their own scales (a tile store, then 3 vector operations per 16
 // sums): that epilogue, not the tile products, bounds the rate. Measured on the Intel Xeon (family 6 model 167,
@@ -52,16 +55,18 @@
 #define TILE_STORE(t, p, stride) \
   __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(static_cast<int64_t>(stride)) : "memory")
 #define TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-// A group's products for two blocks of 16 lanes: activations in tile 4, weights b0 / b1 through tiles 6 / 7,
-// sums into tiles c0 / c1; and a pair of sum tiles stored to sums[0], sums[1].
-#define PAIR_PRODUCTS(c0, c1, b0, b1) \
-  do {                                \
-    TILE_LOAD(6, b0, 64);             \
-    TILE_ZERO(c0);                    \
-    TILE_DPBSSD(c0, 4, 6);            \
-    TILE_LOAD(7, b1, 64);             \
-    TILE_ZERO(c1);                    \
-    TILE_DPBSSD(c1, 4, 7);            \
+#define TILE_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
+// A group's products for two blocks of 16 lanes: activations in tile 4, weights b0 / b1 through tiles 6 / 7
+// (rows `stride` bytes apart), sums into tiles c0 / c1, by DP (signed weights: TILE_DPBSSD, unsigned:
+// TILE_DPBSUD); and a pair of sum tiles stored to sums[0], sums[1].
+#define PAIR_PRODUCTS(c0, c1, b0, b1, stride, DP) \
+  do {                                            \
+    TILE_LOAD(6, b0, stride);                     \
+    TILE_ZERO(c0);                                \
+    DP(c0, 4, 6);                                 \
+    TILE_LOAD(7, b1, stride);                     \
+    TILE_ZERO(c1);                                \
+    DP(c1, 4, 7);                                 \
   } while (0)
 #define PAIR_STORE(c0, c1, sums)    \
   do {                              \
@@ -118,28 +123,51 @@ void signed_weights(const LinearArgs& a, int64_t sb, int j, int64_t g0, int64_t 
 // as qlinear_impl.h's epilogue does, acc = fma(float(sum), scale * d, acc) group by group in order.
 // The first block of rows (m0 0) converts each group's weights into ws just before its tiles read them.
 // next0 .. next1: this block's share of the next super-block's packed weights, into L2 a piece each group.
+// IN_PLACE (I8A8): the tiles read the packed weights where they lie, [K/4][64 lanes][4] bytes q + 128 (a lane
+// block's tile: rows 256 bytes apart), through TDPBSUD (unsigned weights), and each sum gets -128 * the group's
+// activation sum before it is scaled, as the VNNI kernels start theirs: the same int32, no scratch, no conversion.
+constexpr int64_t PF_G = 4;  // IN_PLACE: groups ahead whose weights are fetched into L1 (1 and 4 measured alike)
+template <bool IN_PLACE>
 void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t (*cbuf)[2][MT * 16], float* acc,
                const char* next0, const char* next1) {
   const int64_t K = a.K, R = K / 4, G = a.group, ng = K / G, lines = (next1 - next0) / 64;
   const int8_t* xq = a.xq + m0 * K;
   const float* xs = a.xscale + m0 * ng;
+  const int32_t* xsum = a.xsum + m0 * ng;
   const uint16_t* sc = a.scale + sb * ng * SUPER;
+  const int8_t* packed = static_cast<const int8_t*>(a.w) + sb * R * SUPER * 4;
   for (int h = 0; h < 2; h++) {
     const int8_t* w0 = ws + 2 * h * R * 64;
     const int8_t* w1 = w0 + R * 64;
     auto issue = [&](int64_t g) {
-      if (m0 == 0)
+      if (!IN_PLACE && m0 == 0)
         for (int j = 2 * h; j < 2 * h + 2; j++) signed_weights(a, sb, j, g, g + 1, ws);
       const int64_t t = h * ng + g;
       for (int64_t l = lines * t / (2 * ng); l < lines * (t + 1) / (2 * ng); l++)
         _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
       TILE_LOAD(4, xq + g * G, K);
+      if (IN_PLACE) {
+        const int8_t* b0 = packed + g * G / 4 * 256 + 2 * h * 64;
+        if (g + PF_G < ng)
+          for (int64_t r = 0; r < G / 4; r++) {
+            _mm_prefetch(reinterpret_cast<const char*>(b0 + (PF_G * G / 4 + r) * 256), _MM_HINT_T0);
+            _mm_prefetch(reinterpret_cast<const char*>(b0 + (PF_G * G / 4 + r) * 256 + 64), _MM_HINT_T0);
+          }
+        if (g & 1) {
+          PAIR_PRODUCTS(2, 3, b0, b0 + 64, 256, TILE_DPBSUD);
+          PAIR_STORE(0, 1, cbuf[0]);
+        } else {
+          PAIR_PRODUCTS(0, 1, b0, b0 + 64, 256, TILE_DPBSUD);
+          if (g > 0) PAIR_STORE(2, 3, cbuf[1]);
+        }
+        return;
+      }
       const int8_t *b0 = w0 + g * G * 16, *b1 = w1 + g * G * 16;
       if (g & 1) {
-        PAIR_PRODUCTS(2, 3, b0, b1);
+        PAIR_PRODUCTS(2, 3, b0, b1, 64, TILE_DPBSSD);
         PAIR_STORE(0, 1, cbuf[0]);  // group g - 1's
       } else {
-        PAIR_PRODUCTS(0, 1, b0, b1);
+        PAIR_PRODUCTS(0, 1, b0, b1, 64, TILE_DPBSSD);
         if (g > 0) PAIR_STORE(2, 3, cbuf[1]);
       }
     };
@@ -149,8 +177,13 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
       for (int m = 0; m < MT; m++) {
         const V d = vset1(xs[m * ng + g]);
         float* p = acc + m * 32;
-        vstore(p, vfma({_mm512_cvtepi32_ps(_mm512_load_si512(c[0] + m * 16))}, vmul(s0, d), vload(p)));
-        vstore(p + 16, vfma({_mm512_cvtepi32_ps(_mm512_load_si512(c[1] + m * 16))}, vmul(s1, d), vload(p + 16)));
+        __m512i c0 = _mm512_load_si512(c[0] + m * 16), c1 = _mm512_load_si512(c[1] + m * 16);
+        if (IN_PLACE) {
+          const __m512i off = _mm512_set1_epi32(-128 * xsum[m * ng + g]);
+          c0 = _mm512_add_epi32(c0, off), c1 = _mm512_add_epi32(c1, off);
+        }
+        vstore(p, vfma({_mm512_cvtepi32_ps(c0)}, vmul(s0, d), vload(p)));
+        vstore(p + 16, vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1, d), vload(p + 16)));
       }
     };
     for (int64_t i = 0; i < MT * 32; i += 16) vstore(acc + i, vzero());
@@ -209,6 +242,10 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   // The blocks of rows after the first share out the next super-block's packed weights, which come into L2
   // while they run, so that the first block's conversion of them reads L2, not memory.
   const int64_t sbytes = (a.format == I8A8 ? K : K / 2) * SUPER, later = M16 / MT - 1;
+  // One block of rows (16-31 tokens) reads I8A8's weights in place: no later block would reuse a conversion.
+  // From two blocks on, the later blocks' strided tile loads of the packed rows from L2 cost more than the
+  // conversion saves (GPT-2 xl, 32 tokens 147.1 -> 155.3 ms, 128 tokens 380 -> 445).
+  const bool in_place = a.format == I8A8 && later == 0;
   for (int64_t sb = sb0; sb < sb1; sb++) {
     const char* next = static_cast<const char*>(a.w) + (sb + 1) * sbytes;
     const int64_t nbytes = sb + 1 < a.nsuper && later > 0 ? sbytes : 0;  // the run's next, or the one after it
@@ -216,7 +253,10 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
       const int64_t t = m0 / MT - 1;  // this block's share: none for the first
       const char* n0 = t < 0 ? next : next + nbytes * t / later / 64 * 64;
       const char* n1 = t < 0 ? next : next + nbytes * (t + 1) / later / 64 * 64;
-      tile_rows(a, scratch.data(), sb, m0, cbuf, acc, n0, n1);
+      if (in_place)
+        tile_rows<true>(a, scratch.data(), sb, m0, cbuf, acc, n0, n1);
+      else
+        tile_rows<false>(a, scratch.data(), sb, m0, cbuf, acc, n0, n1);
     }
   }
   __asm__ volatile("tilerelease" ::);
