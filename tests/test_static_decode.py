@@ -184,6 +184,10 @@ def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D):
         err = ((out[b, 0].double() - want).norm() / want.norm()).item()
         assert err < (1e-6 if dtype == torch.float32 else 8e-3), (b, err)
     assert torch.equal(kc[B:], k0[B:]) and torch.equal(vc[B:], v0[B:])
+    # a padding row (past 0) reads no key of its slot: its output is its own new value
+    lone = decode_attention(q, k, v, kc, vc, pos, past=torch.zeros_like(pos))
+    want = v[:, :, 0].to(cache_dtype).to(dtype).reshape(B, 1, H * D)
+    torch.testing.assert_close(lone, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
 
 
 @pytest.mark.cuda

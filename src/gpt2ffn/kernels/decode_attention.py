@@ -28,7 +28,7 @@ def available(device) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, KN, VN, KC, VC, POS, O, scale,
+    def _decode_kernel(Q, KN, VN, KC, VC, POS, PAST, O, scale,
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh,      # q, new k, new v: (B, H, D) strides, d stride 1
                        s_cs, s_ch, s_cn, s_ob,                   # cache (slots, H, max_len, D); out (B, H * D)
                        D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -37,19 +37,20 @@ if triton is not None:
         d = tl.arange(0, DP)
         dm = d < D
         pos = tl.load(POS + b).to(tl.int32)
+        past = tl.load(PAST + b).to(tl.int32)
         q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dm, other=0.0).to(tl.float32) * scale
         kn = tl.load(KN + b * s_kb + h * s_kh + d, mask=dm, other=0.0)
         vn = tl.load(VN + b * s_vb + h * s_vh + d, mask=dm, other=0.0)
         base = b * s_cs + h * s_ch
         tl.store(KC + base + pos * s_cn + d, kn.to(KC.dtype.element_ty), mask=dm)
         tl.store(VC + base + pos * s_cn + d, vn.to(VC.dtype.element_ty), mask=dm)
-        # the new key first, from registers (as stored: the cache's dtype), then keys 0..pos-1 from the cache
+        # the new key first, from registers (as stored: the cache's dtype), then keys 0..past-1 from the cache
         m = tl.sum(q * kn.to(KC.dtype.element_ty).to(tl.float32), axis=0)
         l = tl.full([], 1.0, tl.float32)
         acc = vn.to(VC.dtype.element_ty).to(tl.float32)
-        for start in range(0, pos, BLOCK_N):
+        for start in range(0, past, BLOCK_N):
             n = start + tl.arange(0, BLOCK_N)
-            valid = n < pos
+            valid = n < past
             offs = base + n[:, None] * s_cn + d[None, :]
             k = tl.load(KC + offs, mask=valid[:, None] & dm[None, :], other=0.0).to(tl.float32)
             s = tl.where(valid, tl.sum(k * q[None, :], axis=1), float("-inf"))
@@ -68,10 +69,12 @@ def _block_n(D: int) -> int:
     return max(16, min(128, 4096 // triton.next_power_of_2(D)))
 
 
-def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None):
+def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None):
     """q, k, v: (B, H, 1, D), the new token of rows 0..B-1 (any strides with d contiguous); k_cache, v_cache:
     (slots, H, max_len, D) contiguous, row b's slot is b; positions (B,) int64, each row's new position.
-    Writes k, v into the cache at (b, :, positions[b]) and returns the attention output (B, 1, H * D)."""
+    Writes k, v into the cache at (b, :, positions[b]) and returns the attention output (B, 1, H * D) over the
+    new key and keys 0..past[b] - 1 of the slot (past: (B,) int64, default positions; a padding row's 0 reads
+    nothing: the static steps' padding rows sit at the slot's last position, and would read every key)."""
     B, H, T, D = q.shape
     if T != 1:
         raise ValueError(f"decode_attention takes one new token per row, got q of shape {tuple(q.shape)}")
@@ -81,7 +84,7 @@ def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None):
     out = torch.empty(B, 1, H * D, dtype=q.dtype, device=q.device)
     sc = k_cache.stride()
     _decode_kernel[(B, H)](
-        q, k, v, k_cache, v_cache, positions, out, scale,
+        q, k, v, k_cache, v_cache, positions, positions if past is None else past, out, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sc[0], sc[1], sc[2], out.stride(0),
         D=D, DP=triton.next_power_of_2(D), BLOCK_N=_block_n(D), num_warps=2)

@@ -64,9 +64,9 @@ class _SlotView:
     (row b is slot b), return slots 0..B-1's first `span` positions as views (no tables to bind). Where
     `attends`, the attention layers hand it the whole step instead (attend: write and attend in one kernel)."""
 
-    def __init__(self, cache, rows, positions, span: int, attends: bool = False):
+    def __init__(self, cache, rows, positions, span: int, attends: bool = False, past=None):
         self.cache, self.rows, self.positions, self.span = cache, rows, positions, span
-        self.attends = attends
+        self.attends, self.past = attends, past  # past: the keys before each row's new one that attend reads
 
     def bind(self, *args):
         pass
@@ -74,7 +74,7 @@ class _SlotView:
     def attend(self, layer: int, q, k, v, scale):
         """q, k, v (B, H, 1, D) of rows 0..B-1 -> attention output (B, 1, H * D), the new k, v written."""
         return decode_attention.decode_attention(q, k, v, self.cache.k[layer], self.cache.v[layer], self.positions,
-                                                 scale)
+                                                 scale, self.past)
 
     def update(self, layer: int, k, v):
         B = k.shape[0]
@@ -97,9 +97,10 @@ class StaticDecoder:
         self.use_graphs = graphs and device.type == "cuda"
         self.attends = DECODE_ATTENTION == "triton" and decode_attention.available(device)
         top = self.buckets[-1]
-        # ids, positions: the step's inputs, in place (a graph reads these addresses); pinned host staging
-        self.io = torch.zeros(2, top, dtype=torch.long, device=device)
-        self.host = torch.zeros(2, top, dtype=torch.long, pin_memory=self.use_graphs)
+        # ids, positions, keys to read (the position for a row, 0 for padding): the step's inputs, in place (a
+        # graph reads these addresses); pinned host staging
+        self.io = torch.zeros(3, top, dtype=torch.long, device=device)
+        self.host = torch.zeros(3, top, dtype=torch.long, pin_memory=self.use_graphs)
         self.slots = torch.arange(top, device=device)
         self.logits = None  # (top, vocab): every graph's output, one buffer (not one per shape)
         self.rows = []
@@ -158,7 +159,7 @@ class StaticDecoder:
         """The model over inputs io[:, :B] and slots 0..B-1 -> logits (B, vocab): fixed shapes for (B, span)."""
         ids, positions = self.io[0, :B, None], self.io[1, :B, None]                      # (B, 1)
         mask = (torch.arange(span, device=ids.device) <= positions)[:, None, None]   # (B, 1, 1, span)
-        view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span, self.attends)
+        view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span, self.attends, self.io[2, :B])
         return self.model.forward_paged(ids, positions, view, None, "last", mask)
 
     def step(self) -> torch.Tensor:
@@ -168,7 +169,8 @@ class StaticDecoder:
         host = self.host
         host[0, :d] = torch.tensor([r.output[-1] for r in self.rows])
         host[1, :d] = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in self.rows])
-        host[0, d:], host[1, d:] = 0, self.max_len - 1
+        host[2, :d] = host[1, :d]
+        host[0, d:], host[1, d:], host[2, d:] = 0, self.max_len - 1, 0
         span = first_at_least(self.spans, int(host[1, :d].max()) + 1)
         self.io.copy_(host, non_blocking=True)  # the whole buffer: a strided part would bypass the pinned copy
         if self.use_graphs and (B, span) not in self.graphs:
@@ -186,7 +188,7 @@ class StaticDecoder:
         how many shapes, seconds taken). The inputs are the padding rows' (every slot's last position, rewritten
         before any sequence reads it)."""
         start = time.perf_counter()
-        self.host[0], self.host[1] = 0, self.max_len - 1
+        self.host[0], self.host[1], self.host[2] = 0, self.max_len - 1, 0
         self.io.copy_(self.host)
         shapes = [(B, s) for B in self.buckets for s in self.spans]
         for B, span in shapes:
