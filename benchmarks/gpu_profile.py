@@ -52,7 +52,6 @@ def main():
         engine.run([Request(list(r), s) for r in rows])  # warm-up: graphs captured on first use, cuBLAS handles
         sync()
         acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if a.device.startswith("cuda") else [])
-        steps0 = getattr(engine, "steps", None)
         with profile(activities=acts) as prof:
             t0 = time.perf_counter()
             engine.run([Request(list(r), s) for r in rows])
@@ -63,7 +62,6 @@ def main():
         dev = sum(e.self_device_time_total for e in ev) / 1e6
         run = {"batch": B, "wall_s": wall, "tokens_per_s": B * a.new_tokens / wall, "host_s": host,
                "device_s": dev, "graph_capture": engine.graph_capture,
-               "steps": None if steps0 is None else getattr(engine, "steps", 0) - steps0,
                "by_host": top(ev, "self_cpu_time_total", a.top), "by_device": top(ev, "self_device_time_total", a.top)}
         result["runs"][str(B)] = run
         print(f"batch {B}: {wall * 1e3:.1f} ms wall under the profiler ({run['tokens_per_s']:.0f} tok/s), "

@@ -241,6 +241,9 @@ def main():
     p.add_argument("--processes", type=int, default=1, help="client processes the clients are split over")
     p.add_argument("--out", default="benchmarks/results/load.json")
     args = p.parse_args()
+    if args.device == "auto":  # what serve's auto picks: CUDA where torch sees a GPU
+        import torch
+        args.device = "cuda" if torch.cuda.is_available() else "cpu"
     if args.precision is None:
         args.precision = "fp32" if args.device == "cpu" else "bf16"
     elif args.device != "cpu" and args.precision not in ("fp32", "bf16"):

@@ -217,7 +217,7 @@ def test_decode_attention_kernel_gives_the_sdpa_steps_tokens(hf_dir, monkeypatch
 def test_lm_head_pads_its_weight_on_cuda(hf_dir):
     """On a GPU, for inference: the lm_head computes through a copy of its weight padded to 64 rows (an odd
     vocabulary gives cuBLAS an unaligned kernel), the same logits as the unpadded weight, and a changed weight is
-    padded again."""
+    copied again into the same memory."""
     import torch.nn.functional as F
     model = load_model(str(hf_dir), dtype=torch.float32, precision=None).to("cuda").eval()
     head, x = model.lm_head, torch.randn(5, model.config.n_embd, device="cuda")
@@ -230,4 +230,5 @@ def test_lm_head_pads_its_weight_on_cuda(hf_dir):
         torch.testing.assert_close(y, F.linear(x, head.weight), rtol=1e-5, atol=1e-5)
         head.weight.mul_(2)
         torch.testing.assert_close(head(x), 2 * y, rtol=1e-5, atol=1e-5)
+        assert head.padded_weight(x) is padded  # refreshed in place: graphs captured before read the new values
     assert head.padded_weight(x.cpu()) is None

@@ -161,23 +161,40 @@ class LMHead(PackedLayer, nn.Linear):
         return super().forward(x)
 
     def padded_weight(self, x):
-        """On CUDA, for inference: the weight with zero rows up to a multiple of 64 (kept while the weight is
-        unchanged), or None. GPT-2's 50,257 logits per row make an odd leading dimension, on which cuBLAS runs an
-        unaligned kernel (cutlass 'align1': 200 us a call at batch 256 on an H200; padded, under 62 us)."""
+        """On CUDA, for inference: the weight with zero rows up to a multiple of 64, or None. GPT-2's 50,257 logits
+        per row make an odd leading dimension, on which cuBLAS runs an unaligned kernel (cutlass 'align1': 200 us
+        a call at batch 256 on an H200; padded, under 62 us). The copy is made once per weight and refreshed in
+        place when the weight changes (load_state_dict, an optimizer step): CUDA graphs captured earlier keep
+        reading the same memory, which the next eager call refreshes. Not for sharded (DTensor) weights."""
         w = self.weight
         V = w.shape[0]
         if not x.is_cuda or V % 64 == 0 or self.bias is not None or (torch.is_grad_enabled() and w.requires_grad):
+            if not w.is_cuda:
+                _PADDED.pop(self, None)  # moved off the GPU: let the copy go
             return None
-        key = (w.data_ptr(), w._version, w.dtype)
+        if _is_dtensor(w) or _is_dtensor(x):
+            return None
+        version = None if w.is_inference() else w._version  # inference tensors keep no version counter
         cached = _PADDED.get(self)
-        if cached is None or cached[0] != key:
-            pad = torch.zeros(-(-V // 64) * 64, w.shape[1], dtype=w.dtype, device=w.device)
-            pad[:V] = w.detach()
-            cached = _PADDED[self] = (key, pad)
-        return cached[1]
+        if cached is not None and cached[0]() is w and cached[1] == (w.data_ptr(), version):
+            return cached[2]
+        rows = -(-V // 64) * 64
+        if cached is not None and (cached[2].shape, cached[2].dtype, cached[2].device) == ((rows, w.shape[1]), w.dtype,
+                                                                                          w.device):
+            pad = cached[2]
+        else:
+            pad = torch.zeros(rows, w.shape[1], dtype=w.dtype, device=w.device)
+        pad[:V] = w.detach()
+        _PADDED[self] = (weakref.ref(w), (w.data_ptr(), version), pad)
+        return pad
 
 
-_PADDED = weakref.WeakKeyDictionary()  # LMHead -> ((weight's pointer, version, dtype), padded copy)
+_PADDED = weakref.WeakKeyDictionary()  # LMHead -> (weakref to its weight, (pointer, version), padded copy)
+
+
+def _is_dtensor(t) -> bool:
+    """A torch.distributed DTensor (parallel.py's sharded weights), without importing torch.distributed here."""
+    return type(t).__name__ == "DTensor"
 
 
 class TiedEmbedding(nn.Embedding):

@@ -1,6 +1,7 @@
 // The integer prefill (formats I8A8, I4A8 of linear.h) on AMX, Intel's tile matrix unit: 16 rows of int8
-// activations times 16 output lanes of int8 weights per TDPBSSD, one group's products summed exactly in the
-// int32 tile, then the same float epilogue as the AVX-512 VNNI kernels (qlinear_impl.h):
+// activations times 16 output lanes of int8 weights per TDPBSSD (TDPBSUD for a call of one block, below), one
+// group's products summed exactly in the int32 tile, then the same float epilogue as the AVX-512 VNNI kernels
+// (qlinear_impl.h):
 // acc = fma(float(sum), scale * d, acc) group by group in order, bias and activation as it is stored. The
 // int32 sums are exact in both, so every output is bit for bit the VNNI kernels' (batch-invariant: a row's
 // result does not depend on which kernel ran it). Rows left over from the blocks of 16 (and layers whose
@@ -20,7 +21,7 @@
 // benchmarks/results/prefill-ab-runs-in-order-*.json). A call of one block of rows (16-31 tokens) converts
 // nothing: its tiles read I8A8's packed q + 128 in place (a lane block's rows 256 bytes apart) through TDPBSUD
 // (unsigned weights) and each sum starts from -128 * the group's activation sum, as the VNNI kernels' do (GPT-2
-// xl int8 prefill of 16 tokens 102.9 -> 94.0 ms, large 54.8 -> 47.5, medium 25.6 -> 23.0).
+// xl int8 prefill of 16 tokens 106.7 -> 94.2 ms, large 53.2 -> 48.2, medium 25.4 -> 22.2).
 //
 // Each group's sums must leave the tiles for their own scales (a tile store, then 3 vector operations per 16
 // sums): that epilogue, not the tile products, bounds the rate. Measured on the Intel Xeon (family 6 model 167,
@@ -208,7 +209,9 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
 
 }  // namespace
 
-const char* int8_dot_amx() { return "tdpbssd (AMX-INT8) on blocks of 16 rows, vpdpbusd (AVX-512 VNNI) on the rest"; }
+const char* int8_dot_amx() {
+  return "tdpbssd (AMX-INT8; tdpbsud for one block) on blocks of 16 rows, vpdpbusd (AVX-512 VNNI) on the rest";
+}
 
 // Whether this thread may use the tiles: Linux hands AMX's 8 KiB of tile state to a process only when asked
 // (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA); false where the kernel refuses or knows no AMX.

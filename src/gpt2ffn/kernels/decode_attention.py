@@ -22,7 +22,28 @@ except ImportError:  # CPU-only installs (CI): callers keep SDPA
 
 
 def available(device) -> bool:
-    return triton is not None and torch.device(device).type == "cuda"
+    """Whether the kernel runs on `device`: CUDA, Triton importable, and one small call compiled and right there
+    (a GPU or install where Triton cannot build kernels gets False, and its callers SDPA)."""
+    device = torch.device(device)
+    if triton is None or device.type != "cuda":
+        return False
+    return _works(device.index if device.index is not None else torch.cuda.current_device())
+
+
+@functools.cache
+def _works(index: int) -> bool:
+    dev = torch.device("cuda", index)
+    try:
+        g = torch.Generator(device=dev).manual_seed(0)
+        kc, vc = (torch.randn(2, 1, 8, 16, device=dev, generator=g) for _ in range(2))
+        q, k, v = (torch.randn(2, 1, 1, 16, device=dev, generator=g) for _ in range(3))
+        pos = torch.tensor([0, 5], device=dev)
+        out = decode_attention(q, k, v, kc, vc, pos)
+        keys, vals = kc[1, 0, :6].clone(), vc[1, 0, :6].clone()
+        want = torch.softmax(keys @ q[1, 0, 0] / 4, 0) @ vals
+        return bool(torch.allclose(out[0, 0], v[0, 0, 0], atol=1e-5) and torch.allclose(out[1, 0], want, atol=1e-4))
+    except Exception:  # noqa: BLE001 -- any failure to build or launch means: not here
+        return False
 
 
 if triton is not None:
@@ -32,8 +53,8 @@ if triton is not None:
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh,      # q, new k, new v: (B, H, D) strides, d stride 1
                        s_cs, s_ch, s_cn, s_ob,                   # cache (slots, H, max_len, D); out (B, H * D)
                        D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
-        b = tl.program_id(0)
-        h = tl.program_id(1)
+        b = tl.program_id(0).to(tl.int64)  # offsets past 2^31 elements in a large cache
+        h = tl.program_id(1).to(tl.int64)
         d = tl.arange(0, DP)
         dm = d < D
         pos = tl.load(POS + b).to(tl.int32)
@@ -80,6 +101,12 @@ def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None
         raise ValueError(f"decode_attention takes one new token per row, got q of shape {tuple(q.shape)}")
     if k_cache.stride(-1) != 1 or k_cache.stride() != v_cache.stride():
         raise ValueError("decode_attention needs k_cache and v_cache with the same strides and d contiguous")
+    if any(t.stride(-1) != 1 for t in (q, k, v)):
+        raise ValueError("decode_attention needs q, k and v with d contiguous")
+    for name, t in (("positions", positions), ("past", past)):
+        if t is not None and (t.dim() != 1 or t.shape[0] != B or t.stride(0) != 1 or t.device != q.device):
+            raise ValueError(f"decode_attention: {name} must be ({B},) contiguous on {q.device}, got "
+                             f"{tuple(t.shape)} on {t.device}")
     scale = D ** -0.5 if scale is None else scale
     out = torch.empty(B, 1, H * D, dtype=q.dtype, device=q.device)
     sc = k_cache.stride()

@@ -9,10 +9,14 @@ gather and no block table, and its shapes depend only on (B, span): B the batch 
 max_len). Rows past D are padding: token 0 at position max_len - 1 of their slot, a position every sequence
 writes before it reads it, so they disturb no one, and their logits are dropped.
 
+On CUDA with Triton the attention of a step is one kernel per layer instead (kernels/decode_attention.py: it
+writes the new key and value and reads each row's own keys, padding rows none), so a step's shapes depend on B
+alone: span is max_len throughout, and no mask is built.
+
 On CUDA each (B, span) is captured once into a CUDA graph, at start-up within a time bound (reported) or on
 its first use, and a step is one host-to-device copy of the ids and positions, one replay, and the sampler's
-one copy back. On the CPU the same steps run eagerly (tested
-against the engine's paged path); the CPU's native decode (GPT2.decode_slots) needs none of this.
+one copy back. On the CPU the same steps run eagerly (tested against the engine's paged path); the CPU's
+native decode (GPT2.decode_slots) needs none of this.
 """
 
 import contextlib
@@ -92,16 +96,17 @@ class StaticDecoder:
         self.model, self.cache = model, cache
         self.max_len = cache.block_size
         self.buckets = batch_buckets(min(max_batch, cache.num_blocks))
-        self.spans = span_buckets(self.max_len)
         device = cache.k[0].device
         self.use_graphs = graphs and device.type == "cuda"
         self.attends = DECODE_ATTENTION == "triton" and decode_attention.available(device)
+        self.spans = [self.max_len] if self.attends else span_buckets(self.max_len)  # the kernel reads no span
         top = self.buckets[-1]
         # ids, positions, keys to read (the position for a row, 0 for padding): the step's inputs, in place (a
         # graph reads these addresses); pinned host staging
         self.io = torch.zeros(3, top, dtype=torch.long, device=device)
         self.host = torch.zeros(3, top, dtype=torch.long, pin_memory=self.use_graphs)
         self.slots = torch.arange(top, device=device)
+        self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         self.logits = None  # (top, vocab): every graph's output, one buffer (not one per shape)
         self.rows = []
         self.graphs = {}    # (B, span) -> CUDAGraph, or None where its capture failed (then eager)
@@ -158,7 +163,10 @@ class StaticDecoder:
     def forward(self, B: int, span: int):
         """The model over inputs io[:, :B] and slots 0..B-1 -> logits (B, vocab): fixed shapes for (B, span)."""
         ids, positions = self.io[0, :B, None], self.io[1, :B, None]                      # (B, 1)
-        mask = (torch.arange(span, device=ids.device) <= positions)[:, None, None]   # (B, 1, 1, span)
+        if self.attends:  # the layers hand their attention to the view: no mask is read
+            mask = self.no_mask
+        else:
+            mask = (torch.arange(span, device=ids.device) <= positions)[:, None, None]  # (B, 1, 1, span)
         view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span, self.attends, self.io[2, :B])
         return self.model.forward_paged(ids, positions, view, None, "last", mask)
 
