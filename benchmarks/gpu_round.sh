@@ -21,6 +21,8 @@
 #                    against the per-row loop at batch 256 (GPT-2's vocabulary), aten ops per call, engine steps
 #   attention: attention-cuda.json, attention.txt   benchmarks/gpu_attention.py: one layer's decode attention at batch
 #                    1/32/256 and cache 192/1024: the SDPA path under a mask against the Triton kernel
+#   invariant: load-invariant-cuda.json, invariant.txt   load_test.py --batch-invariant at 1 and 32 clients: every
+#                    answer should equal the same request alone ("differ from alone 0"), issue 18's promise
 #   profile: profile-cuda.json, profile.txt   benchmarks/gpu_profile.py: torch.profiler over the engine's bf16 run at
 #                    batch 1 and 256 (host time against kernel time, the top ops of each)
 # With 15 minutes of device time (one call), the parts' limits shrink: T=short bash benchmarks/gpu_round.sh
@@ -28,7 +30,7 @@
 #   600 s a call may run; attention 60 more when asked). That round took ~260 s on an H200.
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead,sampling,attention,profile}..." >&2; exit 2; }
+[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead,sampling,attention,invariant,profile}..." >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 limit() {  # limit PART LONG SHORT: the part's time limit in seconds
   if [ "${T:-}" = short ]; then echo "$3"; else echo "$2"; fi
@@ -60,6 +62,9 @@ for part in "$@"; do
                 --out "$OUT/sampling-host-cuda.json" > "$OUT/sampling.txt" 2>&1 ;;
     attention) timeout $(limit attention 120 60) python3 benchmarks/gpu_attention.py --out "$OUT/attention-cuda.json" \
                  > "$OUT/attention.txt" 2>&1 ;;
+    invariant) timeout $(limit invariant 200 90) python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda \
+                 --batch-invariant --max-batch 32 --clients 1,32 --requests-per-client 2 --max-tokens 32 --processes 4 \
+                 --out "$OUT/load-invariant-cuda.json" > "$OUT/invariant.txt" 2>&1 ;;
     profile) timeout $(limit profile 150 60) python3 benchmarks/gpu_profile.py --device cuda --batch 1 256 \
                --out "$OUT/profile-cuda.json" > "$OUT/profile.txt" 2>&1 ;;
     *) echo "unknown part $part" >&2 ;;

@@ -119,6 +119,19 @@ def test_stop_eos_min_tokens_ignore_eos_logit_bias(model):
 
 
 def test_batch_invariant_logits_are_bitwise_equal(model, monkeypatch):
+    invariant_logits_are_bitwise_equal(model, monkeypatch)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_logits_are_bitwise_equal_on_cuda(dtype, monkeypatch):
+    """On a GPU (issue 18's promise there): in batch-invariant mode every logit of a request that shares the
+    engine with others, joining one by one, is bitwise the logit of the same request alone."""
+    from gpt2ffn.model import load_model
+    invariant_logits_are_bitwise_equal(load_model("random:tiny:3", precision=None).to("cuda", dtype), monkeypatch)
+
+
+def invariant_logits_are_bitwise_equal(model, monkeypatch):
     seen = {}
     real = engine_mod.next_tokens
 
