@@ -196,24 +196,28 @@ def test_the_cuda_epilogue_is_used_only_where_its_gelu_is_tanh():
     """torch._addmm_activation's GELU is the device's: exact on the CPU, so the check refuses it there (on a
     GPU, cuBLASLt's epilogue is the tanh form); the FFN then runs its plain ops."""
     from gpt2ffn.kernels import cuda
-    assert not cuda.epilogue_gelu_is_tanh("cpu")
+    assert not cuda.epilogue_gelu_is_tanh("cpu") and not cuda.epilogue_gelu_is_tanh("cpu", torch.bfloat16)
+    tanh, exact = cuda.epilogue_gelu_errors("cpu")
+    assert exact < 1e-6 and abs(tanh - 4.73e-4) < 1e-6  # the two forms' largest gap, at |x| = 2.70
+    assert cuda.choices()["epilogue_gelu_errors"]["cpu"] == {"max_vs_tanh": tanh, "max_vs_exact": exact}
     x, w1, b1, w2, b2 = torch.randn(4, 8), torch.randn(8, 32), torch.randn(32), torch.randn(32, 8), torch.randn(8)
     assert cuda.choose(x, w1, b1, w2, b2, None, 4) == "plain"
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("tokens", [1, 64, 4096])
-def test_cuda_ffn_matches_hf_whichever_path_is_chosen(tokens):
-    """On a GPU (TF32 off): the FFN (fused epilogue or plain, as chosen there) within the fp32 tolerance of HF's
-    GPT2MLP, and the choice recorded."""
+def test_cuda_ffn_matches_hf_whichever_path_is_chosen(tokens, dtype, monkeypatch):
+    """On a GPU (TF32 off): the FFN (fused epilogue or plain, as chosen there for the dtype) within the dtype's
+    tolerance of HF's GPT2MLP in that dtype, and the choice recorded."""
     from gpt2ffn import kernels
-    torch.backends.cuda.matmul.allow_tf32 = False
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     cfg = Config.from_name("gpt2")
-    ffn = FeedForward(cfg).cuda().eval()
-    mlp = hf_mlp(cfg).cuda().eval()
+    ffn = FeedForward(cfg).cuda().eval().to(dtype)
+    mlp = hf_mlp(cfg).cuda().eval().to(dtype)
     mlp.load_state_dict(ffn.state_dict())
-    x = torch.randn(tokens, cfg.n_embd, device="cuda")
+    x = torch.randn(tokens, cfg.n_embd, device="cuda", dtype=dtype)
     with torch.no_grad():
-        tol = tolerance(torch.float32)
+        tol = tolerance(dtype)
         torch.testing.assert_close(ffn(x), mlp(x), atol=tol.atol, rtol=tol.rtol)
-    assert kernels.cuda.choices()["ffn"]
+    assert any(str(dtype) in k for k in kernels.cuda.choices()["ffn"])

@@ -109,7 +109,7 @@ def forward_impls(ffn, device):
     impls["torch.compile(Linear+GELU+Linear)"] = (torch.compile(copy.deepcopy(stack), dynamic=False), False)
     if device == "cpu":
         impls["numpy reference"] = (reference.FFN.from_state_dict(ffn.state_dict()), True)
-    elif kernels.cuda.epilogue_gelu_is_tanh(device):  # else that epilogue is not GPT-2's GELU there
+    elif kernels.cuda.epilogue_gelu_is_tanh(device, ffn.c_fc.weight.dtype):  # else not GPT-2's GELU there
         p = {k: v.detach() for k, v in ffn.state_dict().items()}
         impls["addmm + cuBLASLt GELU epilogue"] = (lambda x: kernels.cuda.fused(
             x.reshape(-1, x.shape[-1]), p["c_fc.weight"], p["c_fc.bias"], p["c_proj.weight"], p["c_proj.bias"]
