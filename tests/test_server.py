@@ -1190,3 +1190,47 @@ def test_chat_logprobs_in_openais_shape(server, client):
     assert r.status_code == 400 and r.json()["error"]["param"] == "response_format"
     bad = httpx.post(server.url + "/v1/chat/completions", json={"model": m, "messages": messages, "top_logprobs": 2})
     assert bad.status_code == 400 and bad.json()["error"]["param"] == "top_logprobs"
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", [(), ("--batch-invariant",)])
+def test_cuda_server_streams_and_answers_as_in_process(model_dir, mode):
+    """On a GPU, `serve --device cuda` (bf16, its CUDA graphs; or batch-invariant): the openai client's greedy
+    answer is the in-process engine's on the same card, streaming gives the whole answer, and in batch-invariant
+    mode 8 concurrent clients, greedy and seeded, each get what they got alone."""
+    from openai import OpenAI
+    s = Server(model_dir, "--device", "cuda", *mode)
+    try:
+        client = OpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0)
+        r = client.completions.create(model=s.model, prompt="the quick brown", max_tokens=12, temperature=0)
+        _, tok, _ = load(str(model_dir))
+        model = load_model_cuda(model_dir)
+        ids = tok.encode("the quick brown")
+        want = generate(model, [ids], Sampling(max_new_tokens=12, eos_token_id=model.config.eos_token_id))[0]
+        assert r.choices[0].text == tok.decode([t for t in want if t != model.config.eos_token_id])
+        parts = [c.choices[0].text for c in client.completions.create(
+            model=s.model, prompt="Hello", max_tokens=20, temperature=0, stream=True) if c.choices]
+        assert "".join(parts) == client.completions.create(model=s.model, prompt="Hello", max_tokens=20,
+                                                           temperature=0).choices[0].text
+        if mode:
+            bodies = [dict(prompt=f"the {w} fox", max_tokens=16, temperature=0) for w in ["quick", "lazy", "a", "b"]]
+            bodies += [dict(prompt=f"Hello {i}", max_tokens=16, temperature=1.0, top_p=0.9, seed=i) for i in range(4)]
+            solo = [post(s, **b)["choices"][0]["text"] for b in bodies]
+            together = [None] * len(bodies)
+            threads = [threading.Thread(target=lambda i=i: together.__setitem__(i, post(s, **bodies[i])["choices"][0]
+                                                                               ["text"])) for i in range(len(bodies))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            assert together == solo
+    finally:
+        s.stop()
+
+
+def load_model_cuda(model_dir):
+    """The served checkpoint as `serve --device cuda` loads it: bf16 on the GPU, weights only."""
+    import torch
+
+    from gpt2ffn.model import load_model
+    return load_model(str(model_dir), dtype=torch.bfloat16, precision=None).to("cuda")
