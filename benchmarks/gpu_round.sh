@@ -26,7 +26,7 @@
 #   profile: profile-cuda.json, profile.txt   benchmarks/gpu_profile.py: torch.profiler over the engine's bf16 run at
 #                    batch 1 and 256 (host time against kernel time, the top ops of each)
 # With 15 minutes of device time (one call), the parts' limits shrink: T=short bash benchmarks/gpu_round.sh
-#   tests bench ffn load profile   (tests 60 s, bench 170, ffn 120, load 120, profile 60: 530 in all, under the
+#   tests bench ffn load profile   (tests 60 s, bench 160, ffn 150, load 120, profile 60: 550 in all, under the
 #   600 s a call may run; attention 60 more when asked). That round took ~260 s on an H200.
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
@@ -49,9 +49,9 @@ pack() {  # the parts' .json and .png into results.tar as each part ends (8 file
 for part in "$@"; do
   case $part in
     tests) timeout $(limit tests 200 60) python3 -m pytest -q -m cuda -p no:cacheprovider tests/ > "$OUT/cuda-tests.txt" 2>&1 ;;
-    bench) timeout $(limit bench 330 170) python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 --precision fp32 \
+    bench) timeout $(limit bench 330 160) python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 --precision fp32 \
              --out "$OUT" > "$OUT/bench.txt" 2>&1 ;;
-    ffn) timeout $(limit ffn 300 120) python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,4096,65536 --out "$OUT" \
+    ffn) timeout $(limit ffn 300 150) python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,4096,65536 --out "$OUT" \
            > "$OUT/ffn.txt" 2>&1 ;;
     load) timeout $(limit load 330 120) python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda --max-batch 256 \
             --clients 1,32,256 --requests-per-client 2 --max-tokens 64 --processes 8 --out "$OUT/load-cuda.json" \

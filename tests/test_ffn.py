@@ -202,6 +202,8 @@ def test_the_cuda_epilogue_is_used_only_where_its_gelu_is_tanh():
     assert cuda.choices()["epilogue_gelu_errors"]["cpu"] == {"max_vs_tanh": tanh, "max_vs_exact": exact}
     x, w1, b1, w2, b2 = torch.randn(4, 8), torch.randn(8, 32), torch.randn(32), torch.randn(32, 8), torch.randn(8)
     assert cuda.choose(x, w1, b1, w2, b2, None, 4) == "plain"
+    from gpt2ffn.kernels import gemm_gelu
+    assert not gemm_gelu.available(torch.randn(2048, 8, dtype=torch.bfloat16))  # CUDA only
 
 
 @pytest.mark.cuda
@@ -221,3 +223,33 @@ def test_cuda_ffn_matches_hf_whichever_path_is_chosen(tokens, dtype, monkeypatch
         tol = tolerance(dtype)
         torch.testing.assert_close(ffn(x), mlp(x), atol=tol.atol, rtol=tol.rtol)
     assert any(str(dtype) in k for k in kernels.cuda.choices()["ffn"])
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_gemm_gelu_matches_the_plain_ops(dtype, monkeypatch):
+    """On a GPU: kernels/gemm_gelu.py's c_fc + bias + tanh GELU within the dtype's tolerance of the same in fp32
+    (GPT-2's shape and an odd one), and (bf16) the FFN forced through it within the tolerance of HF's GPT2MLP."""
+    import torch.nn.functional as F
+
+    from gpt2ffn.kernels import cuda, gemm_gelu
+    if not gemm_gelu.available(torch.empty(gemm_gelu.MIN_TOKENS, 8, device="cuda", dtype=dtype)):
+        pytest.skip("Triton does not build kernels on this install")
+    tol = tolerance(dtype)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for M, K, N in ((1500, 768, 3072), (1031, 200, 333)):
+        x = torch.randn(M, K, device="cuda", generator=g).to(dtype)
+        w = (0.05 * torch.randn(K, N, device="cuda", generator=g)).to(dtype)
+        b = torch.randn(N, device="cuda", generator=g).to(dtype)
+        want = F.gelu(x.float() @ w.float() + b.float(), approximate="tanh")
+        torch.testing.assert_close(gemm_gelu.gemm_bias_gelu(x, w, b).float(), want, atol=tol.atol, rtol=tol.rtol)
+    if dtype != torch.bfloat16:  # the FFN against HF: in bf16, the dtype served on GPUs
+        return
+    monkeypatch.setattr(cuda, "FORCED", "triton")
+    cfg = Config.from_name("gpt2")
+    ffn = FeedForward(cfg).cuda().eval().to(dtype)
+    mlp = hf_mlp(cfg).cuda().eval().to(dtype)
+    mlp.load_state_dict(ffn.state_dict())
+    x = torch.randn(2048, cfg.n_embd, device="cuda", dtype=dtype)
+    with torch.no_grad():
+        torch.testing.assert_close(ffn(x), mlp(x), atol=tol.atol, rtol=tol.rtol)

@@ -110,11 +110,18 @@ def forward_impls(ffn, device):
     if device == "cpu":
         impls["numpy reference"] = (reference.FFN.from_state_dict(ffn.state_dict()), True)
     elif kernels.cuda.epilogue_gelu_is_tanh(device, ffn.c_fc.weight.dtype):  # else not GPT-2's GELU there
-        p = {k: v.detach() for k, v in ffn.state_dict().items()}
-        impls["addmm + cuBLASLt GELU epilogue"] = (lambda x: kernels.cuda.fused(
-            x.reshape(-1, x.shape[-1]), p["c_fc.weight"], p["c_fc.bias"], p["c_proj.weight"], p["c_proj.bias"]
-        ).view(x.shape), False)
+        impls["addmm + cuBLASLt GELU epilogue"] = (_on_weights(ffn, kernels.cuda.fused), False)
+    if device != "cpu" and kernels.gemm_gelu.triton is not None and ffn.c_fc.weight.dtype in (torch.bfloat16,
+                                                                                              torch.float16):
+        impls["Triton GEMM+GELU, then addmm"] = (_on_weights(ffn, kernels.gemm_gelu.fused), False)
     return impls
+
+
+def _on_weights(ffn, fn):
+    """x -> fn(x2, w1, b1, w2, b2) on ffn's weights, x of any leading shape."""
+    p = {k: v.detach() for k, v in ffn.state_dict().items()}
+    return lambda x: fn(x.reshape(-1, x.shape[-1]), p["c_fc.weight"], p["c_fc.bias"], p["c_proj.weight"],
+                        p["c_proj.bias"]).view(x.shape)
 
 
 def floors(ffn, device):

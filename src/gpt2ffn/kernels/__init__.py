@@ -5,7 +5,8 @@
 - CPU fp32 inference: the fastest of `cpu.AUTO` for this (n_embd, hidden, token bucket, threads),
   measured once on first use and cached.
 - CUDA inference with the tanh GELU: c_fc's bias and GELU in cuBLASLt's epilogue where that is checked to be
-  the tanh form and measured faster (`cuda.py`), else plain ops.
+  the tanh form, or in one Triton kernel (`gemm_gelu.py`, bf16 / fp16, from 1,024 tokens), where measured
+  faster than the plain ops (`cuda.py`), else plain ops.
 - anything else (torch.compile tracing, other dtypes or devices): plain traceable torch ops.
 
 GPT2FFN_PATH=<path name> (or "plain") forces one path, for benchmarks and debugging.
@@ -18,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from . import cpu, cuda
+from . import cpu, cuda, gemm_gelu
 
 _CHOICES = {}  # (n_embd, hidden, token bucket, threads, activation) -> path name
 _LOCK = threading.Lock()
@@ -110,8 +111,11 @@ def ffn(x2, w1, b1, w2, b2, approximate):
                                     or w2.requires_grad or b2.requires_grad):
         return RecomputeGELU.apply(x2, w1, b1, w2, b2, approximate)
     if x2.device.type == "cuda" and approximate == "tanh":
-        if cuda.choose(x2, w1, b1, w2, b2, plain, bucket(x2.shape[0])) == "fused":
+        name = cuda.choose(x2, w1, b1, w2, b2, plain, bucket(x2.shape[0]))
+        if name == "fused":
             return cuda.fused(x2, w1, b1, w2, b2)
+        if name == "triton" and gemm_gelu.available(x2):  # (a forced choice below its token floor runs plain)
+            return gemm_gelu.fused(x2, w1, b1, w2, b2)
         return plain(x2, w1, b1, w2, b2, approximate)
     if x2.dtype != torch.float32 or x2.device.type != "cpu":
         return plain(x2, w1, b1, w2, b2, approximate)

@@ -11,7 +11,8 @@ is held to; bf16 / fp16: 1e-4, far inside their rounding) and at least 3e-4 from
 are now kept for reports (`choices()`). Then, per dtype, shape and token bucket, the fused call is timed
 against the plain ops and the faster is kept. No check or timing runs while a CUDA graph is being captured:
 there the plain ops run until a choice exists (the engine's warm-up makes it first).
-GPT2FFN_CUDA_FFN=fused|plain forces one.
+Where the epilogue does not serve, kernels/gemm_gelu.py (c_fc and GELU in one Triton kernel, bf16 / fp16, from
+1,024 tokens) is the third candidate. GPT2FFN_CUDA_FFN=fused|triton|plain forces one.
 """
 
 import os
@@ -21,8 +22,10 @@ import time
 import torch
 import torch.nn.functional as F
 
+from . import gemm_gelu
+
 _ERRORS = {}   # device -> (max |epilogue - tanh GELU|, max |epilogue - exact GELU|)
-_CHOICES = {}  # (device, dtype, d, hidden, token bucket) -> "fused" | "plain"
+_CHOICES = {}  # (device, dtype, d, hidden, token bucket) -> "fused" | "triton" | "plain"
 _LOCK = threading.Lock()
 FORCED = os.environ.get("GPT2FFN_CUDA_FFN")
 TANH_BOUND = {torch.float32: 2e-6, torch.bfloat16: 1e-4, torch.float16: 1e-4}  # per dtype, see the docstring
@@ -63,8 +66,9 @@ def _time(f, repeats: int = 10) -> float:
 
 
 def choose(x2, w1, b1, w2, b2, plain, bucket: int) -> str:
-    """'fused' or 'plain' for this call's device, dtype, shape and token bucket (tanh GELU only)."""
-    if FORCED in ("fused", "plain"):
+    """'fused' (cuBLASLt's epilogue), 'triton' (kernels/gemm_gelu.py) or 'plain' for this call's device, dtype,
+    shape and token bucket (tanh GELU only): the fastest of those that serve it, timed once."""
+    if FORCED in ("fused", "plain", "triton"):
         return FORCED
     key = (x2.device, x2.dtype, w1.shape[0], w1.shape[1], bucket)
     name = _CHOICES.get(key)
@@ -74,9 +78,13 @@ def choose(x2, w1, b1, w2, b2, plain, bucket: int) -> str:
         return "plain"
     with _LOCK:
         if key not in _CHOICES:
-            fast = epilogue_gelu_is_tanh(x2.device, x2.dtype) and (
-                _time(lambda: fused(x2, w1, b1, w2, b2)) < _time(lambda: plain(x2, w1, b1, w2, b2, "tanh")))
-            _CHOICES[key] = "fused" if fast else "plain"
+            paths = {"plain": lambda: plain(x2, w1, b1, w2, b2, "tanh")}
+            if epilogue_gelu_is_tanh(x2.device, x2.dtype):
+                paths["fused"] = lambda: fused(x2, w1, b1, w2, b2)
+            if gemm_gelu.available(x2):
+                paths["triton"] = lambda: gemm_gelu.fused(x2, w1, b1, w2, b2)
+            times = {name: _time(f) for name, f in paths.items()}
+            _CHOICES[key] = min(times, key=times.get)
     return _CHOICES[key]
 
 
