@@ -56,9 +56,9 @@ for part in "$@"; do
     load) timeout $(limit load 330 120) python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda --max-batch 256 \
             --clients 1,32,256 --requests-per-client 2 --max-tokens 64 --processes 8 --out "$OUT/load-cuda.json" \
             > "$OUT/load.txt" 2>&1 ;;
-    overhead) timeout 400 python3 benchmarks/serve_overhead.py --model random:gpt2 --device cuda --clients 256 \
+    overhead) timeout $(limit overhead 400 150) python3 benchmarks/serve_overhead.py --model random:gpt2 --device cuda --clients 256 \
                 --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" > "$OUT/overhead.txt" 2>&1 ;;
-    sampling) timeout 150 python3 benchmarks/sampling_host.py --device cuda --rounds 5 \
+    sampling) timeout $(limit sampling 150 90) python3 benchmarks/sampling_host.py --device cuda --rounds 5 \
                 --out "$OUT/sampling-host-cuda.json" > "$OUT/sampling.txt" 2>&1 ;;
     attention) timeout $(limit attention 120 60) python3 benchmarks/gpu_attention.py --out "$OUT/attention-cuda.json" \
                  > "$OUT/attention.txt" 2>&1 ;;
