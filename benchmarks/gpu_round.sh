@@ -9,8 +9,9 @@
 #   tests: cuda-tests.txt    the tests marked cuda (model, engine, CUDA graphs against eager and HF, the FFN)
 #   bench: bench-model.json, bench.txt    gpt2ffn bench --model --device cuda: batch 1, 32, 256, bf16 and fp32,
 #                    against HF generate (eager; static cache up to batch 32), graph capture time
-#   ffn:   bench-cuda.json, ffn.txt       the FFN alone (fp32 and bf16, d=768) at 1, 4096, 65536 tokens: ours (the cuBLASLt
-#                    GELU epilogue where kernels/cuda.py checks and picks it) vs Linear+GELU+Linear, torch.compile,
+#   ffn:   bench-cuda.json, ffn.txt       the FFN alone (fp32 and bf16, d=768) at 1, 4096, 65536 tokens: ours
+#                    (the cuBLASLt GELU epilogue or the Triton kernel where kernels/cuda.py picks them) vs
+#                    Linear+GELU+Linear, torch.compile,
 #                    the epilogue alone and the two bare GEMMs
 #   load:  load-cuda.json, load.txt       benchmarks/load_test.py against gpt2ffn serve --device cuda at 1, 32
 #                    and 256 streaming clients (tokens/s, TTFT and latency p50/p99, errors), 8 client processes
@@ -30,7 +31,8 @@
 #   600 s a call may run; attention 60 more when asked). That round took ~260 s on an H200.
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-[ $# -gt 0 ] || { echo "usage: $0 {tests,bench,ffn,load,overhead,sampling,attention,invariant,profile}..." >&2; exit 2; }
+usage="usage: $0 {tests,bench,ffn,load,overhead,sampling,attention,invariant,profile}..."
+[ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 limit() {  # limit PART LONG SHORT: the part's time limit in seconds
   if [ "${T:-}" = short ]; then echo "$3"; else echo "$2"; fi
@@ -40,33 +42,39 @@ python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .
 export PYTHONPATH=/tmp/site:$PWD/src PYTHONUNBUFFERED=1
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-  python3 -c "import torch, transformers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__)"
+  python3 -c "import torch, transformers as t; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    'transformers', t.__version__)"
 } > "$OUT/gpu.txt" 2>&1
 pack() {  # the parts' .json and .png into results.tar as each part ends (8 files come back at most)
   (cd "$OUT" && shopt -s nullglob && f=(*.json *.png) && { [ ${#f[@]} -eq 0 ] || { tar rf results.tar "${f[@]}" &&
     rm -f "${f[@]}"; }; })
 }
+run() {  # run PART LONG SHORT LOG CMD...: CMD under the part's time limit, its output into $OUT/LOG
+  local lim=$(limit "$1" "$2" "$3") log=$4
+  shift 4
+  timeout "$lim" "$@" > "$OUT/$log" 2>&1
+}
 for part in "$@"; do
   case $part in
-    tests) timeout $(limit tests 200 60) python3 -m pytest -q -m cuda -p no:cacheprovider tests/ > "$OUT/cuda-tests.txt" 2>&1 ;;
-    bench) timeout $(limit bench 330 160) python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 --precision fp32 \
-             --out "$OUT" > "$OUT/bench.txt" 2>&1 ;;
-    ffn) timeout $(limit ffn 300 150) python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,4096,65536 --out "$OUT" \
-           > "$OUT/ffn.txt" 2>&1 ;;
-    load) timeout $(limit load 330 120) python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda --max-batch 256 \
-            --clients 1,32,256 --requests-per-client 2 --max-tokens 64 --processes 8 --out "$OUT/load-cuda.json" \
-            > "$OUT/load.txt" 2>&1 ;;
-    overhead) timeout $(limit overhead 400 150) python3 benchmarks/serve_overhead.py --model random:gpt2 --device cuda --clients 256 \
-                --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" > "$OUT/overhead.txt" 2>&1 ;;
-    sampling) timeout $(limit sampling 150 90) python3 benchmarks/sampling_host.py --device cuda --rounds 5 \
-                --out "$OUT/sampling-host-cuda.json" > "$OUT/sampling.txt" 2>&1 ;;
-    attention) timeout $(limit attention 120 60) python3 benchmarks/gpu_attention.py --out "$OUT/attention-cuda.json" \
-                 > "$OUT/attention.txt" 2>&1 ;;
-    invariant) timeout $(limit invariant 200 90) python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda \
-                 --batch-invariant --max-batch 32 --clients 1,32 --requests-per-client 2 --max-tokens 32 --processes 4 \
-                 --out "$OUT/load-invariant-cuda.json" > "$OUT/invariant.txt" 2>&1 ;;
-    profile) timeout $(limit profile 150 60) python3 benchmarks/gpu_profile.py --device cuda --batch 1 256 \
-               --out "$OUT/profile-cuda.json" > "$OUT/profile.txt" 2>&1 ;;
+    tests) run tests 200 60 cuda-tests.txt python3 -m pytest -q -m cuda -p no:cacheprovider tests/ ;;
+    bench) run bench 330 160 bench.txt python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 \
+             --precision fp32 --out "$OUT" ;;
+    ffn) run ffn 300 150 ffn.txt python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,4096,65536 \
+           --out "$OUT" ;;
+    load) run load 330 120 load.txt python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda \
+            --max-batch 256 --clients 1,32,256 --requests-per-client 2 --max-tokens 64 --processes 8 \
+            --out "$OUT/load-cuda.json" ;;
+    overhead) run overhead 400 150 overhead.txt python3 benchmarks/serve_overhead.py --model random:gpt2 \
+                --device cuda --clients 256 --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" ;;
+    sampling) run sampling 150 90 sampling.txt python3 benchmarks/sampling_host.py --device cuda --rounds 5 \
+                --out "$OUT/sampling-host-cuda.json" ;;
+    attention) run attention 120 60 attention.txt python3 benchmarks/gpu_attention.py \
+                 --out "$OUT/attention-cuda.json" ;;
+    invariant) run invariant 200 90 invariant.txt python3 benchmarks/load_test.py --hf-dir random:gpt2 \
+                 --device cuda --batch-invariant --max-batch 32 --clients 1,32 --requests-per-client 2 \
+                 --max-tokens 32 --processes 4 --out "$OUT/load-invariant-cuda.json" ;;
+    profile) run profile 150 60 profile.txt python3 benchmarks/gpu_profile.py --device cuda --batch 1 256 \
+               --out "$OUT/profile-cuda.json" ;;
     *) echo "unknown part $part" >&2 ;;
   esac
   pack
