@@ -16,6 +16,7 @@ import weakref
 from collections import deque
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from ..errors import Gpt2ffnError
@@ -255,21 +256,12 @@ class Engine:
 
     def prefill_packed(self, chunks: list) -> list:
         """Chunks of several prompts as one row of sum(n) tokens; each token attends its own sequence only."""
-        bs, dev = self.cache.block_size, self.device
-        pos = [p for _, s, n in chunks for p in range(s, s + n)]
-        ids = torch.tensor([[t for r, s, n in chunks for t in r.prompt[s:s + n]]], device=dev)
-        positions = torch.tensor([pos], device=dev)                                   # (1, T)
-        slots = (torch.tensor([r.blocks[p // bs] for r, s, n in chunks for p in range(s, s + n)], device=dev),
-                 positions[0] % bs)
-        key_pos = [p for _, s, n in chunks for p in range(s + n)]                    # each sequence's 0..s+n-1
-        keys = (torch.tensor([r.blocks[p // bs] for r, s, n in chunks for p in range(s + n)], device=dev),
-                torch.tensor(key_pos, device=dev) % bs)
-        key_seq = torch.tensor([i for i, (_, s, n) in enumerate(chunks) for _ in range(s + n)], device=dev)
-        q_seq = torch.tensor([i for i, (_, _, n) in enumerate(chunks) for _ in range(n)], device=dev)
-        mask = ((key_seq[None] == q_seq[:, None]) &
-                (torch.tensor(key_pos, device=dev)[None] <= positions[0][:, None]))[None, None]  # (1, 1, T, K)
+        ids, positions, slot_block, slot_off, key_block, key_off, key_pos, key_seq, q_seq = packed_inputs(
+            chunks, self.cache.block_size, self.device)
+        mask = ((key_seq[None] == q_seq[:, None]) & (key_pos[None] <= positions[:, None]))[None, None]  # (1, 1, T, K)
         last = list(itertools.accumulate(n for _, _, n in chunks))
-        logits = self.forward(ids, positions, None, [e - 1 for e in last], mask, slots, keys)
+        logits = self.forward(ids[None], positions[None], None, [e - 1 for e in last], mask, (slot_block, slot_off),
+                              (key_block, key_off))
         return self.prefilled(chunks, logits)
 
     def prefilled(self, chunks: list, logits) -> list:
@@ -401,6 +393,33 @@ class Engine:
                 if ev.request.sink is not None:
                     ev.request.sink(ev)
         return requests
+
+
+def packed_inputs(chunks: list, block_size: int, device) -> list:
+    """A packed prefill's inputs for chunks [(request, start, n)], built with array operations (no loop over tokens)
+    and sent to `device` in one copy: ids, positions (T,) of the chunks' tokens; the block and offset where each is
+    written (T,); for every key a chunk's tokens read (its sequence's positions 0 .. start + n - 1, K in all) its
+    block, offset, position and chunk (K,); and each token's chunk (T,)."""
+    n = np.array([c[2] for c in chunks], dtype=np.int64)
+    start = np.array([c[1] for c in chunks], dtype=np.int64)
+    span = start + n                                                    # keys each chunk reads
+    T, K = int(n.sum()), int(span.sum())
+    ids = np.fromiter(itertools.chain.from_iterable(r.prompt[s:s + m] for r, s, m in chunks), np.int64, T)
+    q_seq = np.repeat(np.arange(len(chunks)), n)
+    positions = np.arange(T) - np.repeat(np.cumsum(n) - n, n) + np.repeat(start, n)
+    key_seq = np.repeat(np.arange(len(chunks)), span)
+    key_pos = np.arange(K) - np.repeat(np.cumsum(span) - span, span)
+    used = -(-span // block_size)                                      # each sequence's blocks in use
+    table = np.fromiter(itertools.chain.from_iterable(r.blocks[:u] for (r, _, _), u in zip(chunks, used.tolist())),
+                        np.int64, int(used.sum()))
+    first = np.cumsum(used) - used                                     # where each sequence's blocks start
+    slot_block = table[np.repeat(first, n) + positions // block_size]
+    key_block = table[np.repeat(first, span) + key_pos // block_size]
+    host = np.concatenate([ids, positions, slot_block, positions % block_size, q_seq,
+                           key_block, key_pos % block_size, key_pos, key_seq])
+    out = torch.from_numpy(host).to(device)
+    tok, key = out[:5 * T].view(5, T), out[5 * T:].view(4, K)
+    return [*tok[:4], *key, tok[4]]
 
 
 def name_os_thread(name: str):
