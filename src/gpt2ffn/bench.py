@@ -29,6 +29,7 @@ QUICK = {"d": [768], "tokens": [1, 64, 512]}
 PEERS = ["HF GPT2MLP", "book FeedForward", "Linear+GELU(tanh)+Linear", "torch.compile(Linear+GELU+Linear)",
          "numpy reference"]
 OURS = "gpt2ffn"
+CUDA_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}  # the dtypes the GPU benchmarks run
 
 
 class BookGELU(nn.Module):
@@ -174,7 +175,7 @@ def bench_forward(dims, tokens, repeats, device="cpu", log=print, dtypes=("fp32"
     rows = []
     calls = 20 if str(device).startswith("cuda") else 1
     for dt in dtypes:
-        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
+        dtype = CUDA_DTYPES[dt]
         tol = tolerance(dtype)
         for d in dims:
             ffn = make_ffn(d, device=device).to(dtype)
@@ -489,8 +490,7 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
     from .serving.engine import Request
     from .serving.sampling import Sampling
     from .serving.tp import make_engine
-    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
-    bad = [p for p in precisions if p not in dtypes]
+    bad = [p for p in precisions if p not in CUDA_DTYPES]
     if bad:
         raise Gpt2ffnError(f"on CUDA --precision is the dtype: fp32 or bf16, got {', '.join(bad)}")
     if not batches or min(batches) < 1:
@@ -505,10 +505,10 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
     runs, engines = {}, []
     with torch.no_grad():
         for p in precisions:
-            hf = GPT2LMHeadModel(hf_cfg).to(device, dtypes[p]).eval()
+            hf = GPT2LMHeadModel(hf_cfg).to(device, CUDA_DTYPES[p]).eval()
             hf.load_state_dict(base.state_dict())
             hf.generation_config.eos_token_id = None
-            ours = GPT2(cfg).to(device, dtypes[p]).eval()
+            ours = GPT2(cfg).to(device, CUDA_DTYPES[p]).eval()
             ours.load_state_dict(base.state_dict())
             for B in batches:
                 ids = prompts[:B]

@@ -7,7 +7,8 @@ and nothing builds a mask: SDPA with a boolean mask over the padded span read ev
 ran cutlass's 64x64 memory-efficient tile for one query row (issue 18: 102 us a layer at batch 256 on an
 H200, 3x the bytes' time).
 
-`available(device)` says whether it runs there (CUDA and Triton importable); elsewhere callers use SDPA.
+`available(device)` says whether it runs there (CUDA, Triton importable, and one small call compiled and right on
+the device); elsewhere callers use SDPA.
 """
 
 import functools

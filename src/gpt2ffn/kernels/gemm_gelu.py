@@ -27,7 +27,8 @@ MIN_TOKENS = 1024  # below this the GEMMs are small enough that a new kernel buy
 def available(x2) -> bool:
     """Whether the kernel may serve x2: CUDA, bf16 or fp16, at least MIN_TOKENS rows, Triton working there."""
     return (triton is not None and x2.device.type == "cuda" and x2.dtype in (torch.bfloat16, torch.float16)
-            and x2.shape[0] >= MIN_TOKENS and _works(x2.device.index or 0))
+            and x2.shape[0] >= MIN_TOKENS and _works(x2.device.index if x2.device.index is not None
+                                                              else torch.cuda.current_device()))
 
 
 if triton is not None:
