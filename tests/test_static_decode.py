@@ -2,16 +2,19 @@
 each step one (batch bucket, span bucket) shape, so that a GPU replays it as a CUDA graph. On the CPU the same
 steps run eagerly: the tokens and logits must be the paged path's, whatever joins, finishes or is aborted."""
 
+import importlib
+
 import pytest
 import torch
 
 import gpt2ffn.serving.engine as engine_mod
+import gpt2ffn.serving.static as static_mod
 from gpt2ffn.errors import Gpt2ffnError
 from gpt2ffn.generate import load
 from gpt2ffn.model import load_model
 from gpt2ffn.serving.engine import Engine, Request
 from gpt2ffn.serving.sampling import Sampling
-from gpt2ffn.serving.static import batch_buckets, span_buckets
+from gpt2ffn.serving.static import StaticDecoder, batch_buckets, span_buckets
 
 
 @pytest.fixture(scope="module", params=["plain", "packed"])
@@ -38,13 +41,14 @@ def check_slots(eng):
     assert all(s >= len(st.rows) for s in eng.cache.free)
 
 
-def staggered(model, ps, samplings, every=2, abort=(), **kw):
-    eng = Engine(model, max_batch=5, max_waiting=64, chunk=8, max_len=80, **kw)
+def staggered(model, ps, samplings, every=2, abort=(), chunk=8, burst=1, **kw):
+    eng = Engine(model, max_batch=5, max_waiting=64, chunk=chunk, max_len=80, **kw)
     reqs = [Request(p, s) for p, s in zip(ps, samplings)]
     pending, steps = list(reqs), 0
     while pending or eng.has_work():
         if pending and steps % every == 0:
-            eng.add(pending.pop(0))
+            eng.add(*pending[:burst])
+            pending = pending[burst:]
         for i in abort:
             if steps == 6 + 3 * i:
                 eng.abort(reqs[i])
@@ -74,9 +78,12 @@ def test_greedy_and_seeded_tokens_equal_the_paged_path(model):
         assert staggered(model, ps, samplings, abort=(2, 5), static_decode=True)[6:] == want[6:]
 
 
-def test_every_step_logits_are_the_whole_sequence_forward(model, monkeypatch):
+@pytest.mark.parametrize("chunk,every,burst", [(8, 1, 1), (64, 4, 4)])
+def test_every_step_logits_are_the_whole_sequence_forward(model, monkeypatch, chunk, every, burst):
     """Each decoding row's logits equal a plain forward of its whole sequence (fp32 tolerance), through slot
-    moves (rows finishing, joining), padded batch buckets and span buckets."""
+    moves (rows finishing, joining), padded batch buckets and span buckets; the first token's too, prefilled in
+    chunks (8: most continue a prompt, packed) or whole (64, four prompts a time: prompts of different lengths
+    from their start as padded batches, Engine.prefill_fresh, several at once and cut into groups)."""
     worst, picked = [0.0], engine_mod.next_tokens
 
     def spy(logits, rows, gen):
@@ -87,9 +94,92 @@ def test_every_step_logits_are_the_whole_sequence_forward(model, monkeypatch):
         return picked(logits, rows, gen)
 
     monkeypatch.setattr(engine_mod, "next_tokens", spy)
+    monkeypatch.setattr(static_mod, "MAX_BURST", 0)  # every step's logits through the sampler
     ps = prompts(10, seed=3, hi=60)
-    staggered(model, ps, [Sampling(max_new_tokens=18)] * 10, every=1, static_decode=True)
+    staggered(model, ps, [Sampling(max_new_tokens=18)] * 10, every=every, chunk=chunk, burst=burst,
+              static_decode=True)
     assert 0 < worst[0] < 2e-5
+
+
+def test_greedy_bursts_give_the_single_steps_tokens(model, monkeypatch):
+    """Greedy rows run up to MAX_BURST steps with no host work between them (StaticDecoder.steps): the same tokens
+    as one step at a time and as the paged path, with rows ending midway at EOS, at a stop string's token, at
+    max_new_tokens, or aborted, and prompts joining between bursts."""
+    ps = prompts(12, seed=5)
+    first = staggered(model, ps, [Sampling(max_new_tokens=30)] * 12, static_decode=False)
+    common = max(range(512), key=lambda t: sum(o[3:].count(t) for o in first))  # a token many rows reach
+    lengths = torch.randint(1, 30, (12,), generator=torch.Generator().manual_seed(2)).tolist()
+    samplings = [Sampling(max_new_tokens=n, eos_token_id=common if i % 3 else None,
+                          stop_token_ids=[common] if i % 3 == 0 and i % 2 else []) for i, n in enumerate(lengths)]
+    want = staggered(model, ps, samplings, static_decode=False)
+    assert any(len(w) < n for w, n in zip(want, lengths))  # some end early
+    bursts = []
+    real = StaticDecoder.steps
+    monkeypatch.setattr(StaticDecoder, "steps", lambda self, k: bursts.append(k) or real(self, k))
+    assert staggered(model, ps, samplings, static_decode=True) == want
+    assert staggered(model, ps, samplings, every=6, abort=(2, 5), static_decode=True)[6:] == want[6:]
+    assert max(bursts) == static_mod.MAX_BURST and 1 in bursts
+    monkeypatch.setattr(static_mod, "MAX_BURST", 0)
+    assert staggered(model, ps, samplings, static_decode=True) == want
+
+
+def test_a_row_ending_midway_through_a_burst_leaves_the_others_keys(model):
+    """Row 0 stops at step 7 of a burst of 8: its slot goes to the last row, whose keys the burst wrote one step
+    further than its tokens emitted so far; the move copies them too (the last row's tokens equal the paged
+    path's), for every step a row can stop at."""
+    ps = [[5, 6, 7, 8], [9, 10, 11], [12, 13, 14, 15, 16]]
+    free = [r.output for r in Engine(model, max_batch=3, max_len=80).run([Request(p, Sampling(max_new_tokens=30))
+                                                                          for p in ps])]
+    ran = 0
+    for at in range(2, 9):
+        stop = free[0][at]
+        if stop in free[0][:at]:
+            continue
+        ran += 1
+        ss = [Sampling(max_new_tokens=30, stop_token_ids=[stop])] + [Sampling(max_new_tokens=30)] * 2
+        want = [r.output for r in Engine(model, max_batch=3, max_len=80).run([Request(p, s) for p, s in zip(ps, ss)])]
+        got = Engine(model, max_batch=3, max_len=80, static_decode=True).run([Request(p, s) for p, s in zip(ps, ss)])
+        assert len(want[0]) == at + 1 and [r.output for r in got] == want
+    assert ran
+
+
+def test_generate_and_stream_give_every_token_of_a_burst(model, monkeypatch):
+    """gpt2ffn.generate / stream over an engine that bursts (a GPU's default, forced here): every token, in order,
+    one per prompt a time (a burst's step made several per prompt: stream kept only the last, on a GPU)."""
+    gen = importlib.import_module("gpt2ffn.generate")  # the module (the package's `generate` is the function)
+    ps = prompts(5, seed=9)
+    s = Sampling(max_new_tokens=20)
+    want = gen.generate(model, ps, s)  # the CPU's default engine: no bursts
+    real, bursts = gen.engine_for, []
+    monkeypatch.setattr(gen, "engine_for", lambda *a: make_bursting(real(*a), bursts))
+    assert gen.generate(model, ps, s) == want and max(bursts) == static_mod.MAX_BURST
+    steps = list(gen.stream(model, ps, s))
+    assert len(steps) == 20 and [[t[i] for t in steps] for i in range(5)] == want
+
+
+def make_bursting(engine, bursts):
+    """engine with static decode (slots, bursts) as on a GPU, counting its bursts."""
+    e = Engine(engine.model, max_batch=engine.max_batch, max_waiting=engine.max_waiting, max_len=engine.max_len,
+               static_decode=True)
+    real = e.static.steps
+    e.static.steps = lambda k: bursts.append(k) or real(k)
+    return e
+
+
+def test_offline_chunk():
+    """An offline batch prefills every prompt in one step on CUDA, within bounds; elsewhere the engine's default."""
+    assert engine_mod.offline_chunk(10 ** 6, "cpu") is None
+    assert engine_mod.offline_chunk(100, "cuda") == engine_mod.CUDA_CHUNK
+    assert engine_mod.offline_chunk(20000, "cuda:0") == 20000
+    assert engine_mod.offline_chunk(10 ** 6, "cuda") == engine_mod.OFFLINE_CUDA_CHUNK
+
+
+def test_pad_groups():
+    chunks = [(None, 0, n) for n in (10, 60, 50, 9, 58, 1, 12)]
+    groups = engine_mod.pad_groups(chunks)
+    assert [[n for _, _, n in g] for g in groups] == [[60, 58, 50], [12, 10, 9], [1]]
+    for g in groups:
+        assert len(g) * g[0][2] <= 1.25 * sum(n for _, _, n in g) or len(g) == 1
 
 
 def test_defaults_and_logprobs(model):
@@ -211,6 +301,33 @@ def test_decode_attention_kernel_gives_the_sdpa_steps_tokens(hf_dir, monkeypatch
     sdpa = Engine(model, max_batch=24, max_len=n)
     assert not sdpa.static.attends
     assert got == [r.output for r in sdpa.run([Request(p, x) for p, x in zip(ps, s)])]
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_bursts_give_the_single_steps_tokens(hf_dir, dtype, monkeypatch):
+    """On a GPU: greedy rows in bursts of replayed graphs (each step's argmax fed to the next on the device) give
+    the tokens of one replay at a time through the sampler, bitwise (the same graphs: the rows end together, so
+    the batch buckets are the same), and (fp32) the padded-batch prefill's first tokens are the packed prefill's."""
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    model = load_model(str(hf_dir), dtype=dtype, precision=None).to("cuda").eval()
+    V, n = model.config.vocab_size, model.config.n_positions
+    g = torch.Generator().manual_seed(11)
+    ps = [torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(20)]
+    s = Sampling(max_new_tokens=n - 9)
+    bursts = []
+    real = StaticDecoder.steps
+    monkeypatch.setattr(StaticDecoder, "steps", lambda self, k: bursts.append(k) or real(self, k))
+    got = [r.output for r in Engine(model, max_batch=20, max_len=n).run([Request(p, s) for p in ps])]
+    assert max(bursts) == min(static_mod.MAX_BURST, n - 9 - 1)
+    monkeypatch.setattr(static_mod, "MAX_BURST", 0)
+    assert got == [r.output for r in Engine(model, max_batch=20, max_len=n).run([Request(p, s) for p in ps])]
+    if dtype == torch.bfloat16:  # other kernels and shapes: a near tie may round the other way
+        return
+    packed = Engine(model, max_batch=20, max_len=n)
+    packed.fresh_prefill = False
+    firsts = [r.output[0] for r in packed.run([Request(p, Sampling(max_new_tokens=1)) for p in ps])]
+    assert firsts == [o[0] for o in got]
 
 
 @pytest.mark.cuda

@@ -11,7 +11,7 @@ import torch
 from .errors import Gpt2ffnError
 from .loading import load  # noqa: F401  (the public names of generation)
 from .model import GPT2
-from .serving.engine import Engine, Request
+from .serving.engine import Engine, Request, offline_chunk
 from .serving.sampling import Sampling, pick  # noqa: F401  (as above)
 from .serving.text import TextStream, cut_at_stop  # noqa: F401  (as above)
 from .serving.tp import make_engine
@@ -26,12 +26,15 @@ def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invar
     max_len = min(longest, model.config.n_positions) if longest > 0 else 1
     return make_engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,
                        kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant,
+                       chunk=offline_chunk(sum(len(p) for p in prompts), model.device),
                        graph_seconds=0)  # one call: CUDA graphs of the shapes it meets, captured on first use
 
 
 @torch.no_grad()
 def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False):
-    """Yield, after each engine step that made tokens, the new token id per prompt (None: none this step).
+    """Yield the new token id per prompt (None: none this time), one token per prompt at most each time: after
+    each engine step that made tokens, or several times for a step that made several per prompt (a burst of
+    greedy GPU steps, serving/static.StaticDecoder.steps).
 
     The prompts run through the serving engine (continuous batching), the one batching path of gpt2ffn;
     each gets the tokens it would get alone. A seeded Sampling gives prompt i the seed s.seed + i (as the
@@ -47,7 +50,11 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
             out = [None] * len(prompts)
             for ev in engine.step():
                 if ev.id >= 0:
-                    out[row[ev.request.id]] = ev.id
+                    i = row[ev.request.id]
+                    if out[i] is not None:  # the step's next token for this prompt: the ones so far first
+                        yield out
+                        out = [None] * len(prompts)
+                    out[i] = ev.id
             if any(t is not None for t in out):
                 yield out
     finally:  # also when the caller stops early: a TPEngine releases the other ranks

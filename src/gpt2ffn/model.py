@@ -427,18 +427,21 @@ class GPT2(TrainChecked):
         """Rows of different sequences at once: ids and positions (B, T), tables (B, nb) each row's blocks in
         the paged cache (serving/kv_cache.PagedKVCache). A query at position p attends keys 0..p of its own
         row, nothing else (or what mask (B, 1, T, keys) allows, with slots and keys as PagedKVCache.bind takes
-        them: a packed row).
+        them: a packed row). tables None and no mask: each row is a sequence's first T tokens (right-padded),
+        and the cache's update hands back the new keys themselves, attended causally (serving/static.FreshSlots).
         logits_for: "last" -> (B, vocab) of each row's last token; "all" -> (B, T, vocab); a list of token
-        indices of row 0 -> (len, vocab)."""
+        indices of row 0 -> (len, vocab); a tensor (B,) of each row's own index -> (B, vocab)."""
         span = None
-        if mask is None:  # keys up to the furthest new position: with one big block per sequence, not all of it
+        if mask is None and tables is not None:  # keys up to the furthest new position, not a whole big block
             span = min(tables.shape[1] * cache.block_size, int(positions.max()) + 1)
             mask = (torch.arange(span, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
         cache.bind(tables, positions, slots, span, keys)
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
         for i, block in enumerate(self.transformer.h):
             x = block(x, i, cache, mask)
-        if logits_for == "last":
+        if isinstance(logits_for, torch.Tensor):
+            x = x[torch.arange(x.shape[0], device=x.device), logits_for]
+        elif logits_for == "last":
             x = x[:, -1]
         elif logits_for != "all":
             x = x[0, logits_for]

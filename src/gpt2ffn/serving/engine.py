@@ -24,15 +24,26 @@ from ..kernels.formats import make_resident
 from ..model import GPT2
 from .kv_cache import PagedKVCache
 from .sampling import Sampling, logprobs_of, next_tokens
-from .static import StaticDecoder, attention_kernels
+from .static import FreshSlots, StaticDecoder, attention_kernels
 from .text import TextStream
 
 # Prefill tokens per step. GPT-2 small, 512-token prompt: chunks of 128 and 256 prefill equally fast (2.2 s),
 # 32 and 64 are 50% and 25% slower; 128 stalls the running streams half as long as 256 (README, "Serving").
-# A GPU prefills thousands of tokens in the time a step's launches take: there a step takes up to 2048 (as
-# vLLM's max_num_batched_tokens), so 256 prompts of 128 tokens are admitted in 16 steps, not 256.
+# A GPU prefills thousands of tokens in the time a step's launches take: there a step takes up to 8192 (vLLM's
+# max_num_batched_tokens), so 256 prompts of 128 tokens are admitted in 4 steps, not 256. On an H200 (bf16,
+# 124M, benchmarks/gpu_engine_ab.py) 8192 against 2048: batch 256 94,133 against 71,238 tokens/s, batch 32
+# 33,508 against 27,428, batch 1 the same. GPT2FFN_CUDA_CHUNK sets it, for A/B.
 CHUNK = 128
-CUDA_CHUNK = 2048
+CUDA_CHUNK = int(os.environ.get("GPT2FFN_CUDA_CHUNK", 8192))
+# An offline batch (every prompt known up front: gpt2ffn.generate, bench --model) has no streams that a long
+# prefill step would keep waiting: on CUDA it prefills up to this many tokens a step, 256 prompts of 128 in one.
+# A second run on that H200: 32768 against 8192, batch 256 105,722 against 85,993 tokens/s.
+OFFLINE_CUDA_CHUNK = 32768
+# Where sequences have slots (static decode), prompts from their start are prefilled as padded batches
+# (Engine.prefill_fresh), which add at most PAD_WASTE of padding tokens; GPT2FFN_FRESH_PREFILL=0 packs them as
+# the other chunks are instead, for A/B.
+PAD_WASTE = 0.25
+FRESH_PREFILL = os.environ.get("GPT2FFN_FRESH_PREFILL", "1") != "0"
 
 
 KV_FRACTION = {"cpu": 0.25, "cuda": 0.8}
@@ -48,6 +59,14 @@ def free_memory(device) -> int:
         return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError):
         return 4 << 30
+
+
+def offline_chunk(tokens: int, device) -> int | None:
+    """The prefill budget of an offline batch of `tokens` prompt tokens in all: on CUDA every prompt in one step, up
+    to OFFLINE_CUDA_CHUNK (never below CUDA_CHUNK); None (the engine's default) elsewhere."""
+    if torch.device(device).type != "cuda":
+        return None
+    return max(CUDA_CHUNK, min(tokens, OFFLINE_CUDA_CHUNK))
 
 
 def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, device="cpu",
@@ -144,6 +163,7 @@ class Engine:
                                   weight.device)
         self.device = weight.device
         self.static = StaticDecoder(model, self.cache, max_batch, cuda_graphs) if static_decode else None
+        self.fresh_prefill = FRESH_PREFILL and self.static is not None
         self.graph_capture = None  # (CUDA graphs captured at start-up, of how many shapes, seconds)
         if self.static is not None and self.static.use_graphs and graph_seconds > 0:
             self.graph_capture = self.static.capture(graph_seconds)
@@ -241,6 +261,10 @@ class Engine:
         alone = [p for p in plan if self.batch_invariant or p[0].params.prompt_logprobs]
         packed = [p for p in plan if p not in alone]
         events = [ev for p in alone for ev in self.prefill_alone(*p)]
+        if self.fresh_prefill:  # one slot per sequence: prompts from their start as padded batches
+            for group in pad_groups([p for p in packed if p[1] == 0]):
+                events += self.prefill_fresh(group)
+            packed = [p for p in packed if p[1] != 0]
         if not packed:
             return events
         # the native step: every chunk in its sequence's slot, in one call (GPT2.prefill_slots)
@@ -262,6 +286,23 @@ class Engine:
         last = list(itertools.accumulate(n for _, _, n in chunks))
         logits = self.forward(ids[None], positions[None], None, [e - 1 for e in last], mask, (slot_block, slot_off),
                               (key_block, key_off))
+        return self.prefilled(chunks, logits)
+
+    def prefill_fresh(self, chunks: list) -> list:
+        """Chunks that start their prompts, each sequence in its slot (static decode's layout), as one (C, T) batch
+        right-padded to the longest: causal attention over each row's own keys with no mask and no key gather
+        (serving/static.FreshSlots), the inputs sent in one copy, each row's logits at its last token."""
+        C, T = len(chunks), max(n for _, _, n in chunks)
+        host = np.zeros(C * T + 2 * C, np.int64)
+        ids = host[:C * T].reshape(C, T)
+        for i, (r, _, n) in enumerate(chunks):
+            ids[i, :n] = r.prompt[:n]
+        host[C * T:C * T + C] = [r.blocks[0] for r, _, _ in chunks]
+        host[C * T + C:] = [n - 1 for _, _, n in chunks]
+        out = torch.from_numpy(host).to(self.device)
+        ids, slots, last = out[:C * T].view(C, T), out[C * T:C * T + C], out[C * T + C:]
+        positions = torch.arange(T, device=self.device).expand(C, T)
+        logits = self.model.forward_paged(ids, positions, FreshSlots(self.cache, slots), None, last)
         return self.prefilled(chunks, logits)
 
     def prefilled(self, chunks: list, logits) -> list:
@@ -303,14 +344,45 @@ class Engine:
     def decode_step(self, rows: list) -> list:
         """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant)."""
         if self.static is not None:  # rows in slots 0..D-1, a fixed-shape step (a CUDA graph's replay on a GPU)
-            for r in rows:
-                if not self.static.holds(r):
-                    self.static.add(r, self.running)
+            if len(rows) != len(self.static.rows):  # the rows it holds are among these: some are new
+                for r in rows:
+                    if not self.static.holds(r):
+                        self.static.add(r, self.running)
             rows = list(self.static.rows)
+            k = self.burst(rows)
+            if k:
+                return self.emit_steps(rows, self.static.steps(k))
             logits = self.static.step()
         else:
             logits = self.step_logits(rows)
         return self.emit_all(rows, logits)
+
+    def burst(self, rows: list) -> int:
+        """Greedy steps the static rows take with no host work between them (StaticDecoder.steps): none unless
+        every row picks plain greedy without log-probs; one while prompts wait for a free slot or are in prefill
+        (they join at the next step); else up to static.max_burst (static.MAX_BURST), within every row's
+        max_new_tokens."""
+        most = self.static.max_burst
+        kinds = {id(r.params): r.params for r in rows}.values()
+        if not most or not all(s.plain_greedy and s.logprobs is None for s in kinds):
+            return 0
+        if (self.waiting and len(self.running) < self.max_batch) or len(self.running) > len(rows):
+            return 1
+        return max(1, min(most, min(r.params.max_new_tokens - len(r.output) for r in rows)))
+
+    def emit_steps(self, rows: list, steps: list) -> list:
+        """steps: k lists of every row's next token (StaticDecoder.steps): each emitted in turn, a row's tokens after
+        it finishes dropped. A row that finishes midway frees its slot to the last row, whose keys the burst has
+        already written further than its tokens so far: static.ahead says how far, so the move copies them."""
+        now, events = time.perf_counter(), []
+        try:
+            for j, ids in enumerate(steps):
+                self.static.ahead = len(steps) - j
+                events += [self.emit(r, None, i, t, None, now) for i, (r, t) in enumerate(zip(rows, ids))
+                           if r.finish_reason is None]
+        finally:
+            self.static.ahead = 0
+        return events
 
     def emit_all(self, rows: list, logits) -> list:
         """Row i of logits (B, vocab) gives rows[i] its next token: one draw for the batch, the log-probs of the
@@ -324,7 +396,8 @@ class Engine:
             for i, lp, (ids, vals) in zip(asked, chosen, tops):
                 k = rows[i].params.logprobs
                 lps[i] = (lp, (ids[:k], vals[:k]))
-        return [self.emit(r, logits, i, picked[i], lps.get(i)) for i, r in enumerate(rows)]
+        now = time.perf_counter()
+        return [self.emit(r, logits, i, picked[i], lps.get(i), now) for i, r in enumerate(rows)]
 
     def step_logits(self, rows: list):
         """(B, vocab): the next-token logits of rows in their own slots or blocks (the native step, B forwards
@@ -350,27 +423,30 @@ class Engine:
     def close(self):
         """Called by the Loop thread when it ends (serving/tp.py releases the other ranks)."""
 
-    def emit(self, r: Request, logits, row: int, token: int | None = None, lp=None) -> Token:
+    def emit(self, r: Request, logits, row: int, token: int | None = None, lp=None, now=None) -> Token:
         """Row `row` of logits gave r its next token (picked here if None; its log-prob and top ones in lp when
-        the step computed them): append it, detokenize, finish r when it is done."""
+        the step computed them; now: the step's time, else read here): append it, detokenize, finish r when it
+        is done. Per row of every step: kept to few attribute reads (256 rows a step on a GPU)."""
         if token is None:
             token = next_tokens(logits[row:row + 1], [r], self.generator)[0]
-        now = time.perf_counter()
-        r.first_token = r.first_token or now
-        gap, r.last_token = (now - r.last_token if r.last_token else None), now
-        r.output.append(token)
-        ev = Token(r, token, gap=gap)
+        now = now or time.perf_counter()
+        last, r.last_token = r.last_token, now
+        if last is None:
+            r.first_token = now
+        out, s = r.output, r.params
+        out.append(token)
+        ev = Token(r, token, gap=None if last is None else now - last)
         if lp is not None:
             ev.logprob, ev.top = lp
-        elif r.params.logprobs is not None:
-            (ev.logprob,), (ev.top,) = logprobs_of(logits[row:row + 1], [token], r.params.logprobs)
-        s, early = r.params, len(r.output) <= r.params.min_tokens
+        elif s.logprobs is not None:
+            (ev.logprob,), (ev.top,) = logprobs_of(logits[row:row + 1], [token], s.logprobs)
+        early = len(out) <= s.min_tokens
         eos = token in s.eos_ids and not s.ignore_eos  # an EOS that ends it has no text; with ignore_eos it is a
         stopped = (eos or token in s.stop_token_ids) and not early  # token like any other (config's EOS may be one)
         if r.text is not None and not eos:
             ev.text, hit = r.text.push(token)
             stopped = stopped or (hit and not early)
-        if stopped or len(r.output) >= s.max_new_tokens:
+        if stopped or len(out) >= s.max_new_tokens:
             if r.text is not None:
                 ev.text += r.text.finish()
             ev.finish_reason = self.finish(r, "stop" if stopped else "length").finish_reason
@@ -393,6 +469,19 @@ class Engine:
                 if ev.request.sink is not None:
                     ev.request.sink(ev)
         return requests
+
+
+def pad_groups(chunks: list, waste: float = PAD_WASTE) -> list:
+    """Chunks [(request, start, n)], longest first, cut into groups that padding to their longest grows by at most
+    `waste` of their tokens (a group of one pads nothing)."""
+    groups = []
+    for c in sorted(chunks, key=lambda c: -c[2]):
+        g = groups[-1] if groups else None
+        if g and (len(g) + 1) * g[0][2] <= (1 + waste) * (sum(n for _, _, n in g) + c[2]):
+            g.append(c)
+        else:
+            groups.append([c])
+    return groups
 
 
 def packed_inputs(chunks: list, block_size: int, device) -> list:

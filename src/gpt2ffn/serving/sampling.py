@@ -118,10 +118,11 @@ def next_tokens(logits, requests, generator=None) -> list:
     `generator`, a CPU torch.Generator, torch's default if None), sent to the device in one copy and turned
     into a token by inverting the row's cumulative distribution."""
     params = [r.params for r in requests]
-    if all(s.plain_greedy for s in params):
+    kinds = {id(s): s for s in params}.values()  # requests often share one Sampling: each looked at once
+    if all(s.plain_greedy for s in kinds):
         return greedy(logits).tolist()
     x = logits.float()
-    if x.data_ptr() == logits.data_ptr() and any(_adjusts(s) for s in params):
+    if x.data_ptr() == logits.data_ptr() and any(_adjusts(s) for s in kinds):
         x = x.clone()                                      # adjust_batch writes in place; the caller keeps logits
     adjust_batch(x, requests)
     rows = [i for i, s in enumerate(params) if s.temperature > 0]

@@ -15,8 +15,11 @@ alone: span is max_len throughout, and no mask is built.
 
 On CUDA each (B, span) is captured once into a CUDA graph, at start-up within a time bound (reported) or on
 its first use, and a step is one host-to-device copy of the ids and positions, one replay, and the sampler's
-one copy back. On the CPU the same steps run eagerly (tested against the engine's paged path); the CPU's
-native decode (GPT2.decode_slots) needs none of this.
+one copy back. Each step also takes every row's argmax and, on the device, makes it the row's next input at the
+next position (padding rows stay put): so greedy rows can run several steps with no host work between them
+(`steps`, vLLM's multi-step decode), the host's per-step work (inputs, launch, sampling, emitting) paid once
+per burst instead of once per token. On the CPU the same steps run eagerly (tested against the engine's paged
+path); the CPU's native decode (GPT2.decode_slots) needs none of this.
 """
 
 import contextlib
@@ -28,6 +31,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..kernels import decode_attention
 from ..model import GPT2
+from .sampling import greedy
 
 # On CUDA the engine's attention (masked: paged prefill, these steps) runs on the memory-efficient, flash or
 # math kernels, not cuDNN's: cuDNN planned anew for every new shape (1.1 ms a call, 57% of the host time of
@@ -37,6 +41,11 @@ GPU_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.FLASH_ATTENTION, SDP
 # kernel) where it runs (CUDA with Triton), else "sdpa" (the write, then SDPA under a mask over the span).
 # GPT2FFN_DECODE_ATTENTION=sdpa forces SDPA, for A/B.
 DECODE_ATTENTION = os.environ.get("GPT2FFN_DECODE_ATTENTION", "triton")
+
+
+# Greedy steps a decode burst runs at most (StaticDecoder.steps; vLLM's num_scheduler_steps); GPT2FFN_DECODE_BURST
+# sets it (1: the host between every two steps; 0: no bursts, every step's logits through the sampler), for A/B.
+MAX_BURST = max(0, int(os.environ.get("GPT2FFN_DECODE_BURST", 8)))
 
 
 def attention_kernels(device):
@@ -87,6 +96,28 @@ class _SlotView:
         return self.cache.k[layer][:B, :, :self.span], self.cache.v[layer][:B, :, :self.span]
 
 
+class FreshSlots:
+    """The cache GPT2.forward_paged is given for prompts from their first token, row i in slot slots[i], as one
+    (C, T) batch right-padded to the longest (the engine's prefill where sequences have slots): each layer's
+    keys and values go into positions 0..T-1 of the rows' slots in one write each and come back as they are,
+    for causal attention over the row's own new keys (flash SDPA on CUDA: no mask, no gather). The padding's
+    keys land past the prompts, where a sequence writes each position before it reads it."""
+
+    attends = False
+
+    def __init__(self, cache, slots):
+        self.cache, self.slots = cache, slots
+
+    def bind(self, *args):
+        pass
+
+    def update(self, layer: int, k, v):
+        T = k.shape[2]
+        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
+            pool[self.slots, :, :T] = new.to(pool.dtype)                    # (C, H, T, D) into C slots
+        return k, v
+
+
 class StaticDecoder:
     """One-token steps of the rows in slots 0..D-1 (see the module's docstring). rows: the decoding requests,
     row i in slot i (request.blocks == [i]). graphs (CUDA only): replay each shape as a CUDA graph, captured
@@ -101,13 +132,18 @@ class StaticDecoder:
         self.attends = DECODE_ATTENTION == "triton" and decode_attention.available(device)
         self.spans = [self.max_len] if self.attends else span_buckets(self.max_len)  # the kernel reads no span
         top = self.buckets[-1]
-        # ids, positions, keys to read (the position for a row, 0 for padding): the step's inputs, in place (a
-        # graph reads these addresses); pinned host staging
-        self.io = torch.zeros(3, top, dtype=torch.long, device=device)
-        self.host = torch.zeros(3, top, dtype=torch.long, pin_memory=self.use_graphs)
+        # ids, positions, keys to read (the position for a row, 0 for padding), 1 for a row (0 for padding): the
+        # step's inputs, in place (a graph reads these addresses); pinned host staging
+        self.io = torch.zeros(4, top, dtype=torch.long, device=device)
+        self.host = torch.zeros(4, top, dtype=torch.long, pin_memory=self.use_graphs)
+        self.host_np = self.host.numpy()  # the same memory: numpy writes cost a fraction of torch's indexing
         self.slots = torch.arange(top, device=device)
         self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         self.logits = None  # (top, vocab): every graph's output, one buffer (not one per shape)
+        self.next_ids = torch.zeros(top, dtype=torch.long, device=device)  # each step's argmax per row
+        self.max_burst = MAX_BURST  # (0: no bursts, every step through the sampler)
+        self.ahead = 0  # steps of a burst computed but not yet emitted (Engine.emit_steps)
+        self.ring = torch.zeros(MAX_BURST, top, dtype=torch.long, device=device)  # a burst's argmaxes
         self.rows = []
         self.graphs = {}    # (B, span) -> CUDAGraph, or None where its capture failed (then eager)
         self.pool = torch.cuda.graph_pool_handle() if self.use_graphs else None
@@ -127,8 +163,9 @@ class StaticDecoder:
 
     def filled(self, r) -> int:
         """Positions of r's slot that may hold its keys: its prompt so far and its tokens (the last one's
-        position is written by the step that reads it, maybe already this step)."""
-        return min(r.computed + len(r.output), self.max_len)
+        position is written by the step that reads it, maybe already this step), and while a burst's tokens are
+        being emitted, the positions its steps not yet emitted have written (`ahead`)."""
+        return min(r.computed + len(r.output) + self.ahead, self.max_len)
 
     def add(self, r, running: list):
         """r's prompt is done: move it into slot D (swapping with a sequence still in prefill there)."""
@@ -160,6 +197,15 @@ class StaticDecoder:
         self.rows.pop()
 
     # -- the step -----------------------------------------------------------------------------------------
+    def advance(self, logits, B: int):
+        """After a step: each row's argmax (the sampler's greedy pick) into next_ids, and for rows 0..D-1 (io[3])
+        as the next step's input at the next position. A step whose inputs the host writes overwrites them."""
+        ids = greedy(logits)
+        valid = self.io[3, :B]
+        self.next_ids[:B] = ids
+        self.io[0, :B] = ids * valid
+        self.io[1:3, :B] += valid
+
     def forward(self, B: int, span: int):
         """The model over inputs io[:, :B] and slots 0..B-1 -> logits (B, vocab): fixed shapes for (B, span)."""
         ids, positions = self.io[0, :B, None], self.io[1, :B, None]                      # (B, 1)
@@ -170,24 +216,47 @@ class StaticDecoder:
         view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span, self.attends, self.io[2, :B])
         return self.model.forward_paged(ids, positions, view, None, "last", mask)
 
-    def step(self) -> torch.Tensor:
-        """The next-token logits of every decoding row, (D, vocab), row i that of self.rows[i]."""
+    def _inputs(self, k: int = 1) -> tuple:
+        """Every row's last token and position into io, for k steps: -> (rows D, batch bucket B, span)."""
         d = len(self.rows)
-        B = first_at_least(self.buckets, d)
-        host = self.host
-        host[0, :d] = torch.tensor([r.output[-1] for r in self.rows])
-        host[1, :d] = torch.tensor([len(r.prompt) + len(r.output) - 1 for r in self.rows])
-        host[2, :d] = host[1, :d]
-        host[0, d:], host[1, d:], host[2, d:] = 0, self.max_len - 1, 0
-        span = first_at_least(self.spans, int(host[1, :d].max()) + 1)
-        self.io.copy_(host, non_blocking=True)  # the whole buffer: a strided part would bypass the pinned copy
+        host = self.host_np
+        positions = [len(r.prompt) + len(r.output) - 1 for r in self.rows]
+        host[0, :d] = [r.output[-1] for r in self.rows]
+        host[1, :d] = host[2, :d] = positions
+        host[3, :d] = 1
+        host[0, d:], host[1, d:], host[2, d:], host[3, d:] = 0, self.max_len - 1, 0, 0
+        self.io.copy_(self.host, non_blocking=True)  # the whole buffer: a strided part would bypass the pinned copy
+        return d, first_at_least(self.buckets, d), first_at_least(self.spans, max(positions) + k)
+
+    def _run(self, B: int, span: int):
+        """One step of shape (B, span) from io: logits into self.logits[:B] (eager: returned), argmax advanced."""
         if self.use_graphs and (B, span) not in self.graphs:
-            self._capture(B, span)  # first use: the inputs are real, and writing them twice changes nothing
+            self._capture(B, span)  # first use: the inputs are real; warm-up writes the same keys (no advance)
         graph = self.graphs.get((B, span))
         if graph is None:
-            return self.forward(B, span)[:d]
+            logits = self.forward(B, span)
+            self.advance(logits, B)
+            return logits
         graph.replay()
-        return self.logits[:d]
+        return self.logits[:B]
+
+    def step(self) -> torch.Tensor:
+        """The next-token logits of every decoding row, (D, vocab), row i that of self.rows[i]; next_ids[:D] their
+        argmaxes."""
+        d, B, span = self._inputs()
+        return self._run(B, span)[:d]
+
+    def steps(self, k: int) -> list:
+        """k greedy steps of every row with no host work between them (each step's argmax the next one's input,
+        on the device), one copy back: -> the k steps' tokens, k lists of D. Every row must have room for k more
+        positions in its slot; a row that ends midway (EOS, a stop) computed its further steps for nothing."""
+        d, B, span = self._inputs(k)
+        if k > self.ring.shape[0]:
+            self.ring = self.ring.new_zeros(k, self.ring.shape[1])
+        for i in range(k):
+            self._run(B, span)
+            self.ring[i, :B].copy_(self.next_ids[:B])
+        return self.ring[:k, :d].tolist()
 
     @torch.no_grad()
     def capture(self, seconds: float = 60.0) -> tuple:
@@ -196,7 +265,7 @@ class StaticDecoder:
         how many shapes, seconds taken). The inputs are the padding rows' (every slot's last position, rewritten
         before any sequence reads it)."""
         start = time.perf_counter()
-        self.host[0], self.host[1], self.host[2] = 0, self.max_len - 1, 0
+        self.host[0], self.host[1], self.host[2], self.host[3] = 0, self.max_len - 1, 0, 0
         self.io.copy_(self.host)
         shapes = [(B, s) for B in self.buckets for s in self.spans]
         for B, span in shapes:
@@ -222,6 +291,7 @@ class StaticDecoder:
                 graph = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(graph, pool=self.pool):
                     self.logits[:B].copy_(self.forward(B, span))
+                    self.advance(self.logits[:B], B)
             self.graphs[B, span] = graph
         except RuntimeError as e:  # e.g. out of memory: this shape stays eager
             self.graphs[B, span] = None
