@@ -7,8 +7,14 @@
 # Each part has its own time limit, so a hang in one still brings the others back. Everything lands in $OUT:
 #   gpu.txt          the card, driver, torch, CUDA and transformers versions
 #   tests: cuda-tests.txt    the tests marked cuda (model, engine, CUDA graphs against eager and HF, the FFN)
-#   bench: bench-model.json, bench.txt    gpt2ffn bench --model --device cuda: batch 1, 32, 256, bf16 and fp32,
-#                    against HF generate (eager; static cache up to batch 32), graph capture time
+#   tests: CUDA_TESTS names the test files (default: all of tests/)
+#   bench: bench-model.json, bench.txt    gpt2ffn bench --model --device cuda: batch 1, 32, 256, bf16 and fp32
+#                    (BENCH_DTYPES="bf16": bf16 only), against HF generate (eager; static cache up to batch 32),
+#                    graph capture time
+#   ab:    engine-ab-cuda.json, ab.txt    benchmarks/gpu_engine_ab.py: the engine's prefill (packed, padded
+#                    batches, 2048 to 32768 tokens a step) and decode bursts (0, 1, 8, 16 steps) side by side, bf16
+#   diag:  diag.txt   benchmarks/gpu_server_diag.py: one greedy prompt of the server test's tiny checkpoint through
+#                    every path that could differ (generate, server-like engine, bursts, prefill, FFN, serve)
 #   ffn:   bench-cuda.json, ffn.txt       the FFN alone (fp32 and bf16, d=768) at 1, 4096, 65536 tokens: ours
 #                    (the cuBLASLt GELU epilogue or the Triton kernel where kernels/cuda.py picks them) vs
 #                    Linear+GELU+Linear, torch.compile,
@@ -26,12 +32,14 @@
 #                    answer should equal the same request alone ("differ from alone 0"), issue 18's promise
 #   profile: profile-cuda.json, profile.txt   benchmarks/gpu_profile.py: torch.profiler over the engine's bf16 run at
 #                    batch 1 and 256 (host time against kernel time, the top ops of each)
-# With 15 minutes of device time (one call), the parts' limits shrink: T=short bash benchmarks/gpu_round.sh
-#   tests bench ffn load profile   (tests 60 s, bench 160, ffn 150, load 120, profile 60: 550 in all, under the
-#   600 s a call may run; attention 60 more when asked). That round took ~260 s on an H200.
+# With 15 minutes of device time (all calls together, ~30 s to start each), the parts' limits shrink: T=short
+#   (tests 150 s, bench 160, ab 90, diag 90, ffn 150, load 120, overhead 150, invariant 90, profile 60; a call
+#   may run 600). On an H200: `tests ffn bench overhead invariant` took 310 s (its tests then had 60 s, too few
+#   for all of them), `tests ab bench overhead profile` with CUDA_TESTS naming three files and BENCH_DTYPES=bf16
+#   230 s, `diag ab bench` (BENCH_DTYPES=bf16) 145 s.
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-usage="usage: $0 {tests,bench,ffn,load,overhead,sampling,attention,invariant,profile}..."
+usage="usage: $0 {tests,bench,ab,diag,ffn,load,overhead,sampling,attention,invariant,profile}..."
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 limit() {  # limit PART LONG SHORT: the part's time limit in seconds
@@ -56,9 +64,11 @@ run() {  # run PART LONG SHORT LOG CMD...: CMD under the part's time limit, its 
 }
 for part in "$@"; do
   case $part in
-    tests) run tests 200 60 cuda-tests.txt python3 -m pytest -q -m cuda -p no:cacheprovider tests/ ;;
-    bench) run bench 330 160 bench.txt python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 \
-             --precision fp32 --out "$OUT" ;;
+    tests) run tests 300 150 cuda-tests.txt python3 -m pytest -q -m cuda -p no:cacheprovider ${CUDA_TESTS:-tests/} ;;
+    bench) run bench 330 160 bench.txt python3 -m gpt2ffn.cli bench --model --device cuda \
+             $(for p in ${BENCH_DTYPES:-bf16 fp32}; do echo --precision "$p"; done) --out "$OUT" ;;
+    diag) run diag 120 90 diag.txt python3 benchmarks/gpu_server_diag.py ;;
+    ab) run ab 200 90 ab.txt python3 benchmarks/gpu_engine_ab.py --device cuda --out "$OUT/engine-ab-cuda.json" ;;
     ffn) run ffn 300 150 ffn.txt python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,4096,65536 \
            --out "$OUT" ;;
     load) run load 330 120 load.txt python3 benchmarks/load_test.py --hf-dir random:gpt2 --device cuda \

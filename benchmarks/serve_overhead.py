@@ -38,6 +38,12 @@ from load_test import free_port, start, stop  # noqa: E402
 TICK = os.sysconf("SC_CLK_TCK")
 
 
+def child_env(src: str) -> dict:
+    """The environment of a child process that imports gpt2ffn from src, keeping what PYTHONPATH already holds (the
+    GPU machine's wheels: ../shared/gpu/wheels.sh)."""
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [src, os.environ.get("PYTHONPATH")])))
+
+
 def thread_cpu(pid: int) -> dict:
     """CPU seconds (user + system) of pid's threads: "loop" (the main thread, uvicorn's event loop), "engine" (the
     first thread named gpt2ffn-engine), "engine's workers" (threads it started, which inherit its name: torch's
@@ -84,7 +90,7 @@ def prompts(n: int, vocab: int) -> list:
 
 def through_http(src: str, args, vocab: int) -> dict:
     port = free_port()
-    env = dict(os.environ, PYTHONPATH=src)
+    env = child_env(src)
     cmd = [sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(args.clients), "--max-waiting", str(args.clients), "--threads", str(args.threads),
            "--device", args.device]
@@ -134,7 +140,7 @@ run(4)
 tokens, wall = run({args.max_tokens})
 print(json.dumps({{"tokens": tokens, "tokens_per_s": tokens / wall}}))
 """
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=src), capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(src), capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
@@ -160,7 +166,7 @@ for n in (64, 256, 1024):
     out[n] = 1e6 * best
 print(json.dumps(out))
 """
-    out = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYTHONPATH=src), capture_output=True,
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(src), capture_output=True,
                          text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
