@@ -487,7 +487,7 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
     from transformers import GPT2LMHeadModel
 
     from .model import GPT2
-    from .serving.engine import Request, offline_chunk
+    from .serving.engine import Request
     from .serving.sampling import Sampling
     from .serving.tp import make_engine
     bad = [p for p in precisions if p not in CUDA_DTYPES]
@@ -514,7 +514,7 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
                 ids = prompts[:B]
                 engine = make_engine(ours, max_batch=B, max_waiting=B, max_len=prompt_tokens + new_tokens,
                                      kv_tokens=B * (prompt_tokens + new_tokens),
-                                     chunk=offline_chunk(B * prompt_tokens, device))  # as generate's
+                                     offline=True)  # as generate's
                 engines.append(engine)
                 key = f"gpt2ffn {p} batch {B}"
                 e = out["engines"][key] = {"batch": B}

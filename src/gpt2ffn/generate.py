@@ -11,7 +11,7 @@ import torch
 from .errors import Gpt2ffnError
 from .loading import load  # noqa: F401  (the public names of generation)
 from .model import GPT2
-from .serving.engine import Engine, Request, offline_chunk
+from .serving.engine import Engine, Request
 from .serving.sampling import Sampling, pick  # noqa: F401  (as above)
 from .serving.text import TextStream, cut_at_stop  # noqa: F401  (as above)
 from .serving.tp import make_engine
@@ -26,7 +26,7 @@ def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invar
     max_len = min(longest, model.config.n_positions) if longest > 0 else 1
     return make_engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,
                        kv_tokens=len(prompts) * (max_len + 16), batch_invariant=batch_invariant,
-                       chunk=offline_chunk(sum(len(p) for p in prompts), model.device),
+                       offline=True,  # every prompt added up front: on CUDA prefilled in as few steps as fit
                        graph_seconds=0)  # one call: CUDA graphs of the shapes it meets, captured on first use
 
 

@@ -39,6 +39,10 @@ CUDA_CHUNK = int(os.environ.get("GPT2FFN_CUDA_CHUNK", 8192))
 # prefill step would keep waiting: on CUDA it prefills up to this many tokens a step, 256 prompts of 128 in one.
 # A second run on that H200: 32768 against 8192, batch 256 105,722 against 85,993 tokens/s.
 OFFLINE_CUDA_CHUNK = 32768
+# Those budgets are for prompts in their slots (static decode: padded batches, no mask). Chunks packed into one
+# row under a mask (no slots: tensor-parallel, GPT2FFN_FRESH_PREFILL=0) build a (T, T) mask, 64 MiB at 8192 and
+# 1 GiB at 32768: they keep 2048 a step on CUDA.
+PACKED_CUDA_CHUNK = 2048
 # Where sequences have slots (static decode), prompts from their start are prefilled as padded batches
 # (Engine.prefill_fresh), which add at most PAD_WASTE of padding tokens; GPT2FFN_FRESH_PREFILL=0 packs them as
 # the other chunks are instead, for A/B.
@@ -61,12 +65,15 @@ def free_memory(device) -> int:
         return 4 << 30
 
 
-def offline_chunk(tokens: int, device) -> int | None:
-    """The prefill budget of an offline batch of `tokens` prompt tokens in all: on CUDA every prompt in one step, up
-    to OFFLINE_CUDA_CHUNK (never below CUDA_CHUNK); None (the engine's default) elsewhere."""
+def prefill_budget(device, fresh: bool, offline: bool) -> int:
+    """Prompt tokens a prefill step takes by default: CHUNK on the CPU; on CUDA, prompts in their slots as padded
+    batches (fresh): CUDA_CHUNK, or OFFLINE_CUDA_CHUNK for an offline batch; chunks packed under a mask:
+    PACKED_CUDA_CHUNK."""
     if torch.device(device).type != "cuda":
-        return None
-    return max(CUDA_CHUNK, min(tokens, OFFLINE_CUDA_CHUNK))
+        return CHUNK
+    if not fresh:
+        return PACKED_CUDA_CHUNK
+    return OFFLINE_CUDA_CHUNK if offline else CUDA_CHUNK
 
 
 def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, device="cpu",
@@ -131,18 +138,19 @@ class Engine:
     row's logits bitwise independent of its batch mates (see decode_step); static_decode: decode steps of
     fixed shapes over slots (serving/static.py; default: on CUDA, unless batch_invariant), replayed as CUDA
     graphs there unless cuda_graphs is False (captured at start-up for up to graph_seconds, the rest on
-    first use)."""
+    first use); chunk: prompt tokens a prefill step takes (default: prefill_budget; offline: every request is
+    added up front and nobody streams, as generate() and bench)."""
 
     def __init__(self, model: GPT2, decode=None, max_batch: int = 64, max_waiting: int = 256,
                  kv_tokens: int | None = None, chunk: int | None = None, block_size: int = 16,
                  max_len: int | None = None,
                  batch_invariant: bool = False, metrics=None, kv_fraction: float | None = None,
-                 static_decode: bool | None = None, cuda_graphs: bool = True, graph_seconds: float = 60.0):
+                 static_decode: bool | None = None, cuda_graphs: bool = True, graph_seconds: float = 60.0,
+                 offline: bool = False):
         cfg = model.config
         self.model, self.decode, self.metrics = model, decode, metrics
         weight = model.transformer.wte.weight
         self.max_batch, self.max_waiting = max_batch, max_waiting
-        self.chunk = chunk or (CUDA_CHUNK if weight.device.type == "cuda" else CHUNK)
         self.batch_invariant = batch_invariant
         with torch.no_grad():
             # The native decode block (kernels/, gpt2ffn._C) reads each sequence's cache as one contiguous slot:
@@ -164,6 +172,7 @@ class Engine:
         self.device = weight.device
         self.static = StaticDecoder(model, self.cache, max_batch, cuda_graphs) if static_decode else None
         self.fresh_prefill = FRESH_PREFILL and self.static is not None
+        self.chunk = chunk or prefill_budget(weight.device, self.fresh_prefill, offline)
         self.graph_capture = None  # (CUDA graphs captured at start-up, of how many shapes, seconds)
         if self.static is not None and self.static.use_graphs and graph_seconds > 0:
             self.graph_capture = self.static.capture(graph_seconds)
@@ -216,7 +225,8 @@ class Engine:
     # -- one iteration ----------------------------------------------------------------------------------
     @torch.no_grad()  # not inference_mode: kernels/ keeps buffers that later plain calls write into
     def step(self) -> list:
-        """Admit, prefill up to one chunk of tokens, decode every running sequence once; return the Tokens."""
+        """Admit, prefill up to one chunk of tokens, decode every running sequence once (or a burst of greedy steps,
+        decode_step); return the Tokens."""
         events = []
         for r in [r for r in self.running if r.cancelled]:
             events.append(self.finish(r, "abort"))
@@ -342,7 +352,8 @@ class Engine:
         return [self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, 0)]
 
     def decode_step(self, rows: list) -> list:
-        """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant)."""
+        """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant), or with
+        static decode a burst of up to static.max_burst greedy steps, each row's tokens of them out (burst)."""
         if self.static is not None:  # rows in slots 0..D-1, a fixed-shape step (a CUDA graph's replay on a GPU)
             if len(rows) != len(self.static.rows):  # the rows it holds are among these: some are new
                 for r in rows:
@@ -359,27 +370,29 @@ class Engine:
 
     def burst(self, rows: list) -> int:
         """Greedy steps the static rows take with no host work between them (StaticDecoder.steps): none unless
-        every row picks plain greedy without log-probs; one while prompts wait for a free slot or are in prefill
-        (they join at the next step); else up to static.max_burst (static.MAX_BURST), within every row's
-        max_new_tokens."""
+        every row picks plain greedy without log-probs; one while requests wait (a row that ends midway, at EOS or
+        a stop, would keep its slot from them for the rest of the burst) or prompts are in prefill (they join at
+        the next step); else up to static.max_burst (static.MAX_BURST), within every row's max_new_tokens."""
         most = self.static.max_burst
         kinds = {id(r.params): r.params for r in rows}.values()
         if not most or not all(s.plain_greedy and s.logprobs is None for s in kinds):
             return 0
-        if (self.waiting and len(self.running) < self.max_batch) or len(self.running) > len(rows):
+        if self.waiting or len(self.running) > len(rows):
             return 1
         return max(1, min(most, min(r.params.max_new_tokens - len(r.output) for r in rows)))
 
     def emit_steps(self, rows: list, steps: list) -> list:
         """steps: k lists of every row's next token (StaticDecoder.steps): each emitted in turn, a row's tokens after
-        it finishes dropped. A row that finishes midway frees its slot to the last row, whose keys the burst has
-        already written further than its tokens so far: static.ahead says how far, so the move copies them."""
+        it finishes dropped, and an aborted row's (abort() came during the burst: it ends at the next step). The
+        burst's tokens share one time: a client gets them together (the metrics see gaps of 0 between them). A
+        row that finishes midway frees its slot to the last row, whose keys the burst has already written further
+        than its tokens so far: static.ahead says how far, so the move copies them."""
         now, events = time.perf_counter(), []
         try:
             for j, ids in enumerate(steps):
                 self.static.ahead = len(steps) - j
                 events += [self.emit(r, None, i, t, None, now) for i, (r, t) in enumerate(zip(rows, ids))
-                           if r.finish_reason is None]
+                           if r.finish_reason is None and not r.cancelled]
         finally:
             self.static.ahead = 0
         return events

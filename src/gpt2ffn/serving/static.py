@@ -99,9 +99,10 @@ class _SlotView:
 class FreshSlots:
     """The cache GPT2.forward_paged is given for prompts from their first token, row i in slot slots[i], as one
     (C, T) batch right-padded to the longest (the engine's prefill where sequences have slots): each layer's
-    keys and values go into positions 0..T-1 of the rows' slots in one write each and come back as they are,
-    for causal attention over the row's own new keys (flash SDPA on CUDA: no mask, no gather). The padding's
-    keys land past the prompts, where a sequence writes each position before it reads it."""
+    keys and values go into positions 0..T-1 of the rows' slots in one write each and come back as the cache
+    holds them (rounded to its dtype, as later steps read them), for causal attention over the row's own new
+    keys (flash SDPA on CUDA: no mask, no gather). The padding's keys land past the prompts, where a sequence
+    writes each position before it reads it."""
 
     attends = False
 
@@ -113,8 +114,9 @@ class FreshSlots:
 
     def update(self, layer: int, k, v):
         T = k.shape[2]
-        for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
-            pool[self.slots, :, :T] = new.to(pool.dtype)                    # (C, H, T, D) into C slots
+        k, v = k.to(self.cache.k[layer].dtype), v.to(self.cache.v[layer].dtype)
+        self.cache.k[layer][self.slots, :, :T] = k                          # (C, H, T, D) into C slots
+        self.cache.v[layer][self.slots, :, :T] = v
         return k, v
 
 
