@@ -210,16 +210,21 @@ def test_incremental_text_stream(seed):
     hold = max((len(s) for s in stops), default=1) - 1
     hit = next((n for n in range(1, len(tokens) + 1) if cut_at_stop(decode(tokens[:n]), stops)[1]), None)
     final = cut_at_stop(decode(tokens[:hit or len(tokens)]), stops)[0]
-    ts, sent = TextStream(decode, stops), ""
-    for n, t in enumerate(tokens, 1):
-        delta, stopped = ts.push(t)
-        sent += delta
-        assert final.startswith(sent) and stopped == (n == hit)
-        if stopped:
-            assert sent == final
-            break
-        assert len(sent) >= len(decode(tokens[:n]).rstrip("\ufffd")) - hold
-    assert sent + ts.finish() == final
+    runs = []
+    for additive in (False, True):  # this decode is additive where a character ends (bytes, then UTF-8)
+        ts, sent, deltas = TextStream(decode, stops, additive), "", []
+        for n, t in enumerate(tokens, 1):
+            delta, stopped = ts.push(t)
+            sent += delta
+            deltas.append(delta)
+            assert final.startswith(sent) and stopped == (n == hit)
+            if stopped:
+                assert sent == final
+                break
+            assert len(sent) >= len(decode(tokens[:n]).rstrip("\ufffd")) - hold
+        assert sent + ts.finish() == final
+        runs.append(deltas)
+    assert runs[0] == runs[1]  # delta for delta
 
 
 def test_stream_chunks_join_the_tokens_that_came_together():
