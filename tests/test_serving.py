@@ -118,8 +118,10 @@ def test_stop_eos_min_tokens_ignore_eos_logit_bias(model):
     assert alone(model, p, Sampling(max_new_tokens=5, logit_bias={7: 100.0})) == [7] * 5
 
 
-def test_batch_invariant_logits_are_bitwise_equal(model, monkeypatch):
-    invariant_logits_are_bitwise_equal(model, monkeypatch)
+@pytest.mark.parametrize("static", [False, True])
+def test_batch_invariant_logits_are_bitwise_equal(model, monkeypatch, static):
+    """Paged (the CPU's default) or slots (a GPU's: each row's step alone in its slot, StaticDecoder.step_each)."""
+    invariant_logits_are_bitwise_equal(model, monkeypatch, static_decode=static)
 
 
 @pytest.mark.cuda
@@ -131,7 +133,7 @@ def test_batch_invariant_logits_are_bitwise_equal_on_cuda(dtype, monkeypatch):
     invariant_logits_are_bitwise_equal(load_model("random:tiny:3", precision=None).to("cuda", dtype), monkeypatch)
 
 
-def invariant_logits_are_bitwise_equal(model, monkeypatch):
+def invariant_logits_are_bitwise_equal(model, monkeypatch, **kw):
     seen = {}
     real = engine_mod.next_tokens
 
@@ -143,9 +145,9 @@ def invariant_logits_are_bitwise_equal(model, monkeypatch):
     monkeypatch.setattr(engine_mod, "next_tokens", record)
     ps = prompts(10, seed=6, lo=2, hi=60)
     s = Sampling(max_new_tokens=12)
-    eng = Engine(model, max_batch=1, batch_invariant=True)
+    eng = Engine(model, max_batch=1, batch_invariant=True, **kw)
     solo = [eng.run([Request(p, s)])[0].id for p in ps]
-    mates = staggered(model, ps, [s] * len(ps), every=1, batch_invariant=True)
+    mates = staggered(model, ps, [s] * len(ps), every=1, batch_invariant=True, **kw)
     assert len(mates) == len(ps)
     batched_ids = sorted(seen)[-len(ps):]
     for a, b in zip(solo, batched_ids):

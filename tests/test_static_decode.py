@@ -9,7 +9,6 @@ import torch
 
 import gpt2ffn.serving.engine as engine_mod
 import gpt2ffn.serving.static as static_mod
-from gpt2ffn.errors import Gpt2ffnError
 from gpt2ffn.generate import load
 from gpt2ffn.model import load_model
 from gpt2ffn.serving.engine import Engine, Request
@@ -298,8 +297,8 @@ def test_defaults_and_logprobs(model):
     assert [r.output for r in got] == [r.output for r in want]
     assert [len(r.prompt_logprobs) for r in got] == [4, 2]
     assert eng.counts() == (0, 0, 0) and eng.static.rows == []
-    with pytest.raises(Gpt2ffnError, match="cannot be batch-invariant"):
-        Engine(model, static_decode=True, batch_invariant=True)
+    inv = Engine(model, static_decode=True, batch_invariant=True)  # one row a step, each in its own slot
+    assert inv.static.each_row and inv.static.buckets == [1] and not inv.fresh_prefill
 
 
 def test_cuda_graph_seconds_is_checked(capsys):

@@ -1,7 +1,7 @@
 """One-token decode attention over a slot cache, as one Triton kernel (CUDA), capturable in a CUDA graph.
 
-For each row b and head h: write the new key and value into cache slot b at position p_b, then attend the
-query to keys 0..p_b of that slot (online softmax in fp32, the new key from registers), and write the output
+For each row b and head h: write the new key and value into the row's cache slot (b, or slots[b]) at position
+p_b, then attend the query to keys 0..p_b of that slot (online softmax in fp32, the new key from registers), and write the output
 as (B, 1, H*D), the layout c_proj reads. Each program reads only its row's p_b + 1 keys, not a padded span,
 and nothing builds a mask: SDPA with a boolean mask over the padded span read every position of the span and
 ran cutlass's 64x64 memory-efficient tile for one query row (issue 18: 102 us a layer at batch 256 on an
@@ -50,7 +50,7 @@ def _works(index: int) -> bool:
 if triton is not None:
 
     @triton.jit
-    def _decode_kernel(Q, KN, VN, KC, VC, POS, PAST, O, scale,
+    def _decode_kernel(Q, KN, VN, KC, VC, POS, PAST, SLOT, O, scale,
                        s_qb, s_qh, s_kb, s_kh, s_vb, s_vh,      # q, new k, new v: (B, H, D) strides, d stride 1
                        s_cs, s_ch, s_cn, s_ob,                   # cache (slots, H, max_len, D); out (B, H * D)
                        D: tl.constexpr, DP: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -60,10 +60,11 @@ if triton is not None:
         dm = d < D
         pos = tl.load(POS + b).to(tl.int32)
         past = tl.load(PAST + b).to(tl.int32)
+        slot = tl.load(SLOT + b).to(tl.int64)
         q = tl.load(Q + b * s_qb + h * s_qh + d, mask=dm, other=0.0).to(tl.float32) * scale
         kn = tl.load(KN + b * s_kb + h * s_kh + d, mask=dm, other=0.0)
         vn = tl.load(VN + b * s_vb + h * s_vh + d, mask=dm, other=0.0)
-        base = b * s_cs + h * s_ch
+        base = slot * s_cs + h * s_ch
         tl.store(KC + base + pos * s_cn + d, kn.to(KC.dtype.element_ty), mask=dm)
         tl.store(VC + base + pos * s_cn + d, vn.to(VC.dtype.element_ty), mask=dm)
         # the new key first, from registers (as stored: the cache's dtype), then keys 0..past-1 from the cache
@@ -91,9 +92,10 @@ def _block_n(D: int) -> int:
     return max(16, min(128, 4096 // triton.next_power_of_2(D)))
 
 
-def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None):
+def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None, slots=None):
     """q, k, v: (B, H, 1, D), the new token of rows 0..B-1 (any strides with d contiguous); k_cache, v_cache:
-    (slots, H, max_len, D) contiguous, row b's slot is b; positions (B,) int64, each row's new position.
+    (slots, H, max_len, D) contiguous, row b's slot is b (or slots[b], slots (B,) int64); positions (B,) int64,
+    each row's new position.
     Writes k, v into the cache at (b, :, positions[b]) and returns the attention output (B, 1, H * D) over the
     new key and keys 0..past[b] - 1 of the slot (past: (B,) int64, default positions; a padding row's 0 reads
     nothing: the static steps' padding rows sit at the slot's last position, and would read every key)."""
@@ -104,15 +106,17 @@ def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None
         raise ValueError("decode_attention needs k_cache and v_cache with the same strides and d contiguous")
     if any(t.stride(-1) != 1 for t in (q, k, v)):
         raise ValueError("decode_attention needs q, k and v with d contiguous")
-    for name, t in (("positions", positions), ("past", past)):
+    for name, t in (("positions", positions), ("past", past), ("slots", slots)):
         if t is not None and (t.dim() != 1 or t.shape[0] != B or t.stride(0) != 1 or t.device != q.device):
             raise ValueError(f"decode_attention: {name} must be ({B},) contiguous on {q.device}, got "
                              f"{tuple(t.shape)} on {t.device}")
     scale = D ** -0.5 if scale is None else scale
     out = torch.empty(B, 1, H * D, dtype=q.dtype, device=q.device)
     sc = k_cache.stride()
+    if slots is None:
+        slots = torch.arange(B, device=q.device)
     _decode_kernel[(B, H)](
-        q, k, v, k_cache, v_cache, positions, positions if past is None else past, out, scale,
+        q, k, v, k_cache, v_cache, positions, positions if past is None else past, slots, out, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sc[0], sc[1], sc[2], out.stride(0),
         D=D, DP=triton.next_power_of_2(D), BLOCK_N=_block_n(D), num_warps=2)

@@ -136,7 +136,7 @@ class Engine:
     (default: default_kv_tokens, with kv_fraction of the free memory);
     max_len: the longest prompt + max_new_tokens it takes (default n_positions); batch_invariant: each
     row's logits bitwise independent of its batch mates (see decode_step); static_decode: decode steps of
-    fixed shapes over slots (serving/static.py; default: on CUDA, unless batch_invariant), replayed as CUDA
+    fixed shapes over slots (serving/static.py; default: on CUDA; batch-invariant: one row a step), replayed as CUDA
     graphs there unless cuda_graphs is False (captured at start-up for up to graph_seconds, the rest on
     first use); chunk: prompt tokens a prefill step takes (default: prefill_budget; offline: every request is
     added up front and nobody streams, as generate() and bench)."""
@@ -159,9 +159,7 @@ class Engine:
             self.fused = model.fused_decode()
         self.max_len = min(max_len or cfg.n_positions, cfg.n_positions)
         if static_decode is None:
-            static_decode = weight.device.type == "cuda" and not batch_invariant and not self.fused
-        if static_decode and batch_invariant:
-            raise Gpt2ffnError("static_decode batches rows into one step: it cannot be batch-invariant")
+            static_decode = weight.device.type == "cuda" and not self.fused
         slots = self.fused or static_decode
         if slots:  # one slot of max_len positions per sequence
             block_size = self.max_len
@@ -170,8 +168,10 @@ class Engine:
         self.cache = PagedKVCache(model.kv_config, -(-kv_tokens // block_size), block_size, model.kv_dtype,
                                   weight.device)
         self.device = weight.device
-        self.static = StaticDecoder(model, self.cache, max_batch, cuda_graphs) if static_decode else None
-        self.fresh_prefill = FRESH_PREFILL and self.static is not None
+        # batch-invariant: each row's step alone, in its slot (StaticDecoder.step_each: on a GPU one graph a row)
+        self.static = (StaticDecoder(model, self.cache, max_batch, cuda_graphs, each_row=batch_invariant)
+                       if static_decode else None)
+        self.fresh_prefill = FRESH_PREFILL and self.static is not None and not batch_invariant
         self.chunk = chunk or prefill_budget(weight.device, self.fresh_prefill, offline)
         self.graph_capture = None  # (CUDA graphs captured at start-up, of how many shapes, seconds)
         if self.static is not None and self.static.use_graphs and graph_seconds > 0:
@@ -352,8 +352,9 @@ class Engine:
         return [self.finish(r, "length") if r.params.max_new_tokens == 0 else self.emit(r, logits, 0)]
 
     def decode_step(self, rows: list) -> list:
-        """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant), or with
-        static decode a burst of up to static.max_burst greedy steps, each row's tokens of them out (burst)."""
+        """Each row's last token in, its next token out: one (B, 1) forward (or B of them, batch-invariant, each in
+        its slot with static decode), or with static decode a burst of up to static.max_burst greedy steps, each
+        row's tokens of them out (burst)."""
         if self.static is not None:  # rows in slots 0..D-1, a fixed-shape step (a CUDA graph's replay on a GPU)
             if len(rows) != len(self.static.rows):  # the rows it holds are among these: some are new
                 for r in rows:
@@ -373,7 +374,7 @@ class Engine:
         every row picks plain greedy without log-probs; one while requests wait (a row that ends midway, at EOS or
         a stop, would keep its slot from them for the rest of the burst) or prompts are in prefill (they join at
         the next step); else up to static.max_burst (static.MAX_BURST), within every row's max_new_tokens."""
-        most = self.static.max_burst
+        most = 0 if self.static.each_row else self.static.max_burst
         kinds = {id(r.params): r.params for r in rows}.values()
         if not most or not all(s.plain_greedy and s.logprobs is None for s in kinds):
             return 0

@@ -74,12 +74,14 @@ def first_at_least(buckets: list, n: int) -> int:
 
 class _SlotView:
     """The cache GPT2.forward_paged is given: write each row's new key and value at its position of its slot
-    (row b is slot b), return slots 0..B-1's first `span` positions as views (no tables to bind). Where
-    `attends`, the attention layers hand it the whole step instead (attend: write and attend in one kernel)."""
+    (rows: each row's slot, b in a batched step), return the rows' slots' first `span` positions (views of slots
+    0..B-1, or gathered where `gather`: one row in any slot). Where `attends`, the attention layers hand it the
+    whole step instead (attend: write and attend in one kernel)."""
 
-    def __init__(self, cache, rows, positions, span: int, attends: bool = False, past=None):
+    def __init__(self, cache, rows, positions, span: int, attends: bool = False, past=None, gather=False):
         self.cache, self.rows, self.positions, self.span = cache, rows, positions, span
         self.attends, self.past = attends, past  # past: the keys before each row's new one that attend reads
+        self.gather = gather
 
     def bind(self, *args):
         pass
@@ -87,12 +89,14 @@ class _SlotView:
     def attend(self, layer: int, q, k, v, scale):
         """q, k, v (B, H, 1, D) of rows 0..B-1 -> attention output (B, 1, H * D), the new k, v written."""
         return decode_attention.decode_attention(q, k, v, self.cache.k[layer], self.cache.v[layer], self.positions,
-                                                 scale, self.past)
+                                                 scale, self.past, self.rows)
 
     def update(self, layer: int, k, v):
         B = k.shape[0]
         for pool, new in ((self.cache.k[layer], k), (self.cache.v[layer], v)):
             pool[self.rows, :, self.positions] = new[:, :, 0].to(pool.dtype)      # (B, H, D) at (slot, position)
+        if self.gather:
+            return [pool[layer][self.rows, :, :self.span] for pool in (self.cache.k, self.cache.v)]
         return self.cache.k[layer][:B, :, :self.span], self.cache.v[layer][:B, :, :self.span]
 
 
@@ -123,23 +127,29 @@ class FreshSlots:
 class StaticDecoder:
     """One-token steps of the rows in slots 0..D-1 (see the module's docstring). rows: the decoding requests,
     row i in slot i (request.blocks == [i]). graphs (CUDA only): replay each shape as a CUDA graph, captured
-    by capture() at start-up or else on its first use."""
+    by capture() at start-up or else on its first use. each_row (batch-invariant mode): the only shape is one
+    row, and a step runs it for each row in turn, in that row's slot (step_each): a row's sums never see
+    another's, and a GPU replays one small graph per row instead of launching every op of every row."""
 
-    def __init__(self, model: GPT2, cache, max_batch: int, graphs: bool = False):
+    def __init__(self, model: GPT2, cache, max_batch: int, graphs: bool = False, each_row: bool = False):
         self.model, self.cache = model, cache
         self.max_len = cache.block_size
-        self.buckets = batch_buckets(min(max_batch, cache.num_blocks))
+        self.each_row = each_row
+        self.buckets = [1] if each_row else batch_buckets(min(max_batch, cache.num_blocks))
         device = cache.k[0].device
         self.use_graphs = graphs and device.type == "cuda"
         self.attends = DECODE_ATTENTION == "triton" and decode_attention.available(device)
         self.spans = [self.max_len] if self.attends else span_buckets(self.max_len)  # the kernel reads no span
         top = self.buckets[-1]
-        # ids, positions, keys to read (the position for a row, 0 for padding), 1 for a row (0 for padding): the
-        # step's inputs, in place (a graph reads these addresses); pinned host staging
-        self.io = torch.zeros(4, top, dtype=torch.long, device=device)
-        self.host = torch.zeros(4, top, dtype=torch.long, pin_memory=self.use_graphs)
+        # ids, positions, keys to read (the position for a row, 0 for padding), 1 for a row (0 for padding), the
+        # row's slot (row b's is b, but for each_row's one row): the step's inputs, in place (a graph reads these
+        # addresses); pinned host staging
+        self.io = torch.zeros(5, top, dtype=torch.long, device=device)
+        self.host = torch.zeros(5, top, dtype=torch.long, pin_memory=self.use_graphs)
         self.host_np = self.host.numpy()  # the same memory: numpy writes cost a fraction of torch's indexing
-        self.slots = torch.arange(top, device=device)
+        self.host_np[4] = range(top)
+        self.io.copy_(self.host)
+        self.each = None  # each_row: every row's inputs on the device, (5, rows), one column a replay
         self.no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
         self.logits = None  # (top, vocab): every graph's output, one buffer (not one per shape)
         self.next_ids = torch.zeros(top, dtype=torch.long, device=device)  # each step's argmax per row
@@ -215,7 +225,8 @@ class StaticDecoder:
             mask = self.no_mask
         else:
             mask = (torch.arange(span, device=ids.device) <= positions)[:, None, None]  # (B, 1, 1, span)
-        view = _SlotView(self.cache, self.slots[:B], positions[:, 0], span, self.attends, self.io[2, :B])
+        view = _SlotView(self.cache, self.io[4, :B], positions[:, 0], span, self.attends, self.io[2, :B],
+                         gather=self.each_row)
         return self.model.forward_paged(ids, positions, view, None, "last", mask)
 
     def _inputs(self, k: int = 1) -> tuple:
@@ -245,8 +256,32 @@ class StaticDecoder:
     def step(self) -> torch.Tensor:
         """The next-token logits of every decoding row, (D, vocab), row i that of self.rows[i]; next_ids[:D] their
         argmaxes."""
+        if self.each_row:
+            return self.step_each()
         d, B, span = self._inputs()
         return self._run(B, span)[:d]
+
+    def step_each(self) -> torch.Tensor:
+        """Batch-invariant: every row's inputs sent in one copy, then for each row the one-row step in its own slot
+        (on a GPU one graph replay: its inputs copied in on the device, its logits out) -> (D, vocab)."""
+        d = len(self.rows)
+        if self.each is None or self.each.shape[1] < d:  # grown to the most rows seen, pinned staging with it
+            self.each = self.io.new_zeros(5, 2 * d)
+            self.each_host = torch.zeros(5, 2 * d, dtype=torch.long, pin_memory=self.use_graphs)
+        rows = self.each_host.numpy()
+        positions = [len(r.prompt) + len(r.output) - 1 for r in self.rows]
+        rows[0, :d] = [r.output[-1] for r in self.rows]
+        rows[1, :d] = rows[2, :d] = positions
+        rows[3, :d], rows[4, :d] = 1, range(d)
+        self.each.copy_(self.each_host, non_blocking=True)  # (the sampler's copy back ends the step before the next)
+        out = None
+        for i in range(d):  # the row's own span bucket: how many keys a row's attention sums is its own
+            self.io[:, :1].copy_(self.each[:, i:i + 1])
+            logits = self._run(1, first_at_least(self.spans, positions[i] + 1))
+            if out is None:
+                out = logits.new_empty(d, logits.shape[-1])
+            out[i] = logits[0]
+        return out
 
     def steps(self, k: int) -> list:
         """k greedy steps of every row with no host work between them (each step's argmax the next one's input,
@@ -268,6 +303,7 @@ class StaticDecoder:
         before any sequence reads it)."""
         start = time.perf_counter()
         self.host[0], self.host[1], self.host[2], self.host[3] = 0, self.max_len - 1, 0, 0
+        self.host[4] = torch.arange(self.host.shape[1])
         self.io.copy_(self.host)
         shapes = [(B, s) for B in self.buckets for s in self.spans]
         for B, span in shapes:
