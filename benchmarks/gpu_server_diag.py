@@ -7,7 +7,7 @@ could differ, with the top-two logit margin of each step (a margin of 0 is a tie
     no bursts         generate, every step through the sampler
     packed prefill    generate, the prompt packed under a mask
     plain FFN         generate, c_fc + GELU + c_proj as three ops (GPT2FFN_CUDA_FFN=plain's path)
-    batch-invariant   generate(batch_invariant=True): eager steps of one row, no graphs
+    batch-invariant   generate(batch_invariant=True): each row alone (on CUDA the one-row graph in its slot)
     served            the same prompt through `gpt2ffn serve --device cuda` and HTTP
 
     PYTHONPATH=src python benchmarks/gpu_server_diag.py

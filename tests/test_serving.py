@@ -126,11 +126,14 @@ def test_batch_invariant_logits_are_bitwise_equal(model, monkeypatch, static):
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch_invariant_logits_are_bitwise_equal_on_cuda(dtype, monkeypatch):
+@pytest.mark.parametrize("static", [None, False])
+def test_batch_invariant_logits_are_bitwise_equal_on_cuda(dtype, static, monkeypatch):
     """On a GPU (issue 18's promise there): in batch-invariant mode every logit of a request that shares the
-    engine with others, joining one by one, is bitwise the logit of the same request alone."""
+    engine with others, joining one by one, is bitwise the logit of the same request alone (the default there:
+    each row through the one-row CUDA graph in its slot; or each row eagerly over the paged cache)."""
     from gpt2ffn.model import load_model
-    invariant_logits_are_bitwise_equal(load_model("random:tiny:3", precision=None).to("cuda", dtype), monkeypatch)
+    invariant_logits_are_bitwise_equal(load_model("random:tiny:3", precision=None).to("cuda", dtype), monkeypatch,
+                                       static_decode=static)
 
 
 def invariant_logits_are_bitwise_equal(model, monkeypatch, **kw):

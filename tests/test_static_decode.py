@@ -382,6 +382,16 @@ def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D):
     lone = decode_attention(q, k, v, kc, vc, pos, past=torch.zeros_like(pos))
     want = v[:, :, 0].to(cache_dtype).to(dtype).reshape(B, 1, H * D)
     torch.testing.assert_close(lone, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+    # rows in other slots (batch-invariant mode's one row in its own slot): the same output, written there
+    slots = torch.tensor([7, 0, 5, 2, 6, 1], device="cuda")
+    moved_k, moved_v = k0.clone(), v0.clone()
+    moved_k[slots], moved_v[slots] = k0[:B], v0[:B]
+    km, vm = moved_k.clone(), moved_v.clone()
+    again = decode_attention(q, k, v, km, vm, pos, slots=slots)
+    assert torch.equal(again, out)
+    assert torch.equal(km[slots], kc[:B]) and torch.equal(vm[slots], vc[:B])
+    rest = torch.tensor([s for s in range(B + 2) if s not in slots.tolist()], device="cuda")
+    assert torch.equal(km[rest], moved_k[rest]) and torch.equal(vm[rest], moved_v[rest])
 
 
 @pytest.mark.cuda

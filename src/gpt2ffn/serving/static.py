@@ -219,7 +219,8 @@ class StaticDecoder:
         self.io[1:3, :B] += valid
 
     def forward(self, B: int, span: int):
-        """The model over inputs io[:, :B] and slots 0..B-1 -> logits (B, vocab): fixed shapes for (B, span)."""
+        """The model over inputs io[:, :B], row b in slot io[4, b] (b, but for step_each's one row) -> logits (B,
+        vocab): fixed shapes for (B, span)."""
         ids, positions = self.io[0, :B, None], self.io[1, :B, None]                      # (B, 1)
         if self.attends:  # the layers hand their attention to the view: no mask is read
             mask = self.no_mask
@@ -265,6 +266,8 @@ class StaticDecoder:
         """Batch-invariant: every row's inputs sent in one copy, then for each row the one-row step in its own slot
         (on a GPU one graph replay: its inputs copied in on the device, its logits out) -> (D, vocab)."""
         d = len(self.rows)
+        if not d:
+            return self.io.new_zeros(0, self.model.config.vocab_size, dtype=torch.float32)
         if self.each is None or self.each.shape[1] < d:  # grown to the most rows seen, pinned staging with it
             self.each = self.io.new_zeros(5, 2 * d)
             self.each_host = torch.zeros(5, 2 * d, dtype=torch.long, pin_memory=self.use_graphs)
