@@ -347,10 +347,12 @@ def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype, monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.parametrize("dtype,cache_dtype,D", [(torch.float32, torch.float32, 64), (torch.bfloat16, torch.bfloat16, 64),
                                                   (torch.float32, torch.float16, 48)])
-def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D):
+@pytest.mark.parametrize("block", ["default", "wide"])
+def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D, block):
     """On a GPU: kernels/decode_attention.py writes each row's new key and value at its position of its slot and
     nothing else, and its output is softmax(q k^T) v over keys 0..position of the slot, computed in float64
-    (rows from position 0, across a 64-key block edge, to the cache's last position)."""
+    (rows from position 0, across a 64-key block edge, to the cache's last position), in both configurations
+    (the default's blocks of keys, the wide one's for few programs)."""
     import math
 
     from gpt2ffn.kernels.decode_attention import available, decode_attention
@@ -364,7 +366,7 @@ def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D):
     q, k, v = [t.view(B, 1, H, D).transpose(1, 2) for t in qkv.split(H * D, 2)]
     pos = torch.tensor([0, 1, 63, 64, 130, L - 1], device="cuda")
     k0, v0 = kc.clone(), vc.clone()
-    out = decode_attention(q, k, v, kc, vc, pos)
+    out = decode_attention(q, k, v, kc, vc, pos, block=block)
     assert out.shape == (B, 1, H * D) and out.dtype == dtype
     for b in range(B):
         p = int(pos[b])
@@ -379,7 +381,7 @@ def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D):
         assert err < (1e-6 if dtype == torch.float32 else 8e-3), (b, err)
     assert torch.equal(kc[B:], k0[B:]) and torch.equal(vc[B:], v0[B:])
     # a padding row (past 0) reads no key of its slot: its output is its own new value
-    lone = decode_attention(q, k, v, kc, vc, pos, past=torch.zeros_like(pos))
+    lone = decode_attention(q, k, v, kc, vc, pos, past=torch.zeros_like(pos), block=block)
     want = v[:, :, 0].to(cache_dtype).to(dtype).reshape(B, 1, H * D)
     torch.testing.assert_close(lone, want, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
     # rows in other slots (batch-invariant mode's one row in its own slot): the same output, written there
@@ -387,7 +389,7 @@ def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D):
     moved_k, moved_v = k0.clone(), v0.clone()
     moved_k[slots], moved_v[slots] = k0[:B], v0[:B]
     km, vm = moved_k.clone(), moved_v.clone()
-    again = decode_attention(q, k, v, km, vm, pos, slots=slots)
+    again = decode_attention(q, k, v, km, vm, pos, slots=slots, block=block)
     assert torch.equal(again, out)
     assert torch.equal(km[slots], kc[:B]) and torch.equal(vm[slots], vc[:B])
     rest = torch.tensor([s for s in range(B + 2) if s not in slots.tolist()], device="cuda")

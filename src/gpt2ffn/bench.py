@@ -541,6 +541,10 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
         e["generate_ms"], e["tokens_per_s"] = t, B * new_tokens / t * 1e3
         extra = f"  ({e['graphs_captured']}/{e['graph_shapes']} graphs in {e['capture_s']:.1f} s)" if "capture_s" in e else ""
         log(f"  {key:<48}{t:>10.1f} ms{e['tokens_per_s']:>12.1f} tok/s (prompt + new, end to end){extra}")
+    from .kernels import decode_attention
+    out["decode_attention"] = decode_attention.choices()  # the kernel's configuration per shape, where chosen
+    if out["decode_attention"]:
+        log(f"  decode attention configurations: {out['decode_attention']}")
     return out
 
 

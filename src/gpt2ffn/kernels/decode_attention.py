@@ -9,9 +9,16 @@ H200, 3x the bytes' time).
 
 `available(device)` says whether it runs there (CUDA, Triton importable, and one small call compiled and right on
 the device); elsewhere callers use SDPA.
+
+Each program loops over its row's keys a block at a time, each trip two dependent loads: at batch 256 there are
+thousands of programs to hide that, at batch 1 twelve (~10 us a layer on an H200, latency, not bandwidth). So
+for few programs (B * H up to twice the GPU's SMs) a wide configuration (up to 256 keys a trip, 8 warps) is timed
+against the default once per shape, on scratch caches, and the faster kept (`choices()`; never while a CUDA
+graph is captured: the engine's warm-up makes the choice first). GPT2FFN_DECODE_BLOCK=default|wide forces one.
 """
 
 import functools
+import os
 
 import torch
 
@@ -92,13 +99,66 @@ def _block_n(D: int) -> int:
     return max(16, min(128, 4096 // triton.next_power_of_2(D)))
 
 
-def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None, slots=None):
+def block_config(name: str, D: int) -> tuple:
+    """(BLOCK_N, num_warps) of configuration `name`: "default", or "wide" (more keys a trip, more warps)."""
+    if name == "wide":
+        return max(_block_n(D), min(256, 16384 // triton.next_power_of_2(D))), 8
+    return _block_n(D), 2
+
+
+_CHOICES = {}  # (device index, B, H, D, q dtype, cache dtype) -> "default" | "wide"
+FORCED = os.environ.get("GPT2FFN_DECODE_BLOCK")
+
+
+def choices() -> dict:
+    """The configurations chosen so far, for reports."""
+    return {f"cuda:{k[0]} B={k[1]} H={k[2]} D={k[3]} {k[4]} cache {k[5]}": v for k, v in _CHOICES.items()}
+
+
+def _choose(q, k_cache) -> str:
+    """The configuration for this call's shape: forced, chosen before, the default where there are enough programs
+    (or while a graph is captured, or off CUDA), else the faster of the two on scratch caches (256 positions,
+    every row reading 255 keys), timed once."""
+    if FORCED in ("default", "wide"):
+        return FORCED
+    B, H, _, D = q.shape
+    if q.device.type != "cuda":
+        return "default"
+    key = (q.device.index, B, H, D, q.dtype, k_cache.dtype)
+    name = _CHOICES.get(key)
+    if name is not None:
+        return name
+    if B * H > 2 * torch.cuda.get_device_properties(q.device).multi_processor_count:
+        return _CHOICES.setdefault(key, "default")
+    if torch.cuda.is_current_stream_capturing():
+        return "default"
+    L = min(256, k_cache.shape[2])
+    kc, vc = (torch.zeros(B, H, L, D, dtype=k_cache.dtype, device=q.device) for _ in range(2))
+    x = torch.zeros(B, H, 1, D, dtype=q.dtype, device=q.device)
+    pos = torch.full((B,), L - 1, device=q.device)
+    times = {}
+    for name in ("default", "wide"):
+        run = functools.partial(decode_attention, x, x, x, kc, vc, pos, block=name)
+        run()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(20):
+            run()
+        end.record()
+        end.synchronize()
+        times[name] = start.elapsed_time(end)
+    _CHOICES[key] = min(times, key=times.get)
+    return _CHOICES[key]
+
+
+def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None, slots=None, block=None):
     """q, k, v: (B, H, 1, D), the new token of rows 0..B-1 (any strides with d contiguous); k_cache, v_cache:
     (slots, H, max_len, D) contiguous, row b's slot is b (or slots[b], slots (B,) int64); positions (B,) int64,
     each row's new position.
     Writes k, v into the cache at (b, :, positions[b]) and returns the attention output (B, 1, H * D) over the
     new key and keys 0..past[b] - 1 of the slot (past: (B,) int64, default positions; a padding row's 0 reads
-    nothing: the static steps' padding rows sit at the slot's last position, and would read every key)."""
+    nothing: the static steps' padding rows sit at the slot's last position, and would read every key). block:
+    "default" or "wide" (block_config), else chosen per shape (_choose)."""
     B, H, T, D = q.shape
     if T != 1:
         raise ValueError(f"decode_attention takes one new token per row, got q of shape {tuple(q.shape)}")
@@ -115,9 +175,10 @@ def decode_attention(q, k, v, k_cache, v_cache, positions, scale=None, past=None
     sc = k_cache.stride()
     if slots is None:
         slots = torch.arange(B, device=q.device)
+    block_n, warps = block_config(block or _choose(q, k_cache), D)
     _decode_kernel[(B, H)](
         q, k, v, k_cache, v_cache, positions, positions if past is None else past, slots, out, scale,
         q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         sc[0], sc[1], sc[2], out.stride(0),
-        D=D, DP=triton.next_power_of_2(D), BLOCK_N=_block_n(D), num_warps=2)
+        D=D, DP=triton.next_power_of_2(D), BLOCK_N=block_n, num_warps=warps)
     return out
