@@ -451,6 +451,40 @@ def test_cuda_bursts_give_the_single_steps_tokens(hf_dir, dtype, monkeypatch):
 
 
 @pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_steps_add_and_normalize_in_one_kernel_on_cuda(hf_dir, dtype, monkeypatch):
+    """On a GPU a decode step adds each sublayer's output to the residual stream and normalizes the sum in one
+    kernel (kernels/add_layer_norm.py, GPT2.decode_blocks): every step's logits as the two ops' (fp32 without
+    TF32: 1e-5; bf16: its rounding), the same greedy tokens in fp32."""
+    import gpt2ffn.kernels.add_layer_norm as aln
+    if not aln.available("cuda"):
+        pytest.skip("no Triton on this CUDA install")
+    monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
+    monkeypatch.setattr(static_mod, "MAX_BURST", 0)  # every step's logits through the sampler
+    model = load_model(str(hf_dir), dtype=dtype, precision=None).to("cuda").eval()
+    g = torch.Generator().manual_seed(3)
+    ps = [torch.randint(0, 96, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(6)]
+    seen, real = {}, engine_mod.next_tokens
+
+    def run(name):
+        def record(logits, rows, gen):
+            seen.setdefault(name, []).append(logits.float().clone())
+            return real(logits, rows, gen)
+        monkeypatch.setattr(engine_mod, "next_tokens", record)
+        return [r.output for r in Engine(model, max_batch=6, max_len=32).run([Request(p, Sampling(max_new_tokens=12))
+                                                                            for p in ps])]
+    fused = run("fused")
+    monkeypatch.setattr(aln, "available", lambda device: False)
+    plain = run("plain")
+    if dtype == torch.float32:
+        assert fused == plain
+    # the sampler calls up to the first token that differs (bf16 near ties) had the same inputs in both runs
+    same = min(next((i for i, (a, b) in enumerate(zip(f, p)) if a != b), len(f)) for f, p in zip(fused, plain))
+    worst = max((a - b).abs().max().item() for a, b in zip(seen["fused"][:same + 1], seen["plain"][:same + 1]))
+    assert same >= 1 and worst < (1e-5 if dtype == torch.float32 else 0.1), (same, worst)
+
+
+@pytest.mark.cuda
 def test_lm_head_pads_its_weight_on_cuda(hf_dir):
     """On a GPU, for inference: the lm_head computes through a copy of its weight padded to 64 rows (an odd
     vocabulary gives cuBLAS an unaligned kernel), the same logits as the unpadded weight, and a changed weight is

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from .config import Config
 from .errors import ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
+from .kernels import add_layer_norm
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
 from .linear import Conv1D, PackedLayer, TrainChecked, check_trainable
 from .precision import quantize
@@ -437,6 +438,10 @@ class GPT2(TrainChecked):
             mask = (torch.arange(span, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
         cache.bind(tables, positions, slots, span, keys)
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
+        if (ids.shape[1] == 1 and isinstance(logits_for, str) and logits_for == "last" and not self.training
+                and not torch.is_grad_enabled() and not hasattr(self.transformer.ln_f.weight, "device_mesh")
+                and add_layer_norm.available(ids.device)):  # a decode step on a GPU (not a tensor-parallel one)
+            return self.lm_head(self.decode_blocks(x, cache, mask)[:, -1])
         for i, block in enumerate(self.transformer.h):
             x = block(x, i, cache, mask)
         if isinstance(logits_for, torch.Tensor):
@@ -446,6 +451,19 @@ class GPT2(TrainChecked):
         elif logits_for != "all":
             x = x[0, logits_for]
         return self.lm_head(self.transformer.ln_f(x))
+
+    def decode_blocks(self, x, cache, mask):
+        """The blocks of a one-token step, each residual add and the layer norm after it as one kernel
+        (kernels/add_layer_norm.py): h = ln_1(x); per block x, h = x + attn(h), ln_2(...); x, h = x + mlp(h), the
+        next ln_1 (the last block: ln_f) -> ln_f of the last residual, (B, 1, d). Two kernels a block fewer."""
+        blocks, ln_f = self.transformer.h, self.transformer.ln_f
+        h = blocks[0].ln_1(x)
+        for i, block in enumerate(blocks):
+            after = blocks[i + 1].ln_1 if i + 1 < len(blocks) else ln_f
+            ln2 = block.ln_2
+            x, h = add_layer_norm.add_layer_norm(x, block.attn(h, i, cache, mask), ln2.weight, ln2.bias, ln2.eps)
+            x, h = add_layer_norm.add_layer_norm(x, block.mlp(h), after.weight, after.bias, after.eps)
+        return h
 
     @property
     def kv_dtype(self) -> torch.dtype:
