@@ -10,9 +10,9 @@ sum in fp32 (as torch's LayerNorm does for bf16 input), so only the reduction or
 device); elsewhere callers keep the two ops.
 """
 
-import functools
-
 import torch
+
+from .probe import runs_on
 
 try:
     import triton
@@ -22,24 +22,17 @@ except ImportError:  # CPU-only installs (CI)
 
 
 def available(device) -> bool:
-    device = torch.device(device)
-    if triton is None or device.type != "cuda":
-        return False
-    return _works(device.index if device.index is not None else torch.cuda.current_device())
+    """Whether the kernel runs on `device` (kernels/probe.py; elsewhere its callers keep the add and the norm)."""
+    return runs_on(device, _check, triton is not None)
 
 
-@functools.cache
-def _works(index: int) -> bool:
-    dev = torch.device("cuda", index)
-    try:
-        g = torch.Generator(device=dev).manual_seed(0)
-        x, y = (torch.randn(3, 40, device=dev, generator=g) for _ in range(2))
-        w, b = torch.randn(40, device=dev, generator=g), torch.randn(40, device=dev, generator=g)
-        s, h = add_layer_norm(x, y, w, b, 1e-5)
-        want = torch.nn.functional.layer_norm(x + y, (40,), w, b, 1e-5)
-        return bool(torch.equal(s, x + y) and torch.allclose(h, want, atol=1e-5))
-    except Exception:  # noqa: BLE001 -- any failure to build or launch means: not here
-        return False
+def _check(dev) -> bool:
+    g = torch.Generator(device=dev).manual_seed(0)
+    x, y = (torch.randn(3, 40, device=dev, generator=g) for _ in range(2))
+    w, b = torch.randn(40, device=dev, generator=g), torch.randn(40, device=dev, generator=g)
+    s, h = add_layer_norm(x, y, w, b, 1e-5)
+    want = torch.nn.functional.layer_norm(x + y, (40,), w, b, 1e-5)
+    return torch.equal(s, x + y) and torch.allclose(h, want, atol=1e-5)
 
 
 if triton is not None:

@@ -22,6 +22,8 @@ import os
 
 import torch
 
+from .probe import runs_on
+
 try:
     import triton
     import triton.language as tl
@@ -30,28 +32,18 @@ except ImportError:  # CPU-only installs (CI): callers keep SDPA
 
 
 def available(device) -> bool:
-    """Whether the kernel runs on `device`: CUDA, Triton importable, and one small call compiled and right there
-    (a GPU or install where Triton cannot build kernels gets False, and its callers SDPA)."""
-    device = torch.device(device)
-    if triton is None or device.type != "cuda":
-        return False
-    return _works(device.index if device.index is not None else torch.cuda.current_device())
+    """Whether the kernel runs on `device` (kernels/probe.py; elsewhere its callers use SDPA)."""
+    return runs_on(device, _check, triton is not None)
 
 
-@functools.cache
-def _works(index: int) -> bool:
-    dev = torch.device("cuda", index)
-    try:
-        g = torch.Generator(device=dev).manual_seed(0)
-        kc, vc = (torch.randn(2, 1, 8, 16, device=dev, generator=g) for _ in range(2))
-        q, k, v = (torch.randn(2, 1, 1, 16, device=dev, generator=g) for _ in range(3))
-        pos = torch.tensor([0, 5], device=dev)
-        out = decode_attention(q, k, v, kc, vc, pos)
-        keys, vals = kc[1, 0, :6].clone(), vc[1, 0, :6].clone()
-        want = torch.softmax(keys @ q[1, 0, 0] / 4, 0) @ vals
-        return bool(torch.allclose(out[0, 0], v[0, 0, 0], atol=1e-5) and torch.allclose(out[1, 0], want, atol=1e-4))
-    except Exception:  # noqa: BLE001 -- any failure to build or launch means: not here
-        return False
+def _check(dev) -> bool:
+    g = torch.Generator(device=dev).manual_seed(0)
+    kc, vc = (torch.randn(2, 1, 8, 16, device=dev, generator=g) for _ in range(2))
+    q, k, v = (torch.randn(2, 1, 1, 16, device=dev, generator=g) for _ in range(3))
+    out = decode_attention(q, k, v, kc, vc, torch.tensor([0, 5], device=dev))
+    keys, vals = kc[1, 0, :6].clone(), vc[1, 0, :6].clone()
+    want = torch.softmax(keys @ q[1, 0, 0] / 4, 0) @ vals
+    return torch.allclose(out[0, 0], v[0, 0, 0], atol=1e-5) and torch.allclose(out[1, 0], want, atol=1e-4)
 
 
 if triton is not None:

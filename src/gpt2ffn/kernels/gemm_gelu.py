@@ -11,9 +11,9 @@ inside a CUDA graph capture); kernels/cuda.py times the whole FFN through it aga
 the fastest per dtype, shape and token bucket. fp32 is not served (tl.dot would round to TF32).
 """
 
-import functools
-
 import torch
+
+from .probe import runs_on
 
 try:
     import triton
@@ -26,9 +26,8 @@ MIN_TOKENS = 1024  # below this the GEMMs are small enough that a new kernel buy
 
 def available(x2) -> bool:
     """Whether the kernel may serve x2: CUDA, bf16 or fp16, at least MIN_TOKENS rows, Triton working there."""
-    return (triton is not None and x2.device.type == "cuda" and x2.dtype in (torch.bfloat16, torch.float16)
-            and x2.shape[0] >= MIN_TOKENS and _works(x2.device.index if x2.device.index is not None
-                                                              else torch.cuda.current_device()))
+    return (x2.dtype in (torch.bfloat16, torch.float16) and x2.shape[0] >= MIN_TOKENS
+            and runs_on(x2.device, _check, triton is not None))
 
 
 if triton is not None:
@@ -87,16 +86,11 @@ def fused(x2, w1, b1, w2, b2):
     return torch.addmm(b2, gemm_bias_gelu(x2, w1, b1), w2)
 
 
-@functools.cache
-def _works(index: int) -> bool:
+def _check(dev) -> bool:
     """One small call compiles and agrees with the plain ops on this GPU (else the kernel is not offered)."""
-    dev = torch.device("cuda", index)
-    try:
-        g = torch.Generator(device=dev).manual_seed(0)
-        x = torch.randn(70, 96, device=dev, generator=g, dtype=torch.bfloat16)
-        w = (0.1 * torch.randn(96, 200, device=dev, generator=g)).to(torch.bfloat16)
-        b = torch.randn(200, device=dev, generator=g, dtype=torch.bfloat16)
-        want = torch.nn.functional.gelu(x.float() @ w.float() + b.float(), approximate="tanh")
-        return bool(((gemm_bias_gelu(x, w, b).float() - want).abs() <= 2e-2 + 1.6e-2 * want.abs()).all())
-    except Exception:  # noqa: BLE001 -- any failure to build or launch means: not here
-        return False
+    g = torch.Generator(device=dev).manual_seed(0)
+    x = torch.randn(70, 96, device=dev, generator=g, dtype=torch.bfloat16)
+    w = (0.1 * torch.randn(96, 200, device=dev, generator=g)).to(torch.bfloat16)
+    b = torch.randn(200, device=dev, generator=g, dtype=torch.bfloat16)
+    want = torch.nn.functional.gelu(x.float() @ w.float() + b.float(), approximate="tanh")
+    return ((gemm_bias_gelu(x, w, b).float() - want).abs() <= 2e-2 + 1.6e-2 * want.abs()).all()
