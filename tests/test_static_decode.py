@@ -3,6 +3,7 @@ each step one (batch bucket, span bucket) shape, so that a GPU replays it as a C
 steps run eagerly: the tokens and logits must be the paged path's, whatever joins, finishes or is aborted."""
 
 import importlib
+import importlib.util
 
 import pytest
 import torch
@@ -256,6 +257,14 @@ def test_generate_and_stream_give_every_token_of_a_burst(model, monkeypatch):
     assert len(steps) == 20 and [[t[i] for t in steps] for i in range(5)] == want
 
 
+def kernel_runs_or_skip(available):
+    """Skip where Triton is not installed; where it is, the kernel's probe must pass (a kernel that fails to build
+    or answers wrong on the GPU is a failure here, not a quiet fallback)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("no Triton on this CUDA install")
+    assert available("cuda"), "Triton is installed but the kernel's probe failed on this GPU"
+
+
 def make_bursting(engine, bursts):
     """engine with static decode (slots, bursts) as on a GPU, counting its bursts."""
     e = Engine(engine.model, max_batch=engine.max_batch, max_waiting=engine.max_waiting, max_len=engine.max_len,
@@ -356,8 +365,7 @@ def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D, block
     import math
 
     from gpt2ffn.kernels.decode_attention import available, decode_attention
-    if not available("cuda"):
-        pytest.skip("no Triton on this CUDA install")
+    kernel_runs_or_skip(available)
     g = torch.Generator(device="cuda").manual_seed(0)
     B, H, L = 6, 3, 200
     kc = torch.randn(B + 2, H, L, D, device="cuda", generator=g).to(cache_dtype)
@@ -402,8 +410,7 @@ def test_decode_attention_kernel_gives_the_sdpa_steps_tokens(hf_dir, monkeypatch
     same steps through SDPA under a mask (greedy and seeded)."""
     from gpt2ffn.kernels.decode_attention import available
     from gpt2ffn.serving import static
-    if not available("cuda"):
-        pytest.skip("no Triton on this CUDA install")
+    kernel_runs_or_skip(available)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     model = load_model(str(hf_dir), dtype=torch.float32, precision=None).to("cuda").eval()
     V, n = model.config.vocab_size, model.config.n_positions
@@ -457,8 +464,7 @@ def test_decode_steps_add_and_normalize_in_one_kernel_on_cuda(hf_dir, dtype, mon
     kernel (kernels/add_layer_norm.py, GPT2.decode_blocks): every step's logits as the two ops' (fp32 without
     TF32: 1e-5; bf16: its rounding), the same greedy tokens in fp32."""
     import gpt2ffn.kernels.add_layer_norm as aln
-    if not aln.available("cuda"):
-        pytest.skip("no Triton on this CUDA install")
+    kernel_runs_or_skip(aln.available)
     monkeypatch.setattr(torch.backends.cuda.matmul, "allow_tf32", False)
     monkeypatch.setattr(static_mod, "MAX_BURST", 0)  # every step's logits through the sampler
     model = load_model(str(hf_dir), dtype=dtype, precision=None).to("cuda").eval()
@@ -473,7 +479,10 @@ def test_decode_steps_add_and_normalize_in_one_kernel_on_cuda(hf_dir, dtype, mon
         monkeypatch.setattr(engine_mod, "next_tokens", record)
         return [r.output for r in Engine(model, max_batch=6, max_len=32).run([Request(p, Sampling(max_new_tokens=12))
                                                                             for p in ps])]
+    calls, kernel = [], aln.add_layer_norm
+    monkeypatch.setattr(aln, "add_layer_norm", lambda *a: calls.append(1) or kernel(*a))
     fused = run("fused")
+    assert calls  # the decode steps went through the kernel
     monkeypatch.setattr(aln, "available", lambda device: False)
     plain = run("plain")
     if dtype == torch.float32:

@@ -439,8 +439,9 @@ class GPT2(TrainChecked):
         cache.bind(tables, positions, slots, span, keys)
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
         if (ids.shape[1] == 1 and isinstance(logits_for, str) and logits_for == "last" and not self.training
-                and not torch.is_grad_enabled() and not hasattr(self.transformer.ln_f.weight, "device_mesh")
-                and add_layer_norm.available(ids.device)):  # a decode step on a GPU (not a tensor-parallel one)
+                and not torch.is_grad_enabled() and getattr(self, "mesh", None) is None
+                and not torch.is_autocast_enabled() and add_layer_norm.available(ids.device)):
+            # a decode step on a GPU (not tensor-parallel, not under autocast: its sums change dtype)
             return self.lm_head(self.decode_blocks(x, cache, mask)[:, -1])
         for i, block in enumerate(self.transformer.h):
             x = block(x, i, cache, mask)
