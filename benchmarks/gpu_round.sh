@@ -13,6 +13,9 @@
 #                    graph capture time
 #   ab:    engine-ab-cuda.json, ab.txt    benchmarks/gpu_engine_ab.py: the engine's prefill (packed, padded
 #                    batches, 2048 to 32768 tokens a step) and decode bursts (0, 1, 8, 16 steps) side by side, bf16
+#   kernels: kernels-{before,after}.json, kernels{,-after}.txt   bench --model bf16 at batch 1 and 32 without
+#                    (GPT2FFN_ADD_NORM=0, GPT2FFN_DECODE_BLOCK=default) and with the fused add + layer norm and
+#                    the chosen decode configuration, one after the other (the two HF rows show the drift)
 #   diag:  diag.txt   benchmarks/gpu_server_diag.py: one greedy prompt of the server test's tiny checkpoint through
 #                    every path that could differ (generate, server-like engine, bursts, prefill, FFN, serve)
 #   ffn:   bench-cuda.json, ffn.txt       the FFN alone (fp32 and bf16, d=768) at 1, 4096, 65536 tokens: ours
@@ -33,15 +36,16 @@
 #   profile: profile-cuda.json, profile.txt   benchmarks/gpu_profile.py: torch.profiler over the engine's bf16 run at
 #                    batch 1 and 256 (host time against kernel time, the top ops of each)
 # With 15 minutes of device time (all calls together, ~30 s to start each), the parts' limits shrink: T=short
-#   (tests 150 s, bench 160, ab 90, diag 90, ffn 150, load 120, overhead 150, invariant 90, profile 60; a call
-#   may run 600). On an H200: `tests ffn bench overhead invariant` took 310 s (its tests then had 60 s, too few
+#   (tests 150 s, bench 160, ab 90, kernels 2 x 120, diag 90, ffn 150, load 120, overhead 150, invariant 90,
+#   profile 60; a call may run 600). On an H200: `tests ffn bench overhead invariant` took 310 s (its tests then had 60 s, too few
 #   for all of them), `tests ab bench overhead profile` with CUDA_TESTS naming three files and BENCH_DTYPES=bf16
 #   230 s, `diag ab bench` (BENCH_DTYPES=bf16) 145 s. What the next GPU should run first (everything since has run
 #   on the CPU only: the batch-invariant one-row graphs, bench at the offline prefill budget, the mid-burst slot
-#   moves, the server test's fixed reference):  T=short bash benchmarks/gpu_round.sh tests bench invariant overhead
+#   moves, the server test's fixed reference, the fused add + layer norm and the decode kernel's wide configuration):
+#   T=short bash benchmarks/gpu_round.sh tests bench invariant overhead   then   ... kernels ab profile
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-usage="usage: $0 {tests,bench,ab,diag,ffn,load,overhead,sampling,attention,invariant,profile}..."
+usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,sampling,attention,invariant,profile}..."
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 limit() {  # limit PART LONG SHORT: the part's time limit in seconds
@@ -70,6 +74,11 @@ for part in "$@"; do
     bench) run bench 330 160 bench.txt python3 -m gpt2ffn.cli bench --model --device cuda \
              $(for p in ${BENCH_DTYPES:-bf16 fp32}; do echo --precision "$p"; done) --out "$OUT" ;;
     diag) run diag 120 90 diag.txt python3 benchmarks/gpu_server_diag.py ;;
+    kernels) run kernels 240 120 kernels.txt env GPT2FFN_ADD_NORM=0 GPT2FFN_DECODE_BLOCK=default \
+               python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 --batch 1 --batch 32 --out "$OUT" &&
+               mv "$OUT/bench-model.json" "$OUT/kernels-before.json"
+             run kernels 240 120 kernels-after.txt python3 -m gpt2ffn.cli bench --model --device cuda --precision bf16 \
+               --batch 1 --batch 32 --out "$OUT" && mv "$OUT/bench-model.json" "$OUT/kernels-after.json" ;;
     ab) run ab 200 90 ab.txt python3 benchmarks/gpu_engine_ab.py --device cuda --out "$OUT/engine-ab-cuda.json" ;;
     ffn) run ffn 300 150 ffn.txt python3 -m gpt2ffn.cli bench --device cuda --dims 768 --tokens 1,4096,65536 \
            --out "$OUT" ;;

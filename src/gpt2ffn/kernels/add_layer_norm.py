@@ -7,8 +7,10 @@ row reads x and y once, stores the sum rounded to their dtype (as torch's add do
 sum in fp32 (as torch's LayerNorm does for bf16 input), so only the reduction order differs from the two ops.
 
 `available(device)` says whether it runs there (CUDA, Triton importable, one small call compiled and right on the
-device); elsewhere callers keep the two ops.
+device); elsewhere callers keep the two ops, as they do with GPT2FFN_ADD_NORM=0 (for A/B).
 """
+
+import os
 
 import torch
 
@@ -21,9 +23,12 @@ except ImportError:  # CPU-only installs (CI)
     triton = None
 
 
+ENABLED = os.environ.get("GPT2FFN_ADD_NORM", "1") != "0"
+
+
 def available(device) -> bool:
     """Whether the kernel runs on `device` (kernels/probe.py; elsewhere its callers keep the add and the norm)."""
-    return runs_on(device, _check, triton is not None)
+    return ENABLED and runs_on(device, _check, triton is not None)
 
 
 def _check(dev) -> bool:
