@@ -36,13 +36,14 @@
 #   profile: profile-cuda.json, profile.txt   benchmarks/gpu_profile.py: torch.profiler over the engine's bf16 run at
 #                    batch 1 and 256 (host time against kernel time, the top ops of each)
 # With 15 minutes of device time (all calls together, ~30 s to start each), the parts' limits shrink: T=short
-#   (tests 150 s, bench 160, ab 90, kernels 2 x 120, diag 90, ffn 150, load 120, overhead 150, invariant 90,
-#   profile 60; a call may run 600). On an H200: `tests ffn bench overhead invariant` took 310 s (its tests then had 60 s, too few
-#   for all of them), `tests ab bench overhead profile` with CUDA_TESTS naming three files and BENCH_DTYPES=bf16
-#   230 s, `diag ab bench` (BENCH_DTYPES=bf16) 145 s. What the next GPU should run first (everything since has run
-#   on the CPU only: the batch-invariant one-row graphs, bench at the offline prefill budget, the mid-burst slot
-#   moves, the server test's fixed reference, the fused add + layer norm and the decode kernel's wide configuration):
-#   T=short bash benchmarks/gpu_round.sh tests bench invariant overhead   then   ... kernels ab profile
+#   (tests 150 s, bench 160, ab 90, kernels 2 x 120, diag 90, ffn 150, load 120, overhead 150, invariant 90, profile
+#   60; a call may run 600). On an H200: `tests ffn bench overhead invariant` took 310 s (its tests then had 60 s,
+#   too few for all of them), `tests ab bench overhead profile` with CUDA_TESTS naming three files and
+#   BENCH_DTYPES=bf16 230 s, `diag ab bench` (BENCH_DTYPES=bf16) 145 s. What the next GPU should run first
+#   (everything since has run on the CPU only: the batch-invariant one-row graphs, bench at the offline prefill
+#   budget, the mid-burst slot moves, the server test's fixed reference, the fused add + layer norm and the decode
+#   kernel's wide configuration): T=short bash benchmarks/gpu_round.sh tests bench invariant overhead   then   ...
+#   kernels ab profile
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
 usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,sampling,attention,invariant,profile}..."
