@@ -230,14 +230,20 @@ class StaticDecoder:
                          gather=self.each_row)
         return self.model.forward_paged(ids, positions, view, None, "last", mask)
 
-    def _inputs(self, k: int = 1) -> tuple:
-        """Every row's last token and position into io, for k steps: -> (rows D, batch bucket B, span)."""
+    def _rows_into(self, host) -> list:
+        """Every row's last token, position (and keys read), 1 into columns 0..D-1 of host (numpy, (5, >= D));
+        -> the positions."""
         d = len(self.rows)
-        host = self.host_np
         positions = [len(r.prompt) + len(r.output) - 1 for r in self.rows]
         host[0, :d] = [r.output[-1] for r in self.rows]
         host[1, :d] = host[2, :d] = positions
         host[3, :d] = 1
+        return positions
+
+    def _inputs(self, k: int = 1) -> tuple:
+        """Every row's last token and position into io, for k steps: -> (rows D, batch bucket B, span)."""
+        d, host = len(self.rows), self.host_np
+        positions = self._rows_into(host)
         host[0, d:], host[1, d:], host[2, d:], host[3, d:] = 0, self.max_len - 1, 0, 0
         self.io.copy_(self.host, non_blocking=True)  # the whole buffer: a strided part would bypass the pinned copy
         return d, first_at_least(self.buckets, d), first_at_least(self.spans, max(positions) + k)
@@ -272,10 +278,8 @@ class StaticDecoder:
             self.each = self.io.new_zeros(5, 2 * d)
             self.each_host = torch.zeros(5, 2 * d, dtype=torch.long, pin_memory=self.use_graphs)
         rows = self.each_host.numpy()
-        positions = [len(r.prompt) + len(r.output) - 1 for r in self.rows]
-        rows[0, :d] = [r.output[-1] for r in self.rows]
-        rows[1, :d] = rows[2, :d] = positions
-        rows[3, :d], rows[4, :d] = 1, range(d)
+        positions = self._rows_into(rows)
+        rows[4, :d] = range(d)
         self.each.copy_(self.each_host, non_blocking=True)  # (the sampler's copy back ends the step before the next)
         out = None
         for i in range(d):  # the row's own span bucket: how many keys a row's attention sums is its own
