@@ -17,7 +17,8 @@ thread (the steps, sampling, detokenizing, handing tokens over), medians over ro
 With --tokenizer DIR, also the detokenizer's (TextStream's) microseconds per token at 64, 256 and 1024 tokens.
 
     python benchmarks/serve_overhead.py [--model random:tiny] [--clients 256] [--max-tokens 64] [--rounds 3] \\
-        [--src before=/path/to/old/src] [--tokenizer DIR] [--out benchmarks/results/serve-overhead.json]
+        [--src before=/path/to/old/src] [--tokenizer DIR] [--stream-interval N] \\
+        [--out benchmarks/results/serve-overhead.json]
 """
 
 import argparse
@@ -93,7 +94,7 @@ def through_http(src: str, args, vocab: int) -> dict:
     env = child_env(src)
     cmd = [sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(args.clients), "--max-waiting", str(args.clients), "--threads", str(args.threads),
-           "--device", args.device]
+           "--device", args.device, "--stream-interval", str(args.stream_interval)]
     proc, _ = start(cmd, port, env=env)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as r:
@@ -179,6 +180,7 @@ def main():
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--stream-interval", type=int, default=1, help="serve's --stream-interval (tokens a chunk)")
     p.add_argument("--src", action="append", default=[], help="label=path of another tree's src (A/B)")
     p.add_argument("--tokenizer", help="a tokenizer directory: also time TextStream per token (GPT-2's own files)")
     p.add_argument("--out", default="benchmarks/results/serve-overhead.json")
@@ -206,7 +208,8 @@ def main():
     for name, us in (detok or {}).items():
         print(f"{name:12s} TextStream us/token at 64 / 256 / 1024 tokens: " + " / ".join(f"{v:.2f}" for v in us.values()))
     result = {"machine": cpu_info()["cpu"], "detokenize_us_per_token": detok, "model": args.model, "device": args.device, "clients": args.clients,
-              "max_tokens": args.max_tokens, "threads": args.threads, "rounds": args.rounds, "median": med,
+              "max_tokens": args.max_tokens, "threads": args.threads, "rounds": args.rounds,
+              "stream_interval": args.stream_interval, "median": med,
               "runs": runs}
     for name, m in med.items():
         print(f"{name:12s} " + "  ".join(f"{k} {v:.2f}" for k, v in m.items()))

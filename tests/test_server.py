@@ -136,6 +136,25 @@ def test_openai_client_streaming_equals_whole(client, server):
     assert "".join(parts) == whole.choices[0].text and finish == whole.choices[0].finish_reason
 
 
+def test_stream_interval_sends_fewer_chunks_of_the_same_text(model_dir, client, server):
+    """`serve --stream-interval 4`: after the first chunk at least 4 tokens a chunk (but the last); the same text
+    and finish as the whole answer of a server that streams every token. (Exact chunking: test_serving.py.)"""
+    whole = client.completions.create(model=server.model, prompt="Hello", max_tokens=13, temperature=0,
+                                      extra_body={"ignore_eos": True})
+    s = Server(model_dir, "--stream-interval", "4")
+    try:
+        body = {"model": s.model, "prompt": "Hello", "max_tokens": 13, "temperature": 0, "stream": True,
+                "ignore_eos": True, "return_token_ids": True}
+        with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    finally:
+        s.stop()
+    sizes = [len(c["choices"][0]["token_ids"]) for c in chunks]  # more a chunk where the loop fell behind
+    assert sum(sizes) == 13 and all(n >= 4 for n in sizes[1:-1]), sizes
+    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.choices[0].text
+    assert chunks[-1]["choices"][0]["finish_reason"] == whole.choices[0].finish_reason == "length"
+
+
 def test_prompt_list_seed_and_stop(client, server):
     r = client.completions.create(model=server.model, prompt=["the lazy", "Hello"], max_tokens=8, temperature=0)
     assert [c.index for c in r.choices] == [0, 1]
@@ -948,6 +967,7 @@ def test_loopback_and_authorized():
     (["--port", "99999"], "gpt2ffn serve: argument --port: a TCP port is an int in [0, 65535], got '99999'"),
     (["--port", "-5"], "gpt2ffn serve: argument --port: a TCP port is an int in [0, 65535], got '-5'"),
     (["--max-n", "0"], "--max-n must be in [1, 128], got 0"),
+    (["--stream-interval", "0"], "--stream-interval must be in [1, inf], got 0"),
     (["--max-model-len", "0"], "--max-model-len must be in [1, inf], got 0"),
     (["--api-key", ""], "--api-key: a key must be non-empty"),
     (["--api-key", "two words"], "--api-key: a key must be non-empty"),

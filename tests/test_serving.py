@@ -384,3 +384,62 @@ def test_a_cut_loop_ends_every_request_even_one_submitted_after_it():
         assert run(loop).finish_reason == "error"  # it stays
     finally:
         loop.stop()
+
+
+@pytest.mark.parametrize("interval", [1, 3])
+def test_stream_interval_sends_the_first_token_then_every_n(interval):
+    """--stream-interval N: a choice's first token goes out alone (the time to first token is not delayed), then
+    one chunk per N of its tokens, the rest with its finish; the texts join to the same answer. An engine error
+    sends the tokens held before it, then the error. N = 1 sends every token."""
+    import asyncio
+    import json
+    from types import SimpleNamespace
+
+    from gpt2ffn.serving.engine import Token
+    from gpt2ffn.serving.http import sse
+    from gpt2ffn.serving.protocol import CompletionRequest
+    from gpt2ffn.serving.service import Choices, Service
+    svc = Service("random:tiny")
+    svc.tok, svc.name = SimpleNamespace(decode=lambda ids: "".join("abcdefgh"[i] for i in ids)), "m"
+
+    class Answer:  # one engine step per call, one token of each choice a step
+        def __init__(self, steps):
+            self.steps, self.done = list(steps), False
+
+        async def next(self):
+            return self.steps.pop(0) if self.steps else []
+
+    def run(steps, n=1):
+        body = CompletionRequest(model="m", prompt=[0], n=n, stream=True)
+        samplings = [Sampling(max_new_tokens=8)] * n
+        choices = Choices(svc, body, [[0]], samplings)
+        events = []
+
+        async def go():
+            async for out in sse(Answer(steps(choices)), choices, interval):
+                batch = [json.loads(e[6:]) for e in out.split("\n\n") if e.startswith("data: {")]
+                events.extend([batch] if batch else [])  # not [DONE]
+        asyncio.run(go())
+        return choices, events
+
+    def tokens(choices, n_tokens=7, n=1, error_at=None):
+        r = [Request([0], Sampling(max_new_tokens=8)) for _ in range(n)]
+        steps = []
+        for i in range(n_tokens):
+            if i == error_at:
+                steps.append(SimpleNamespace(body=b'{"error": "x"}'))
+                break
+            last = i == n_tokens - 1
+            steps.append([(c, Token(r[c], i % 8, text="abcdefgh"[i % 8], finish_reason="length" if last else None))
+                          for c in range(n)])
+        return steps
+    choices, events = run(tokens)
+    texts = ["".join(c["choices"][0]["text"] for c in e) for e in events]
+    assert "".join(texts) == "abcdefg" and choices.texts == ["abcdefg"]
+    assert texts == (list("abcdefg") if interval == 1 else ["a", "bcd", "efg"])
+    assert events[-1][-1]["choices"][0]["finish_reason"] == "length"
+    _, events = run(lambda ch: tokens(ch, n_tokens=8, n=2), n=2)  # two choices, each counted on its own
+    per = [sorted(c["choices"][0]["index"] for c in e) for e in events]
+    assert all(p == [0, 1] for p in per) and len(events) == (8 if interval == 1 else 4)  # 1, 3, 3, 1
+    _, events = run(lambda ch: tokens(ch, error_at=3))
+    assert "".join(c["choices"][0]["text"] for e in events for c in e if "choices" in c) == "abc"

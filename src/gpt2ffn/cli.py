@@ -389,7 +389,8 @@ def cmd_serve(args):
           max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
           kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds,
           cuda_graphs=not args.no_cuda_graphs, skip_tokenizer=args.skip_tokenizer_init,
-          served_names=args.served_model_name or (), shutdown_timeout=args.shutdown_timeout)
+          served_names=args.served_model_name or (), shutdown_timeout=args.shutdown_timeout,
+          stream_interval=args.stream_interval)
     return _leave(args.tp)
 
 
@@ -549,6 +550,9 @@ def build_parser() -> Parser:
                    "stop_token_ids")
     p.add_argument("--limit-concurrency", type=int, metavar="N", help="uvicorn's: beyond N connections or "
                    "requests at once, 503 at once (default: no limit; --max-waiting still applies)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="N", help="SGLang's: a streamed choice's "
+                   "first token goes out at once, then a chunk every N tokens (and at its end): fewer events for "
+                   "many streaming clients (default 1: every token)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")

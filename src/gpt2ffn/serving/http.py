@@ -357,7 +357,9 @@ class Stream(StreamingResponse):
     a whole answer; 499 for a client that left mid-stream (an error's own status was counted where it arose)."""
 
     def __init__(self, svc: Service, answer: Answer, choices: Choices):
-        super().__init__(sse(answer, choices), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        interval = getattr(answer.request.app.state, "stream_interval", 1)
+        super().__init__(sse(answer, choices, interval), media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache"})
         self.svc, self.answer = svc, answer
 
     async def __call__(self, scope, receive, send):
@@ -372,18 +374,42 @@ class Stream(StreamingResponse):
                 self.svc.metrics.requests.labels("499").inc()
 
 
-async def sse(answer: Answer, choices: Choices):
+def due(held: list, shown: set, interval: int) -> bool:
+    """Whether the held (choice, Token) pairs go out now: a choice's first token (the time to first token is not
+    delayed), a finish, or `interval` tokens of one choice since its last chunk."""
+    if interval == 1:
+        return True
+    count = {}
+    for c, ev in held:
+        if ev.finish_reason or c not in shown:
+            return True
+        count[c] = count.get(c, 0) + 1
+    return max(count.values()) >= interval
+
+
+async def sse(answer: Answer, choices: Choices, interval: int = 1):
     """Per choice a chunk of the text that came since the last one (one token, or several when the client or the
-    loop fell behind), [DONE] last (an error body instead if the engine failed)."""
+    loop fell behind, or with --stream-interval N every N tokens after the first), [DONE] last (an error body
+    instead if the engine failed, after the tokens that came before it)."""
     if choices.chat:
         yield f"data: {json.dumps(choices.role_chunk())}\n\n"
+    held, shown = [], set()
     while items := await answer.next():
         if not isinstance(items, list):
+            if held:
+                yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(held))
             yield f"data: {items.body.decode()}\n\n"
             return
-        out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(items))
+        held += items
+        if not due(held, shown, interval):
+            continue
+        shown.update(c for c, _ in held)
+        out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(held))
+        held = []
         if out:
             yield out
+    if held:
+        yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(held))
     if choices.include_usage:
         yield f"data: {json.dumps(choices.usage_chunk())}\n\n"
     yield "data: [DONE]\n\n"
@@ -542,11 +568,13 @@ async def crashed(request: Request, exc: Exception):
                   kind="server_error")
 
 
-def create_app(svc: Service, max_body: int = MAX_BODY, api_keys=(), metrics_public: bool = False) -> FastAPI:
-    """The FastAPI app over `svc`: routes, API keys, the body limit and the OpenAI-shaped validation errors."""
+def create_app(svc: Service, max_body: int = MAX_BODY, api_keys=(), metrics_public: bool = False,
+               stream_interval: int = 1) -> FastAPI:
+    """The FastAPI app over `svc`: routes, API keys, the body limit and the OpenAI-shaped validation errors.
+    stream_interval (SGLang's --stream-interval): a stream's chunks after the first carry N tokens of a choice."""
     app = FastAPI(title="gpt2ffn", version=__import__("gpt2ffn").__version__, lifespan=lifespan,
                   description="OpenAI-compatible completions over gpt2ffn's GPT-2, continuously batched.")
-    app.state.service, app.state.max_body = svc, max_body
+    app.state.service, app.state.max_body, app.state.stream_interval = svc, max_body, stream_interval
     app.state.api_keys, app.state.metrics_public = [digest(k) for k in api_keys], metrics_public
     app.add_middleware(Gate)
     app.add_exception_handler(RequestValidationError, invalid)
@@ -614,7 +642,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
           precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
           rank=0, api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
           max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
-          skip_tokenizer=False, served_names=(), shutdown_timeout=60.0):
+          skip_tokenizer=False, served_names=(), shutdown_timeout=60.0, stream_interval=1):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
     tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes.
     skip_tokenizer (vLLM's --skip-tokenizer-init): no tokenizer is read; prompts are token ids, and each choice
@@ -638,7 +666,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     for flag, value, least, most in (("--max-model-len", max_model_len, 1, None), ("--max-n", max_n, 1, MAX_CHOICES),
                                      ("--limit-concurrency", limit_concurrency, 2, None),
                                      ("--max-batch", max_batch, 1, None), ("--max-waiting", max_waiting, 0, None),
-                                     ("--threads", threads, 1, None)):
+                                     ("--threads", threads, 1, None), ("--stream-interval", stream_interval, 1, None)):
         if value is not None and not least <= value <= (most or value):
             raise Gpt2ffnError(f"{flag} must be in [{least}, {most or 'inf'}], got {value}")
     if not 0 <= shutdown_timeout < float("inf"):
@@ -670,7 +698,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         svc.load()
         svc.engine.follow()  # returns when rank 0's engine thread stops
         return
-    app = create_app(svc, api_keys=api_keys, metrics_public=metrics_public)
+    app = create_app(svc, api_keys=api_keys, metrics_public=metrics_public, stream_interval=stream_interval)
     if limit_concurrency:
         busy_in_openai_shape(svc)
     if not api_keys and not loopback(host):
