@@ -392,6 +392,7 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
     one chunk per N of its tokens, the rest with its finish; the texts join to the same answer. An engine error
     sends the tokens held before it, then the error. N = 1 sends every token."""
     import asyncio
+    import dataclasses
     import json
     from types import SimpleNamespace
 
@@ -441,5 +442,12 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
     _, events = run(lambda ch: tokens(ch, n_tokens=8, n=2), n=2)  # two choices, each counted on its own
     per = [sorted(c["choices"][0]["index"] for c in e) for e in events]
     assert all(p == [0, 1] for p in per) and len(events) == (8 if interval == 1 else 4)  # 1, 3, 3, 1
+    def quiet_first(ch):  # the first token's text held back (a possible stop string): the first text goes at once
+        steps = tokens(ch)
+        steps[0] = [(c, dataclasses.replace(ev, text="")) for c, ev in steps[0]]
+        return steps
+    _, events = run(quiet_first)
+    texts = ["".join(c["choices"][0]["text"] for c in e) for e in events]
+    assert texts == (list("bcdefg") if interval == 1 else ["b", "cde", "fg"])
     _, events = run(lambda ch: tokens(ch, error_at=3))
     assert "".join(c["choices"][0]["text"] for e in events for c in e if "choices" in c) == "abc"

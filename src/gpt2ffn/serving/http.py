@@ -403,9 +403,9 @@ async def sse(answer: Answer, choices: Choices, interval: int = 1):
         held += items
         if not due(held, shown, interval):
             continue
-        shown.update(c for c, _ in held)
-        out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(held))
-        held = []
+        chunks, held = choices.chunks(held), []
+        shown.update(chunk["choices"][0]["index"] for chunk in chunks)  # a first token with no text yet waits on
+        out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
         if out:
             yield out
     if held:
