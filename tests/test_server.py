@@ -147,11 +147,15 @@ def test_stream_interval_sends_fewer_chunks_of_the_same_text(model_dir, client, 
                 "ignore_eos": True, "return_token_ids": True}
         with httpx.stream("POST", s.url + "/v1/completions", json=body, timeout=60) as r:
             chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+        from openai import OpenAI  # the openai client reads the same stream
+        parts = [c.choices[0].text for c in OpenAI(base_url=s.url + "/v1", api_key="none").completions.create(
+            model=s.model, prompt="Hello", max_tokens=13, temperature=0, stream=True,
+            extra_body={"ignore_eos": True}) if c.choices]
     finally:
         s.stop()
     sizes = [len(c["choices"][0]["token_ids"]) for c in chunks]  # more a chunk where the loop fell behind
     assert sum(sizes) == 13 and all(n >= 4 for n in sizes[1:-1]), sizes
-    assert "".join(c["choices"][0]["text"] for c in chunks) == whole.choices[0].text
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "".join(parts) == whole.choices[0].text
     assert chunks[-1]["choices"][0]["finish_reason"] == whole.choices[0].finish_reason == "length"
 
 

@@ -357,9 +357,8 @@ class Stream(StreamingResponse):
     a whole answer; 499 for a client that left mid-stream (an error's own status was counted where it arose)."""
 
     def __init__(self, svc: Service, answer: Answer, choices: Choices):
-        interval = getattr(answer.request.app.state, "stream_interval", 1)
-        super().__init__(sse(answer, choices, interval), media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
+        super().__init__(sse(answer, choices, answer.request.app.state.stream_interval),
+                         media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.svc, self.answer = svc, answer
 
     async def __call__(self, scope, receive, send):
@@ -387,6 +386,10 @@ def due(held: list, shown: set, interval: int) -> bool:
     return max(count.values()) >= interval
 
 
+def events(chunks: list) -> str:
+    return "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
+
+
 async def sse(answer: Answer, choices: Choices, interval: int = 1):
     """Per choice a chunk of the text that came since the last one (one token, or several when the client or the
     loop fell behind, or with --stream-interval N every N tokens after the first), [DONE] last (an error body
@@ -397,7 +400,7 @@ async def sse(answer: Answer, choices: Choices, interval: int = 1):
     while items := await answer.next():
         if not isinstance(items, list):
             if held:
-                yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(held))
+                yield events(choices.chunks(held))
             yield f"data: {items.body.decode()}\n\n"
             return
         held += items
@@ -405,11 +408,11 @@ async def sse(answer: Answer, choices: Choices, interval: int = 1):
             continue
         chunks, held = choices.chunks(held), []
         shown.update(chunk["choices"][0]["index"] for chunk in chunks)  # a first token with no text yet waits on
-        out = "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in chunks)
+        out = events(chunks)
         if out:
             yield out
     if held:
-        yield "".join(f"data: {json.dumps(chunk)}\n\n" for chunk in choices.chunks(held))
+        yield events(choices.chunks(held))
     if choices.include_usage:
         yield f"data: {json.dumps(choices.usage_chunk())}\n\n"
     yield "data: [DONE]\n\n"
