@@ -104,6 +104,6 @@ struct CausalArgs {
   int64_t ldo;
   bool f16;
 };
-constexpr int64_t ATT_ROWS = 4;  // the most queries a causal-attention block takes (every build's ATT_MQ <= 4)
+constexpr int64_t ATT_ROWS = 8;  // the most queries a causal-attention block takes (every build's ATT_MQ <= 8)
 
 }  // namespace gpt2ffn

@@ -266,7 +266,14 @@ static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
     const T* v = static_cast<const T*>(a.v) + d0;
     float* out = a.out + i0 * a.ldo + d0;
     switch ((hd - d0 >= 64 ? 64 : hd - d0) / 16) {
-      case 4: weigh_values<MQ, 4>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
+      case 4:
+        if (MQ * 4 > 16) {  // at most 16 accumulators: two passes of 32 lanes
+          weigh_values<MQ, 2>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo);
+          weigh_values<MQ, 2>(a.p, ldp, v + 32, a.ldv, nmax, inv, out + 32, a.ldo);
+        } else {
+          weigh_values<MQ, 4>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo);
+        }
+        break;
       case 3: weigh_values<MQ, 3>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
       case 2: weigh_values<MQ, 2>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
       default: weigh_values<MQ, 1>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo); break;
@@ -321,10 +328,20 @@ static void attend_causal_kv(const CausalArgs& a) {
   const T* k = static_cast<const T*>(a.k);
   for (int64_t d = 0; d < hd; d++)  // K^T, so 16 keys' scores are one vector: q_d times row d, summed over d
     for (int64_t j = L; j < Lp; j++) a.kt[d * Lp + j] = 0.0f;
-  for (int64_t j = 0; j < L; j++)
-    for (int64_t d = 0; d < hd; d++) a.kt[d * Lp + j] = kv_float(k[j * a.ldk + d]);
+  const int64_t L16 = L / 16 * 16, hd16 = hd / 16 * 16;
+  for (int64_t j0 = 0; j0 < L16; j0 += 16)  // blocks of 16 keys x 16 lanes through the registers
+    for (int64_t d0 = 0; d0 < hd16; d0 += 16) {
+      V r[16];
+      for (int i = 0; i < 16; i++) r[i] = vload_kv(k + (j0 + i) * a.ldk + d0);
+      vtranspose16(r);
+      for (int i = 0; i < 16; i++) vstore(a.kt + (d0 + i) * Lp + j0, r[i]);
+    }
+  for (int64_t j = 0; j < L; j++)  // the rest: keys after the last 16, lanes after the last 16
+    for (int64_t d = j < L16 ? hd16 : 0; d < hd; d++) a.kt[d * Lp + j] = kv_float(k[j * a.ldk + d]);
   int64_t i = 0;
   for (; i + ATT_MQ <= a.T; i += ATT_MQ) attend_block<ATT_MQ, T>(a, i, Lp);
+  if constexpr (ATT_MQ > 4)
+    for (; i + 4 <= a.T; i += 4) attend_block<4, T>(a, i, Lp);
   for (; i < a.T; i++) attend_block<1, T>(a, i, Lp);
 }
 

@@ -608,13 +608,18 @@ class StepPlan {
         const int64_t chunk = std::max<int64_t>(1, L.nsuper / (8 * nt));  // ~8 runs a thread
         // Each thread's own share of the super-blocks first, run after run in order, then what the others have
         // left: a thread's runs mostly follow one another, so the kernels' fetch of the super-block after a run
-        // is mostly of the one that thread takes next, and a thread the machine slows still takes less.
+        // is mostly of the one that thread takes next, and a thread the machine slows still takes less. A run
+        // takes at most half of what is left of a share, so the last runs are of one super-block and the thread
+        // that finishes first waits at the barrier for at most one, not for a whole run.
         std::atomic<int64_t>* taken = &next[phase++ * nt];
         for (int k = 0; k < nt; k++) {
           const int u = (tid + k) % nt;
           const int64_t begin = L.nsuper * u / nt, end = L.nsuper * (u + 1) / nt;
-          for (int64_t s0; (s0 = begin + taken[u].fetch_add(chunk)) < end;) {
-            const int64_t s1 = std::min(end, s0 + chunk);
+          for (int64_t done = taken[u].load(std::memory_order_relaxed); begin + done < end;) {
+            const int64_t n = std::max<int64_t>(1, std::min(chunk, (end - begin - done) / 2));
+            if (!taken[u].compare_exchange_weak(done, done + n, std::memory_order_relaxed)) continue;
+            const int64_t s0 = begin + done, s1 = s0 + n;
+            done += n;
             fn(a, s0, s1);
             post(s0 * 64, std::min(L.N, s1 * 64));
           }

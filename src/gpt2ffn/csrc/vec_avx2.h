@@ -79,6 +79,31 @@ static inline void vstore_u16(uint16_t* p, V a) {
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, hi), 0xD8);  // packus works per 128 bits
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), packed);
 }
+// An 8 x 8 block of 8-lane rows transposed in registers (pairs, quads, then the 128-bit halves).
+static inline void transpose8(__m256 (&r)[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 8; i += 4) {
+    u[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {
+    r[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+    r[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+  }
+}
+// r[i][j] -> r[j][i] for 16 rows of 16 lanes: four 8 x 8 blocks, the off-diagonal two swapped.
+static inline void vtranspose16(V (&r)[16]) {
+  __m256 a[8], b[8], c[8], d[8];  // rows 0-7 lanes 0-7, rows 8-15 lanes 0-7, rows 0-7 lanes 8-15, rows 8-15 lanes 8-15
+  for (int i = 0; i < 8; i++) a[i] = r[i].lo, b[i] = r[i + 8].lo, c[i] = r[i].hi, d[i] = r[i + 8].hi;
+  transpose8(a), transpose8(b), transpose8(c), transpose8(d);
+  for (int i = 0; i < 8; i++) r[i] = {a[i], b[i]}, r[i + 8] = {c[i], d[i]};
+}
 constexpr int VREGS = 8;  // 16-lane vectors the 16 ymm registers hold
 constexpr int ATT_MQ = 2;  // queries a causal-attention block (linear_impl.h): 2 x 4 x 2 registers
 }  // namespace avx2

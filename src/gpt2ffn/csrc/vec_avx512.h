@@ -53,7 +53,32 @@ static inline V vwhere_ge(V a, V t, V x, V other) {
 static inline void vstore_u16(uint16_t* p, V a) {
   _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_cvttps_epi32(a.v)));
 }
+// r[i][j] -> r[j][i]: a 16 x 16 block transposed in registers (pairs, then quads within 128 bits, then the
+// 128-bit lanes), 64 shuffles where a scalar copy takes 256 loads and stores
+static inline void vtranspose16(V (&r)[16]) {
+  __m512 t[16], u[16];
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i].v, r[i + 1].v);
+    t[i + 1] = _mm512_unpackhi_ps(r[i].v, r[i + 1].v);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    u[i] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 1] = _mm512_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+    u[i + 2] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+    u[i + 3] = _mm512_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+  }
+  for (int i = 0; i < 4; i++) {
+    t[i] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0x88);
+    t[i + 4] = _mm512_shuffle_f32x4(u[i], u[i + 4], 0xdd);
+    t[i + 8] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0x88);
+    t[i + 12] = _mm512_shuffle_f32x4(u[i + 8], u[i + 12], 0xdd);
+  }
+  for (int i = 0; i < 8; i++) {
+    r[i].v = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+    r[i + 8].v = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+  }
+}
 constexpr int VREGS = 32;  // vector registers of 16 lanes
-constexpr int ATT_MQ = 4;  // queries a causal-attention block (linear_impl.h): 4 x 4 accumulators
+constexpr int ATT_MQ = 8;  // queries a causal-attention block (linear_impl.h): 8 x 2 accumulators
 }  // namespace avx512
 }  // namespace gpt2ffn
