@@ -535,6 +535,10 @@ def ffn_six(x, a, b, c, d, e):
 
 def ffn_keyerror(x, c_fc, c_proj):
     return x @ c_fc["kernel"]
+
+
+def ffn_torch_reshaped(x, w1, b1, w2, b2):  # a reshape where a transpose was meant: fails in every style
+    return F.linear(F.gelu(F.linear(x, w1.reshape(w1.shape[1], w1.shape[0]), b1), approximate="tanh"), w2, b2)
 """
 
 
@@ -560,7 +564,10 @@ def test_picogpt_style_functions_given_their_weights(name, code, says, golden, t
     ("ffn_six", "learner.py:ffn_six(x, a, b, c, d, e) takes 5 weight arguments; check calls a GELU f(x), "
                 "picoGPT's ffn(x, c_fc, c_proj) or ffn(x, w1, b1, w2, b2)"),
     ("ffn_keyerror", "failed in every calling style check knows (picoGPT's dicts {'w', 'b'}; dicts {'weight', "
-                     "'bias'}; numpy or torch; weights [in, out] or [out, in]), the first with KeyError: 'kernel'"),
+                     "'bias'}; numpy or torch; weights [in, out] or [out, in]); with numpy arrays first: "
+                     "KeyError: 'kernel'; with torch tensors first: KeyError: 'kernel'"),
+    # a torch-only function: its own error in the torch styles is shown, not only numpy's TypeError
+    ("ffn_torch_reshaped", "; with torch tensors first: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
 ])
 def test_functions_check_cannot_call_are_one_line(name, message, golden, tmp_path, capsys):
     path = learner_file(tmp_path, PICO)
@@ -661,6 +668,8 @@ def test_load_object_errors(tmp_path):
         load_object("no_colon.py")
     with pytest.raises(CheckError, match="no file nope.py"):
         load_object("nope.py:X")
+    with pytest.raises(CheckError, match="is a directory: give the Python file in it"):
+        load_object(f"{tmp_path}:MLP")
 
 
 def test_diagnose_names_the_residual_stream_input_and_dropout():

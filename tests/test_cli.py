@@ -50,6 +50,8 @@ def test_gelu_plot(tmp_path, capsys):
     (["bench", "--repeats", "5"], "argument --repeats: an int >= 10, got '5'"),
     (["generate", "--model", "random:tiny", "--ids", "1,2", "--stop", ""], "--stop takes non-empty strings"),
     (["generate", "--model", "", "x"], "--model is empty"),
+    (["generate", "--model", "random:tiny", "--ids", "1,2", "--top-k", "-1"], "--top-k must be >= 0 (0 = off"),
+    (["generate", "--model", "random:tiny", "--ids", "-1,2"], "token ids must be in [0, "),  # not argparse's
     (["serve", "--model", ""], "--model is empty"),
     (["bench", "--batch", "4"], "--batch applies to --model"),
     (["serve", "--model", "random:tiny", "--host", "a" * 70], "is not a host name"),
@@ -68,6 +70,17 @@ def test_help(argv, capsys):
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 0 and "usage: gpt2ffn" in capsys.readouterr().out
+
+
+def test_generate_top_k_0_is_off_as_in_hf_and_the_server(capsys):
+    argv = ["generate", "--model", "random:tiny", "--ids", "1,2", "--temperature", "0.8", "--seed", "3",
+            "--max-new-tokens", "8"]
+    assert main(argv) == 0
+    whole = capsys.readouterr().out
+    assert main([*argv, "--top-k", "0"]) == 0
+    assert capsys.readouterr().out == whole
+    assert main([*argv, "--top-k", "1"]) == 0  # negative control: top-k 1 is greedy, another draw
+    assert capsys.readouterr().out != whole
 
 
 def test_generate_precision(capsys):

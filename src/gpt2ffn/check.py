@@ -458,7 +458,7 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                          "GELU f(x), picoGPT's ffn(x, c_fc, c_proj) or ffn(x, w1, b1, w2, b2)")
     x2 = case.x[0]
     T, d = x2.shape
-    first_error = None
+    first_error, errors = None, {}  # errors: each library's first, so a torch-only function's own error is seen
     for style in styles:
         for lib in ("numpy", "torch"):
             for layout in ("[in, out]", "[out, in]"):
@@ -469,9 +469,11 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                         out = [np.asarray(fn(x, *args), dtype=np.float32) for _ in range(2)]
                 except Exception as e:
                     first_error = first_error or f"{type(e).__name__}: {e}".splitlines()[0]
+                    errors.setdefault(lib, f"{type(e).__name__}: {e}".splitlines()[0])
                     continue
                 if out[0].shape != (T, d):
                     first_error = first_error or f"it returned shape {out[0].shape} for input ({T}, {d})"
+                    errors.setdefault(lib, f"it returned shape {out[0].shape} for input ({T}, {d})")
                     continue
                 info = [f"a function: {name}({', '.join(['x', *names])}), called with {lib} {style}, weights "
                         f"{layout}" + (" (F.linear's layout)" if layout == "[out, in]" else " (x @ w, HF's Conv1D)"),
@@ -483,8 +485,8 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 first, again = ({"ffn": o[None]} for o in out)
                 return _judge(name, info, first, again, case, atol, "not seen: a function's inner values")
     raise CheckError(f"{name}({', '.join(['x', *names])}) failed in every calling style check knows "
-                     f"({'; '.join(styles)}; numpy or torch; weights [in, out] or [out, in]), the first with "
-                     f"{first_error}")
+                     f"({'; '.join(styles)}; numpy or torch; weights [in, out] or [out, in]); with numpy arrays "
+                     f"first: {errors['numpy']}; with torch tensors first: {errors['torch']}")
 
 
 def check_picogpt(fn, name: str, names: list, source: str, case_of, cfg: Config):

@@ -326,7 +326,9 @@ def cmd_generate(args):
     new = args.max_new_tokens
     if new is None:  # not given: 50, or what the context has room for (an 8-position model's 2-token prompt: 6)
         new = max(1, min(50, model.config.n_positions - len(ids)))
-    s = Sampling(max_new_tokens=new, temperature=args.temperature, top_k=args.top_k,
+    if args.top_k is not None and args.top_k < 0:
+        raise UsageError(f"gpt2ffn generate: --top-k must be >= 0 (0 = off, as HF's and the server's), got {args.top_k}")
+    s = Sampling(max_new_tokens=new, temperature=args.temperature, top_k=args.top_k or None,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     if rank != 0:  # --tp: the other ranks run rank 0's forward passes on their shards
         engine_for(model, [ids], s, decode).follow()
@@ -491,7 +493,7 @@ def build_parser() -> Parser:
                    "openai-community/gpt2 from the local HF cache")
     p.add_argument("--max-new-tokens", type=int, help="default 50, or the room the context has left")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens; 0 = off (default)")
     p.add_argument("--top-p", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
@@ -583,12 +585,24 @@ def build_parser() -> Parser:
     return parser
 
 
+def _joined_ids(argv: list) -> list:
+    """`--ids -1,2` as `--ids=-1,2`: argparse takes a value that starts with '-' (and is not one negative number)
+    for an option, and would say only "expected one argument" where the range check names the bad id."""
+    out = []
+    for arg in argv:
+        if out and out[-1] == "--ids" and arg.startswith("-") and arg[1:2].isdigit():
+            out[-1] = f"--ids={arg}"
+        else:
+            out.append(arg)
+    return out
+
+
 def main(argv=None) -> int:
     # HF's progress bars and config warnings ("Loading weights: 100%|...") are not the CLI's one-line output
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser().parse_args(_joined_ids(sys.argv[1:] if argv is None else list(argv)))
         return args.func(args)
     except Gpt2ffnError as e:
         print(f"error: {e}", file=sys.stderr)

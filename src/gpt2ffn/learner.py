@@ -99,6 +99,8 @@ def load_object(target: str):
     if not sep or not file or not name:
         raise CheckError(f"expected FILE.py:NAME (a class or an instance in the file), got {target!r}")
     path = Path(file).resolve()
+    if path.is_dir():
+        raise CheckError(f"{file} is a directory: give the Python file in it, FILE.py:NAME")
     if not path.is_file():
         raise CheckError(f"no file {file}")
     # As `python FILE.py` would: its folder first on sys.path, so it imports its neighbours (the book's
