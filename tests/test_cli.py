@@ -50,7 +50,7 @@ def test_gelu_plot(tmp_path, capsys):
     (["bench", "--repeats", "5"], "argument --repeats: an int >= 10, got '5'"),
     (["generate", "--model", "random:tiny", "--ids", "1,2", "--stop", ""], "--stop takes non-empty strings"),
     (["generate", "--model", "", "x"], "--model is empty"),
-    (["generate", "--model", "random:tiny", "--ids", "1,2", "--top-k", "-1"], "--top-k must be >= 0 (0 = off"),
+    (["generate", "--model", "random:tiny", "--ids", "1,2", "--top-k", "-1"], "--top-k must be >= 0 (0 = off, as HF"),
     (["generate", "--model", "random:tiny", "--ids", "-1,2"], "token ids must be in [0, "),  # not argparse's
     (["serve", "--model", ""], "--model is empty"),
     (["bench", "--batch", "4"], "--batch applies to --model"),

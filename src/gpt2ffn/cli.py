@@ -314,6 +314,8 @@ def cmd_generate(args):
     rank = _join(args.tp, args.command)
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("gpt2ffn generate: give a prompt or --ids (token ids, e.g. --ids 15496,11,616), not both")
+    if args.top_k is not None and args.top_k < 0:
+        raise UsageError(f"gpt2ffn generate: --top-k must be >= 0 (0 = off, as HF's), got {args.top_k}")
     model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device, tp=args.tp,
                             activations=_activations(args.activations), kv_dtype=_dtype(args.kv_cache_dtype),
                             need_tokenizer=args.ids is None)
@@ -326,8 +328,6 @@ def cmd_generate(args):
     new = args.max_new_tokens
     if new is None:  # not given: 50, or what the context has room for (an 8-position model's 2-token prompt: 6)
         new = max(1, min(50, model.config.n_positions - len(ids)))
-    if args.top_k is not None and args.top_k < 0:
-        raise UsageError(f"gpt2ffn generate: --top-k must be >= 0 (0 = off, as HF's and the server's), got {args.top_k}")
     s = Sampling(max_new_tokens=new, temperature=args.temperature, top_k=args.top_k or None,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     if rank != 0:  # --tp: the other ranks run rank 0's forward passes on their shards

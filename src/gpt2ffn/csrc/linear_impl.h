@@ -267,7 +267,7 @@ static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
     float* out = a.out + i0 * a.ldo + d0;
     switch ((hd - d0 >= 64 ? 64 : hd - d0) / 16) {
       case 4:
-        if (MQ * 4 > 16) {  // at most 16 accumulators: two passes of 32 lanes
+        if constexpr (MQ * 4 > 16) {  // at most 16 accumulators: two passes of 32 lanes
           weigh_values<MQ, 2>(a.p, ldp, v, a.ldv, nmax, inv, out, a.ldo);
           weigh_values<MQ, 2>(a.p, ldp, v + 32, a.ldv, nmax, inv, out + 32, a.ldo);
         } else {
@@ -324,6 +324,7 @@ void attend(const AttendArgs& a) {
 
 template <typename T>
 static void attend_causal_kv(const CausalArgs& a) {
+  static_assert(ATT_MQ <= ATT_ROWS, "a block's scores need ATT_MQ rows of the scratch a.p");
   const int64_t L = a.past + a.T, hd = a.hd, Lp = (L + 63) / 64 * 64;
   const T* k = static_cast<const T*>(a.k);
   for (int64_t d = 0; d < hd; d++)  // K^T, so 16 keys' scores are one vector: q_d times row d, summed over d
