@@ -467,13 +467,12 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 try:
                     with torch.no_grad():
                         out = [np.asarray(fn(x, *args), dtype=np.float32) for _ in range(2)]
+                    error = None if out[0].shape == (T, d) else f"it returned shape {out[0].shape} for input ({T}, {d})"
                 except Exception as e:
-                    first_error = first_error or f"{type(e).__name__}: {e}".splitlines()[0]
-                    errors.setdefault(lib, f"{type(e).__name__}: {e}".splitlines()[0])
-                    continue
-                if out[0].shape != (T, d):
-                    first_error = first_error or f"it returned shape {out[0].shape} for input ({T}, {d})"
-                    errors.setdefault(lib, f"it returned shape {out[0].shape} for input ({T}, {d})")
+                    error = f"{type(e).__name__}: {e}".splitlines()[0]
+                if error:
+                    first_error = first_error or error
+                    errors.setdefault(lib, error)
                     continue
                 info = [f"a function: {name}({', '.join(['x', *names])}), called with {lib} {style}, weights "
                         f"{layout}" + (" (F.linear's layout)" if layout == "[out, in]" else " (x @ w, HF's Conv1D)"),

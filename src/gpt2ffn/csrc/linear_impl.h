@@ -329,16 +329,16 @@ static void attend_causal_kv(const CausalArgs& a) {
   const T* k = static_cast<const T*>(a.k);
   for (int64_t d = 0; d < hd; d++)  // K^T, so 16 keys' scores are one vector: q_d times row d, summed over d
     for (int64_t j = L; j < Lp; j++) a.kt[d * Lp + j] = 0.0f;
-  const int64_t L16 = L / 16 * 16, hd16 = hd / 16 * 16;
-  for (int64_t j0 = 0; j0 < L16; j0 += 16)  // blocks of 16 keys x 16 lanes through the registers
-    for (int64_t d0 = 0; d0 < hd16; d0 += 16) {
+  const int64_t L16 = L / 16 * 16;
+  for (int64_t j0 = 0; j0 < L16; j0 += 16)  // blocks of 16 keys x 16 lanes through the registers (hd % 16 == 0)
+    for (int64_t d0 = 0; d0 < hd; d0 += 16) {
       V r[16];
       for (int i = 0; i < 16; i++) r[i] = vload_kv(k + (j0 + i) * a.ldk + d0);
       vtranspose16(r);
       for (int i = 0; i < 16; i++) vstore(a.kt + (d0 + i) * Lp + j0, r[i]);
     }
-  for (int64_t j = 0; j < L; j++)  // the rest: keys after the last 16, lanes after the last 16
-    for (int64_t d = j < L16 ? hd16 : 0; d < hd; d++) a.kt[d * Lp + j] = kv_float(k[j * a.ldk + d]);
+  for (int64_t j = L16; j < L; j++)  // the keys after the last 16
+    for (int64_t d = 0; d < hd; d++) a.kt[d * Lp + j] = kv_float(k[j * a.ldk + d]);
   int64_t i = 0;
   for (; i + ATT_MQ <= a.T; i += ATT_MQ) attend_block<ATT_MQ, T>(a, i, Lp);
   if constexpr (ATT_MQ > 4)
