@@ -42,10 +42,10 @@ alignas(64) float acc[16 * 32];
 float xs[16];
 uint16_t sc[32];
 
-void configure(int k) {  // sums 0-3: 16 x 16 int32; activations 4: 16 x k bytes; weights 6, 7: k / 4 x 64 bytes
+void configure(int k) {  // sums 0-3: 16 x 16 int32; activations 4, 5: 16 x k bytes; weights 6, 7: k / 4 x 64 bytes
   TileConfig c;
   for (int t = 0; t < 4; t++) c.rows[t] = 16, c.colsb[t] = 64;
-  c.rows[4] = 16, c.colsb[4] = static_cast<uint16_t>(k);
+  for (int t = 4; t < 6; t++) c.rows[t] = 16, c.colsb[t] = static_cast<uint16_t>(k);
   for (int t = 6; t < 8; t++) c.rows[t] = static_cast<uint8_t>(k / 4), c.colsb[t] = 64;
   __asm__ volatile("ldtilecfg %0" ::"m"(c));
 }
@@ -137,5 +137,19 @@ int main() {
   });
   std::printf("K 32: tile loads + 2 products + 2 stores %.1f ns, epilogue of 16 x 32 sums %.1f, both in one step %.1f "
               "(sum of the two %.1f)\n", tiles, epi, both, tiles + epi);
+  // What overlaps a product (tile 0 from activations 4 and weights 6): a load of the activation tile it reads
+  // (4) against one into another tile (5), a store of another sum tile (3).
+  std::printf("K 32: 1 product %.2f ns; then a load into its own activation tile %.2f, into another %.2f; "
+              "then a store of another sum tile %.2f (a store alone %.2f)\n",
+              ns([](int) { TILE_DPBSSD(0, 4, 6); }), ns([](int) {
+                TILE_DPBSSD(0, 4, 6);
+                TILE_LOAD(4, A, 64);
+              }), ns([](int) {
+                TILE_DPBSSD(0, 4, 6);
+                TILE_LOAD(5, A, 64);
+              }), ns([](int) {
+                TILE_DPBSSD(0, 4, 6);
+                TILE_STORE(3, C[1][1]);
+              }), ns([](int) { TILE_STORE(3, C[1][1]); }));
   __asm__ volatile("tilerelease" ::);
 }

@@ -57,17 +57,18 @@
   __asm__ volatile("tilestored %%tmm" #t ", (%0,%1,1)" ::"r"(p), "r"(static_cast<int64_t>(stride)) : "memory")
 #define TILE_DPBSSD(c, a, b) __asm__ volatile("tdpbssd %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
 #define TILE_DPBSUD(c, a, b) __asm__ volatile("tdpbsud %%tmm" #b ", %%tmm" #a ", %%tmm" #c ::)
-// A group's products for two blocks of 16 lanes: activations in tile 4, weights b0 / b1 through tiles 6 / 7
-// (rows `stride` bytes apart), sums into tiles c0 / c1, by DP (signed weights: TILE_DPBSSD, unsigned:
-// TILE_DPBSUD); and a pair of sum tiles stored to sums[0], sums[1].
-#define PAIR_PRODUCTS(c0, c1, b0, b1, stride, DP) \
-  do {                                            \
-    TILE_LOAD(6, b0, stride);                     \
-    TILE_ZERO(c0);                                \
-    DP(c0, 4, 6);                                 \
-    TILE_LOAD(7, b1, stride);                     \
-    TILE_ZERO(c1);                                \
-    DP(c1, 4, 7);                                 \
+// A group's products for two blocks of 16 lanes: activations x (rows K bytes apart) into tile a, weights b0 / b1
+// through tiles 6 / 7 (rows `stride` bytes apart), sums into tiles c0 / c1, by DP (signed weights: TILE_DPBSSD,
+// unsigned: TILE_DPBSUD); and a pair of sum tiles stored to sums[0], sums[1].
+#define PAIR_PRODUCTS(c0, c1, a, x, K, b0, b1, stride, DP) \
+  do {                                                     \
+    TILE_LOAD(a, x, K);                                    \
+    TILE_LOAD(6, b0, stride);                              \
+    TILE_ZERO(c0);                                         \
+    DP(c0, a, 6);                                          \
+    TILE_LOAD(7, b1, stride);                              \
+    TILE_ZERO(c1);                                         \
+    DP(c1, a, 7);                                          \
   } while (0)
 #define PAIR_STORE(c0, c1, sums)    \
   do {                              \
@@ -118,10 +119,13 @@ void signed_weights(const LinearArgs& a, int64_t sb, int j, int64_t g0, int64_t 
 }
 
 // Rows m0 .. m0 + 15 of super-block sb, its lanes in two halves of 32, each group by group: group g's
-// activations into tile 4, its weights for the half's two blocks of 16 lanes into tiles 6 and 7, its sums into
-// tiles 0-1 (even g) or 2-3 (odd g), so that while one pair takes group g's products the other's (group g - 1)
-// are stored; group g - 2's sums, stored a step before, are then scaled into acc (16 rows x 32 lanes, in memory)
-// as qlinear_impl.h's epilogue does, acc = fma(float(sum), scale * d, acc) group by group in order.
+// activations into tile 4 (even g) or 5 (odd g; GPT-2 large int8 prefill of 128 tokens 207.2 -> 198.7 ms against
+// tile 4 for every group, benchmarks/results/prefill-ab-amx-two-activation-tiles-*.json, though alone in a loop a
+// load into the tile a product reads overlaps it as well as one into another tile), its weights for the half's two
+// blocks of 16 lanes into tiles 6 and 7, its sums into tiles 0-1 (even g) or 2-3 (odd g), so that while one pair
+// takes group g's products the other's (group g - 1) are stored; group g - 2's sums, stored a step before, are
+// then scaled into acc (16 rows x 32 lanes, in memory) as qlinear_impl.h's epilogue does,
+// acc = fma(float(sum), scale * d, acc) group by group in order.
 // The first block of rows (m0 0) converts each group's weights into ws just before its tiles read them.
 // next0 .. next1: this block's share of the next super-block's packed weights, into L2 a piece each group.
 // IN_PLACE (I8A8): the tiles read the packed weights where they lie, [K/4][64 lanes][4] bytes q + 128 (a lane
@@ -146,7 +150,7 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
       const int64_t t = h * ng + g;
       for (int64_t l = lines * t / (2 * ng); l < lines * (t + 1) / (2 * ng); l++)
         _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
-      TILE_LOAD(4, xq + g * G, K);
+      const int8_t* x = xq + g * G;
       if (IN_PLACE) {
         const int8_t* b0 = packed + g * G / 4 * 256 + 2 * h * 64;
         if (g + PF_G < ng)
@@ -155,20 +159,20 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
             _mm_prefetch(reinterpret_cast<const char*>(b0 + (PF_G * G / 4 + r) * 256 + 64), _MM_HINT_T0);
           }
         if (g & 1) {
-          PAIR_PRODUCTS(2, 3, b0, b0 + 64, 256, TILE_DPBSUD);
+          PAIR_PRODUCTS(2, 3, 5, x, K, b0, b0 + 64, 256, TILE_DPBSUD);
           PAIR_STORE(0, 1, cbuf[0]);
         } else {
-          PAIR_PRODUCTS(0, 1, b0, b0 + 64, 256, TILE_DPBSUD);
+          PAIR_PRODUCTS(0, 1, 4, x, K, b0, b0 + 64, 256, TILE_DPBSUD);
           if (g > 0) PAIR_STORE(2, 3, cbuf[1]);
         }
         return;
       }
       const int8_t *b0 = w0 + g * G * 16, *b1 = w1 + g * G * 16;
       if (g & 1) {
-        PAIR_PRODUCTS(2, 3, b0, b1, 64, TILE_DPBSSD);
+        PAIR_PRODUCTS(2, 3, 5, x, K, b0, b1, 64, TILE_DPBSSD);
         PAIR_STORE(0, 1, cbuf[0]);  // group g - 1's
       } else {
-        PAIR_PRODUCTS(0, 1, b0, b1, 64, TILE_DPBSSD);
+        PAIR_PRODUCTS(0, 1, 4, x, K, b0, b1, 64, TILE_DPBSSD);
         if (g > 0) PAIR_STORE(2, 3, cbuf[1]);
       }
     };
@@ -239,7 +243,7 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   alignas(64) float acc[MT * 32];
   TileConfig cfg;
   for (int c : {0, 1, 2, 3}) cfg.rows[c] = MT, cfg.colsb[c] = 64;         // int32 sums: 16 rows x 16 lanes
-  cfg.rows[4] = MT, cfg.colsb[4] = G;                                     // activations: 16 rows x G bytes
+  for (int t : {4, 5}) cfg.rows[t] = MT, cfg.colsb[t] = G;               // activations: 16 rows x G bytes
   for (int t : {6, 7}) cfg.rows[t] = G / 4, cfg.colsb[t] = 64;            // weights: G / 4 k-quads x 16 lanes
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
   // The blocks of rows after the first share out the next super-block's packed weights, which come into L2
