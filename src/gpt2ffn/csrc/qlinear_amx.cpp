@@ -123,9 +123,14 @@ void signed_weights(const LinearArgs& a, int64_t sb, int j, int64_t g0, int64_t 
 // tile 4 for every group, benchmarks/results/prefill-ab-amx-two-activation-tiles-*.json, though alone in a loop a
 // load into the tile a product reads overlaps it as well as one into another tile), its weights for the half's two
 // blocks of 16 lanes into tiles 6 and 7, its sums into tiles 0-1 (even g) or 2-3 (odd g), so that while one pair
-// takes group g's products the other's (group g - 1) are stored; group g - 2's sums, stored a step before, are
-// then scaled into acc (16 rows x 32 lanes, in memory) as qlinear_impl.h's epilogue does,
-// acc = fma(float(sum), scale * d, acc) group by group in order.
+// takes group g's products the other's (group g - 1) are stored, into cbuf[(g - 1) % 4]. The sums are scaled into
+// acc (16 rows x 32 lanes, in memory) as qlinear_impl.h's epilogue does, acc = fma(float(sum), scale * d, acc)
+// group by group in order. Where the block converts (two blocks of rows or more), two groups at a time, so that
+// acc is read and written once per pair: at an odd step g, rows 0-7 of groups g - 3 and g - 2 (stored a step and
+// two before), at the even step after, rows 8-15. The same floats as one group at a time in half the acc loads
+// and stores (prefill of 128 tokens: GPT-2 xl int8 376.3 -> 357.8 ms, large 185.7 -> 181.5, benchmarks/results/
+// prefill-ab-amx-paired-epilogue-*.json; a pair's 16 rows at once, every other step, took 1.07x the time). IN_PLACE
+// keeps one group a step, group g - 2's at step g: pairs took it 1.08x the time (large, 16 tokens).
 // The first block of rows (m0 0) converts each group's weights into ws just before its tiles read them.
 // next0 .. next1: this block's share of the next super-block's packed weights, into L2 a piece each group.
 // IN_PLACE (I8A8): the tiles read the packed weights where they lie, [K/4][64 lanes][4] bytes q + 128 (a lane
@@ -160,25 +165,25 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
           }
         if (g & 1) {
           PAIR_PRODUCTS(2, 3, 5, x, K, b0, b0 + 64, 256, TILE_DPBSUD);
-          PAIR_STORE(0, 1, cbuf[0]);
+          PAIR_STORE(0, 1, cbuf[(g - 1) & 3]);
         } else {
           PAIR_PRODUCTS(0, 1, 4, x, K, b0, b0 + 64, 256, TILE_DPBSUD);
-          if (g > 0) PAIR_STORE(2, 3, cbuf[1]);
+          if (g > 0) PAIR_STORE(2, 3, cbuf[(g - 1) & 3]);
         }
         return;
       }
       const int8_t *b0 = w0 + g * G * 16, *b1 = w1 + g * G * 16;
       if (g & 1) {
         PAIR_PRODUCTS(2, 3, 5, x, K, b0, b1, 64, TILE_DPBSSD);
-        PAIR_STORE(0, 1, cbuf[0]);  // group g - 1's
+        PAIR_STORE(0, 1, cbuf[(g - 1) & 3]);  // group g - 1's
       } else {
         PAIR_PRODUCTS(0, 1, 4, x, K, b0, b1, 64, TILE_DPBSSD);
-        if (g > 0) PAIR_STORE(2, 3, cbuf[1]);
+        if (g > 0) PAIR_STORE(2, 3, cbuf[(g - 1) & 3]);
       }
     };
     auto scale = [&](int64_t g) {
       const V s0 = vload_f16(sc + g * SUPER + h * 32), s1 = vload_f16(sc + g * SUPER + h * 32 + 16);
-      const int32_t(*c)[MT * 16] = cbuf[g & 1];
+      const int32_t(*c)[MT * 16] = cbuf[g & 3];
       for (int m = 0; m < MT; m++) {
         const V d = vset1(xs[m * ng + g]);
         float* p = acc + m * 32;
@@ -191,17 +196,45 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
         vstore(p + 16, vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1, d), vload(p + 16)));
       }
     };
+    auto scale2 = [&](int64_t g, int mb, int me) {  // groups g and g + 1, rows mb .. me - 1, acc read and written once
+      const V s0 = vload_f16(sc + g * SUPER + h * 32), s1 = vload_f16(sc + g * SUPER + h * 32 + 16);
+      const V t0 = vload_f16(sc + (g + 1) * SUPER + h * 32), t1 = vload_f16(sc + (g + 1) * SUPER + h * 32 + 16);
+      const int32_t(*c)[MT * 16] = cbuf[g & 3];
+      const int32_t(*e)[MT * 16] = cbuf[(g + 1) & 3];
+      for (int m = mb; m < me; m++) {
+        const V d = vset1(xs[m * ng + g]), f = vset1(xs[m * ng + g + 1]);
+        float* p = acc + m * 32;
+        __m512i c0 = _mm512_load_si512(c[0] + m * 16), c1 = _mm512_load_si512(c[1] + m * 16);
+        __m512i e0 = _mm512_load_si512(e[0] + m * 16), e1 = _mm512_load_si512(e[1] + m * 16);
+        if (IN_PLACE) {
+          const __m512i off = _mm512_set1_epi32(-128 * xsum[m * ng + g]);
+          const __m512i offe = _mm512_set1_epi32(-128 * xsum[m * ng + g + 1]);
+          c0 = _mm512_add_epi32(c0, off), c1 = _mm512_add_epi32(c1, off);
+          e0 = _mm512_add_epi32(e0, offe), e1 = _mm512_add_epi32(e1, offe);
+        }
+        vstore(p, vfma({_mm512_cvtepi32_ps(e0)}, vmul(t0, f), vfma({_mm512_cvtepi32_ps(c0)}, vmul(s0, d), vload(p))));
+        vstore(p + 16,
+               vfma({_mm512_cvtepi32_ps(e1)}, vmul(t1, f), vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1, d), vload(p + 16))));
+      }
+    };
     for (int64_t i = 0; i < MT * 32; i += 16) vstore(acc + i, vzero());
+    int64_t done = 0;  // groups scaled into acc
     for (int64_t g = 0; g < ng; g++) {
       issue(g);
-      if (g >= 2) scale(g - 2);
+      if (IN_PLACE) {
+        if (g >= 2) scale(g - 2), done = g - 1;
+      } else {
+        if ((g & 1) && g >= 3) scale2(g - 3, 0, MT / 2);
+        if (!(g & 1) && g >= 4) scale2(g - 4, MT / 2, MT), done = g - 2;
+      }
     }
     if ((ng - 1) & 1)
-      PAIR_STORE(2, 3, cbuf[1]);
+      PAIR_STORE(2, 3, cbuf[(ng - 1) & 3]);
     else
-      PAIR_STORE(0, 1, cbuf[0]);
-    if (ng >= 2) scale(ng - 2);
-    scale(ng - 1);
+      PAIR_STORE(0, 1, cbuf[(ng - 1) & 3]);
+    if (!IN_PLACE && (ng & 1) == 0 && ng >= 4) scale2(ng - 4, MT / 2, MT), done = ng - 2;  // the last odd step's
+    for (; done + 1 < ng && !IN_PLACE; done += 2) scale2(done, 0, MT);
+    for (; done < ng; done++) scale(done);
     for (int q = 0; q < 2; q++) {
       const int64_t col = sb * SUPER + h * 32 + q * 16;
       const V bv = a.bias ? vload(a.bias + col) : vzero();
@@ -239,7 +272,7 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   }
   static thread_local std::vector<int8_t> scratch;
   if (static_cast<int64_t>(scratch.size()) < K * SUPER) scratch.resize(K * SUPER);
-  alignas(64) int32_t cbuf[2][2][MT * 16];  // two groups' sums for a half's 32 lanes: one stored, one scaled
+  alignas(64) int32_t cbuf[4][2][MT * 16];  // four groups' sums for a half's 32 lanes
   alignas(64) float acc[MT * 32];
   TileConfig cfg;
   for (int c : {0, 1, 2, 3}) cfg.rows[c] = MT, cfg.colsb[c] = 64;         // int32 sums: 16 rows x 16 lanes
