@@ -90,3 +90,28 @@ def test_fp16_keys_and_values_are_read_as_their_widened_values(isa):
     assert kp.runs_causal_attention(q, k16, v16, 0.0) and not kp.runs_causal_attention(q, k16, v, 0.0)
     with pytest.raises(RuntimeError, match="k and v must both be float32 or both float16"):
         _C.causal_attention(q, k16, v)
+
+
+@pytest.mark.parametrize("isa", native_isas())
+@pytest.mark.parametrize("half", [True, False])
+def test_a_later_tokens_overflowed_value_never_reaches_an_earlier_token(isa, half):
+    """A value past fp16's 65504 is inf in an fp16 cache. The queries before it in the same block of 8 (or 4)
+    must not weigh it, not even by 0 (0 * inf = NaN): their outputs equal the prompt cut before that token, bit
+    for bit. The queries that do see it get inf or NaN, so the inf is really there."""
+    B, H, T, past, hd = 1, 2, 37, 11, 64
+    q, k, v = views(B, H, T, past, hd, seed=5)
+    if half:
+        k, v = k.half(), v.half()
+    v = v.clone()
+    cuts = (5, 13, 34)  # inside an 8-query block, another, and the 4-query tail
+    for t in cuts:
+        v[:, :, past + t, 3] = float("inf")
+    old = _C.set_isa(isa)
+    try:
+        got = _C.causal_attention(q, k, v)
+        for t in cuts:
+            prefix = _C.causal_attention(q[:, :, :t], k[:, :, :past + t], v[:, :, :past + t])
+            assert torch.equal(got[:, :t], prefix), t
+            assert not torch.isfinite(got[:, t]).all(), t  # the token itself sees its own value
+    finally:
+        _C.set_isa(old)

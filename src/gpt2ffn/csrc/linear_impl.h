@@ -195,8 +195,11 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
     }
 }
 
-// Rows r < MQ of out[:, 0 : 16 NV] = sum_j p[r][j] v[j, 0 : 16 NV] * inv[r] over keys j < n in order: each
-// value vector loaded once for the MQ queries of the block (p is 0 where a query does not see key j).
+// Rows r < MQ of out[:, 0 : 16 NV] = sum_j p[r][j] v[j, 0 : 16 NV] * inv[r] over the keys each query sees, in
+// order: every query the first nall keys, query r the first nall + r (the causal block's diagonal; n = nall +
+// MQ - 1). Each value vector is loaded once for the MQ queries of the block. A query skips the keys it does not
+// see rather than weigh them by 0: an inf there (a value past 65504 in an fp16 cache) would make 0 * inf = NaN
+// of an earlier token's output. For finite values the sums are the same bit for bit.
 static inline V vload_kv(const float* p) { return vload(p); }
 static inline V vload_kv(const uint16_t* p) { return vload_f16(p); }
 static inline float kv_float(float x) { return x; }
@@ -208,14 +211,18 @@ static inline void weigh_values(const float* p, int64_t ldp, const T* v, int64_t
   V acc[MQ][NV];
   for (int r = 0; r < MQ; r++)
     for (int c = 0; c < NV; c++) acc[r][c] = vzero();
-  for (int64_t j = 0; j < n; j++) {
+  auto weigh = [&](int64_t j, int r0) {  // key j into queries r0 .. MQ - 1
     V vj[NV];
     for (int c = 0; c < NV; c++) vj[c] = vload_kv(v + j * ldv + 16 * c);
     for (int r = 0; r < MQ; r++) {
+      if (r < r0) continue;
       const V pj = vset1(p[r * ldp + j]);
       for (int c = 0; c < NV; c++) acc[r][c] = vfma(pj, vj[c], acc[r][c]);
     }
-  }
+  };
+  const int64_t nall = n - (MQ - 1);
+  for (int64_t j = 0; j < nall; j++) weigh(j, 0);
+  for (int64_t j = nall; j < n; j++) weigh(j, static_cast<int>(j - nall + 1));  // the diagonal
   for (int r = 0; r < MQ; r++)
     for (int c = 0; c < NV; c++) vstore(out + r * ldo + 16 * c, vmul(acc[r][c], vset1(inv[r])));
 }
