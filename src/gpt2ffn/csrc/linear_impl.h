@@ -199,7 +199,7 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 // order: every query the first nall keys, query r the first nall + r (the causal block's diagonal; n = nall +
 // MQ - 1). Each value vector is loaded once for the MQ queries of the block. A query skips the keys it does not
 // see rather than weigh them by 0: an inf there (a value past 65504 in an fp16 cache) would make 0 * inf = NaN
-// of an earlier token's output. For finite values the sums are the same bit for bit.
+// of an earlier token's output. For finite values the sums are the same (a zero sum may keep its sign).
 static inline V vload_kv(const float* p) { return vload(p); }
 static inline V vload_kv(const uint16_t* p) { return vload_f16(p); }
 static inline float kv_float(float x) { return x; }
@@ -262,11 +262,10 @@ static void attend_block(const CausalArgs& a, int64_t i0, int64_t Lp) {
       total = vadd(total, e);
     }
     float tail = 0.0f;
-    if (n16 < n) {  // the last, partial vector: exp of all 16, then the keys past n zeroed
+    if (n16 < n) {  // the last, partial vector: exp of all 16, of which the keys before n count
       vstore(p + n16, vexp(vsub(vload(p + n16), vset1(mx))));
       for (int64_t j = n16; j < n; j++) tail += p[j];
     }
-    for (int64_t j = n; j < nmax; j++) p[j] = 0.0f;
     inv[r] = 1.0f / (vsum(total) + tail);
   }
   for (int64_t d0 = 0; d0 < hd; d0 += 64) {

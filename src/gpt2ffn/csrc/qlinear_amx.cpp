@@ -30,10 +30,10 @@
 // loads and stores do not overlap the epilogue's vector work (each alone, then both: the times add). So the
 // kernel keeps the tile unit's own chain short: a block of 16 rows runs the super-block's lanes in two halves
 // of 32, group by group, with two pairs of sum tiles, so group g's products (tiles 0-1 or 2-3) are issued
-// beside group g - 1's tile stores (the other pair) instead of after them, and group g - 2's sums, stored a step
-// before, are scaled into acc (in memory) after both. Against the one pair of 4 sum tiles before it (4 lane
-// blocks at once: products, the epilogue of the group before, then the stores), GPT-2 xl int8 prefill of 128
-// tokens 425.1 -> 412.2 ms, medium int8 at 16 tokens 29.0 -> 27.0 (benchmarks/results/
+// beside group g - 1's tile stores (the other pair) instead of after them, and earlier groups' sums, stored a
+// step or two before, are scaled into acc (in memory) after both (tile_rows). Against the one pair of 4 sum
+// tiles before it (4 lane blocks at once: products, the epilogue of the group before, then the stores), GPT-2
+// xl int8 prefill of 128 tokens 425.1 -> 412.2 ms, medium int8 at 16 tokens 29.0 -> 27.0 (benchmarks/results/
 // prefill-ab-amx-halves-*.json; per layer, layer-ab-amx-halves-*.json: 0.91-1.01x the time).
 #pragma GCC target("avx512f,avx512bw,avx512vl,fma,f16c")
 #include <sys/syscall.h>
@@ -196,7 +196,7 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
         vstore(p + 16, vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1, d), vload(p + 16)));
       }
     };
-    auto scale2 = [&](int64_t g, int mb, int me) {  // groups g and g + 1, rows mb .. me - 1, acc read and written once
+    auto scale2 = [&](int64_t g, int mb, int me) {  // groups g, g + 1, rows mb .. me - 1 (not IN_PLACE)
       const V s0 = vload_f16(sc + g * SUPER + h * 32), s1 = vload_f16(sc + g * SUPER + h * 32 + 16);
       const V t0 = vload_f16(sc + (g + 1) * SUPER + h * 32), t1 = vload_f16(sc + (g + 1) * SUPER + h * 32 + 16);
       const int32_t(*c)[MT * 16] = cbuf[g & 3];
@@ -204,14 +204,8 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
       for (int m = mb; m < me; m++) {
         const V d = vset1(xs[m * ng + g]), f = vset1(xs[m * ng + g + 1]);
         float* p = acc + m * 32;
-        __m512i c0 = _mm512_load_si512(c[0] + m * 16), c1 = _mm512_load_si512(c[1] + m * 16);
-        __m512i e0 = _mm512_load_si512(e[0] + m * 16), e1 = _mm512_load_si512(e[1] + m * 16);
-        if (IN_PLACE) {
-          const __m512i off = _mm512_set1_epi32(-128 * xsum[m * ng + g]);
-          const __m512i offe = _mm512_set1_epi32(-128 * xsum[m * ng + g + 1]);
-          c0 = _mm512_add_epi32(c0, off), c1 = _mm512_add_epi32(c1, off);
-          e0 = _mm512_add_epi32(e0, offe), e1 = _mm512_add_epi32(e1, offe);
-        }
+        const __m512i c0 = _mm512_load_si512(c[0] + m * 16), c1 = _mm512_load_si512(c[1] + m * 16);
+        const __m512i e0 = _mm512_load_si512(e[0] + m * 16), e1 = _mm512_load_si512(e[1] + m * 16);
         vstore(p, vfma({_mm512_cvtepi32_ps(e0)}, vmul(t0, f), vfma({_mm512_cvtepi32_ps(c0)}, vmul(s0, d), vload(p))));
         vstore(p + 16,
                vfma({_mm512_cvtepi32_ps(e1)}, vmul(t1, f), vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1, d), vload(p + 16))));
@@ -276,7 +270,7 @@ void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   alignas(64) float acc[MT * 32];
   TileConfig cfg;
   for (int c : {0, 1, 2, 3}) cfg.rows[c] = MT, cfg.colsb[c] = 64;         // int32 sums: 16 rows x 16 lanes
-  for (int t : {4, 5}) cfg.rows[t] = MT, cfg.colsb[t] = G;               // activations: 16 rows x G bytes
+  for (int t : {4, 5}) cfg.rows[t] = MT, cfg.colsb[t] = G;                // activations: 16 rows x G bytes
   for (int t : {6, 7}) cfg.rows[t] = G / 4, cfg.colsb[t] = 64;            // weights: G / 4 k-quads x 16 lanes
   __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
   // The blocks of rows after the first share out the next super-block's packed weights, which come into L2
