@@ -52,6 +52,7 @@ def test_gelu_plot(tmp_path, capsys):
     (["generate", "--model", "", "x"], "--model is empty"),
     (["generate", "--model", "random:tiny", "--ids", "1,2", "--top-k", "-1"], "--top-k must be >= 0 (0 = off, as HF"),
     (["generate", "--model", "random:tiny", "--ids", "-1,2"], "token ids must be in [0, "),  # not argparse's
+    (["generate", "--model", "random:tiny", "--id", "-1,2"], "token ids must be in [0, "),  # its abbreviation too
     (["serve", "--model", ""], "--model is empty"),
     (["bench", "--batch", "4"], "--batch applies to --model"),
     (["serve", "--model", "random:tiny", "--host", "a" * 70], "is not a host name"),

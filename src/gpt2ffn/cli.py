@@ -587,10 +587,11 @@ def build_parser() -> Parser:
 
 def _joined_ids(argv: list) -> list:
     """`--ids -1,2` as `--ids=-1,2`: argparse takes a value that starts with '-' (and is not one negative number)
-    for an option, and would say only "expected one argument" where the range check names the bad id."""
+    for an option, and would say only "expected one argument" where the range check names the bad id. Its
+    abbreviations too (`--id`, `--i`: no other option starts with --i)."""
     out = []
     for arg in argv:
-        if out and out[-1] == "--ids" and arg.startswith("-") and arg[1:2].isdigit():
+        if out and len(out[-1]) >= 3 and "--ids".startswith(out[-1]) and arg.startswith("-") and arg[1:2].isdigit():
             out[-1] = f"--ids={arg}"
         else:
             out.append(arg)
