@@ -41,6 +41,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "vec_avx512.h"
@@ -181,36 +182,32 @@ void tile_rows(const LinearArgs& a, int8_t* ws, int64_t sb, int64_t m0, int32_t 
         if (g > 0) PAIR_STORE(2, 3, cbuf[(g - 1) & 3]);
       }
     };
-    auto scale = [&](int64_t g) {
-      const V s0 = vload_f16(sc + g * SUPER + h * 32), s1 = vload_f16(sc + g * SUPER + h * 32 + 16);
-      const int32_t(*c)[MT * 16] = cbuf[g & 3];
-      for (int m = 0; m < MT; m++) {
-        const V d = vset1(xs[m * ng + g]);
-        float* p = acc + m * 32;
-        __m512i c0 = _mm512_load_si512(c[0] + m * 16), c1 = _mm512_load_si512(c[1] + m * 16);
-        if (IN_PLACE) {
-          const __m512i off = _mm512_set1_epi32(-128 * xsum[m * ng + g]);
-          c0 = _mm512_add_epi32(c0, off), c1 = _mm512_add_epi32(c1, off);
-        }
-        vstore(p, vfma({_mm512_cvtepi32_ps(c0)}, vmul(s0, d), vload(p)));
-        vstore(p + 16, vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1, d), vload(p + 16)));
-      }
-    };
-    auto scale2 = [&](int64_t g, int mb, int me) {  // groups g, g + 1, rows mb .. me - 1 (not IN_PLACE)
-      const V s0 = vload_f16(sc + g * SUPER + h * 32), s1 = vload_f16(sc + g * SUPER + h * 32 + 16);
-      const V t0 = vload_f16(sc + (g + 1) * SUPER + h * 32), t1 = vload_f16(sc + (g + 1) * SUPER + h * 32 + 16);
-      const int32_t(*c)[MT * 16] = cbuf[g & 3];
-      const int32_t(*e)[MT * 16] = cbuf[(g + 1) & 3];
+    // Groups g .. g + n - 1 (n 1 or 2) into acc, rows mb .. me - 1: acc read and written once, the groups in order.
+    auto scale_groups = [&](auto n_, int64_t g, int mb, int me) {
+      constexpr int n = decltype(n_)::value;
+      V s0[n], s1[n];
+      for (int i = 0; i < n; i++)
+        s0[i] = vload_f16(sc + (g + i) * SUPER + h * 32), s1[i] = vload_f16(sc + (g + i) * SUPER + h * 32 + 16);
       for (int m = mb; m < me; m++) {
-        const V d = vset1(xs[m * ng + g]), f = vset1(xs[m * ng + g + 1]);
         float* p = acc + m * 32;
-        const __m512i c0 = _mm512_load_si512(c[0] + m * 16), c1 = _mm512_load_si512(c[1] + m * 16);
-        const __m512i e0 = _mm512_load_si512(e[0] + m * 16), e1 = _mm512_load_si512(e[1] + m * 16);
-        vstore(p, vfma({_mm512_cvtepi32_ps(e0)}, vmul(t0, f), vfma({_mm512_cvtepi32_ps(c0)}, vmul(s0, d), vload(p))));
-        vstore(p + 16,
-               vfma({_mm512_cvtepi32_ps(e1)}, vmul(t1, f), vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1, d), vload(p + 16))));
+        V y0 = vload(p), y1 = vload(p + 16);
+        for (int i = 0; i < n; i++) {
+          const int32_t(*c)[MT * 16] = cbuf[(g + i) & 3];
+          const V d = vset1(xs[m * ng + g + i]);
+          __m512i c0 = _mm512_load_si512(c[0] + m * 16), c1 = _mm512_load_si512(c[1] + m * 16);
+          if (IN_PLACE) {
+            const __m512i off = _mm512_set1_epi32(-128 * xsum[m * ng + g + i]);
+            c0 = _mm512_add_epi32(c0, off), c1 = _mm512_add_epi32(c1, off);
+          }
+          y0 = vfma({_mm512_cvtepi32_ps(c0)}, vmul(s0[i], d), y0);
+          y1 = vfma({_mm512_cvtepi32_ps(c1)}, vmul(s1[i], d), y1);
+        }
+        vstore(p, y0);
+        vstore(p + 16, y1);
       }
     };
+    auto scale = [&](int64_t g) { scale_groups(std::integral_constant<int, 1>{}, g, 0, MT); };
+    auto scale2 = [&](int64_t g, int mb, int me) { scale_groups(std::integral_constant<int, 2>{}, g, mb, me); };
     for (int64_t i = 0; i < MT * 32; i += 16) vstore(acc + i, vzero());
     int64_t done = 0;  // groups scaled into acc
     for (int64_t g = 0; g < ng; g++) {
