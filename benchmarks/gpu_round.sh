@@ -27,6 +27,7 @@
 #   overhead: serve-overhead-cuda.json, overhead.txt   benchmarks/serve_overhead.py: 256 streaming clients against
 #                    the same 256 requests in process (issue 18's >= 0.7 target), CPU us per token of the event
 #                    loop and the engine thread (a third call: `bash benchmarks/gpu_round.sh overhead sampling`)
+#   overhead4: serve-overhead-cuda-interval-4.json, overhead4.txt   the same with serve --stream-interval 4
 #   sampling: sampling-host-cuda.json, sampling.txt   benchmarks/sampling_host.py --device cuda: the batch sampler
 #                    against the per-row loop at batch 256 (GPT-2's vocabulary), aten ops per call, engine steps
 #   attention: attention-cuda.json, attention.txt   benchmarks/gpu_attention.py: one layer's decode attention at batch
@@ -39,14 +40,13 @@
 #   (tests 150 s, bench 160, ab 90, kernels 2 x 120, diag 90, ffn 150, load 120, overhead 150, invariant 90, profile
 #   60; a call may run 600). On an H200: `tests ffn bench overhead invariant` took 310 s (its tests then had 60 s,
 #   too few for all of them), `tests ab bench overhead profile` with CUDA_TESTS naming three files and
-#   BENCH_DTYPES=bf16 230 s, `diag ab bench` (BENCH_DTYPES=bf16) 145 s. What the next GPU should run first
-#   (everything since has run on the CPU only: the batch-invariant one-row graphs, bench at the offline prefill
-#   budget, the mid-burst slot moves, the server test's fixed reference, the fused add + layer norm and the decode
-#   kernel's wide configuration): T=short bash benchmarks/gpu_round.sh tests bench invariant overhead   then   ...
-#   kernels ab profile
+#   BENCH_DTYPES=bf16 230 s, `diag ab bench` (BENCH_DTYPES=bf16) 145 s; on 2026-11-27 `tests bench overhead overhead4
+#   invariant ffn` with CUDA_TESTS naming the six files that hold cuda tests and BENCH_DTYPES=bf16 412 s (its tests 68
+#   s). What the next GPU should run first (not yet run there: the profile since the fused add + layer norm and the
+#   wide decode configuration, and the two apart):   T=short bash benchmarks/gpu_round.sh kernels profile ab
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,sampling,attention,invariant,profile}..."
+usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,overhead4,sampling,attention,invariant,profile}..."
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 limit() {  # limit PART LONG SHORT: the part's time limit in seconds
@@ -88,6 +88,9 @@ for part in "$@"; do
             --out "$OUT/load-cuda.json" ;;
     overhead) run overhead 400 150 overhead.txt python3 benchmarks/serve_overhead.py --model random:gpt2 \
                 --device cuda --clients 256 --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" ;;
+    overhead4) run overhead 400 150 overhead4.txt python3 benchmarks/serve_overhead.py --model random:gpt2 \
+                 --device cuda --clients 256 --max-tokens 64 --rounds 2 --stream-interval 4 \
+                 --out "$OUT/serve-overhead-cuda-interval-4.json" ;;
     sampling) run sampling 150 90 sampling.txt python3 benchmarks/sampling_host.py --device cuda --rounds 5 \
                 --out "$OUT/sampling-host-cuda.json" ;;
     attention) run attention 120 60 attention.txt python3 benchmarks/gpu_attention.py \

@@ -110,7 +110,7 @@ def ffn(x2, w1, b1, w2, b2, approximate):
     if torch.is_grad_enabled() and (x2.requires_grad or w1.requires_grad or b1.requires_grad
                                     or w2.requires_grad or b2.requires_grad):
         return RecomputeGELU.apply(x2, w1, b1, w2, b2, approximate)
-    if x2.device.type == "cuda" and approximate == "tanh":
+    if x2.is_cuda and approximate == "tanh":
         name = cuda.choose(x2, w1, b1, w2, b2, plain, bucket(x2.shape[0]))
         if name == "fused":
             return cuda.fused(x2, w1, b1, w2, b2)

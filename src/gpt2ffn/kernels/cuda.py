@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from . import gemm_gelu
 
 _ERRORS = {}   # device -> (max |epilogue - tanh GELU|, max |epilogue - exact GELU|)
-_CHOICES = {}  # (device, dtype, d, hidden, token bucket) -> "fused" | "triton" | "plain"
+_CHOICES = {}  # (device index, dtype, (d, hidden), token bucket) -> "fused" | "triton" | "plain"
 _LOCK = threading.Lock()
 FORCED = os.environ.get("GPT2FFN_CUDA_FFN")
 TANH_BOUND = {torch.float32: 2e-6, torch.bfloat16: 1e-4, torch.float16: 1e-4}  # per dtype, see the docstring
@@ -70,11 +70,11 @@ def choose(x2, w1, b1, w2, b2, plain, bucket: int) -> str:
     shape and token bucket (tanh GELU only): the fastest of those that serve it, timed once."""
     if FORCED in ("fused", "plain", "triton"):
         return FORCED
-    key = (x2.device, x2.dtype, w1.shape[0], w1.shape[1], bucket)
+    key = (x2.get_device(), x2.dtype, w1.shape, bucket)  # (the cheapest fields: this runs every call)
     name = _CHOICES.get(key)
     if name is not None:
         return name
-    if x2.device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    if not x2.is_cuda or torch.cuda.is_current_stream_capturing():
         return "plain"
     with _LOCK:
         if key not in _CHOICES:
@@ -91,4 +91,4 @@ def choose(x2, w1, b1, w2, b2, plain, bucket: int) -> str:
 def choices() -> dict:
     """What has been checked and chosen so far, for reports."""
     return {"epilogue_gelu_errors": {str(k): {"max_vs_tanh": t, "max_vs_exact": e} for k, (t, e) in _ERRORS.items()},
-            "ffn": {f"{k[0]} {k[1]} {k[2]}x{k[3]} tokens<={k[4]}": v for k, v in _CHOICES.items()}}
+            "ffn": {f"cuda:{k[0]} {k[1]} {k[2][0]}x{k[2][1]} tokens<={k[3]}": v for k, v in _CHOICES.items()}}

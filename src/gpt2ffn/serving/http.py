@@ -66,8 +66,9 @@ OPEN_PATHS = {"/health", "/openapi.json", "/docs", "/docs/oauth2-redirect", "/re
 router = APIRouter()
 
 
-def service(request: Request) -> Service:
-    """The FastAPI dependency every route takes: the app's Service."""
+async def service(request: Request) -> Service:
+    """The FastAPI dependency every route takes: the app's Service (async: FastAPI runs a plain function in its
+    thread pool, a thread hop for every request)."""
     return request.app.state.service
 
 
@@ -363,7 +364,9 @@ class Stream(StreamingResponse):
 
     async def __call__(self, scope, receive, send):
         try:
-            await super().__call__(scope, receive, send)
+            # Not StreamingResponse.__call__: under uvicorn's ASGI 2.3 it runs the stream in an anyio task group
+            # beside a task that waits for the client to leave, per request; Answer.next asks every 0.25 s instead.
+            await self.stream_response(send)
         finally:
             a = self.answer
             a.abort()
