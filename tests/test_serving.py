@@ -403,23 +403,30 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
     svc = Service("random:tiny")
     svc.tok, svc.name = SimpleNamespace(decode=lambda ids: "".join("abcdefgh"[i] for i in ids)), "m"
 
-    class Answer:  # one engine step per call, one token of each choice a step
-        def __init__(self, steps):
-            self.steps, self.done = list(steps), False
+    class Answer:  # one engine step per call, one token of each choice a step; left: choices not yet finished
+        def __init__(self, steps, n):
+            self.steps, self.done, self.left = list(steps), False, n
 
         async def next(self):
-            return self.steps.pop(0) if self.steps else []
+            items = self.steps.pop(0) if self.steps else []
+            self.left -= isinstance(items, list) and sum(ev.finish_reason is not None for _, ev in items)
+            return items
+
+    outs = []  # the pieces sse yielded (each one write to the socket) in the last run
 
     def run(steps, n=1):
-        body = CompletionRequest(model="m", prompt=[0], n=n, stream=True)
+        body = CompletionRequest(model="m", prompt=[0], n=n, stream=True, stream_options={"include_usage": True})
         samplings = [Sampling(max_new_tokens=8)] * n
         choices = Choices(svc, body, [[0]], samplings)
         events = []
 
         async def go():
-            async for out in sse(Answer(steps(choices)), choices, interval):
-                batch = [json.loads(e[6:]) for e in out.split("\n\n") if e.startswith("data: {")]
-                events.extend([batch] if batch else [])  # not [DONE]
+            outs.clear()
+            async for out in sse(Answer(steps(choices), n), choices, interval):
+                outs.append(out)
+                batch = [c for e in out.split("\n\n")  # not [DONE], not the usage chunk (no choices)
+                         if e.startswith("data: {") and (c := json.loads(e[6:])).get("choices") != []]
+                events.extend([batch] if batch else [])
         asyncio.run(go())
         return choices, events
 
@@ -439,6 +446,9 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
     assert "".join(texts) == "abcdefg" and choices.texts == ["abcdefg"]
     assert texts == (list("abcdefg") if interval == 1 else ["a", "bcd", "efg"])
     assert events[-1][-1]["choices"][0]["finish_reason"] == "length"
+    assert '"finish_reason": "length"' in outs[-1] and outs[-1].endswith("data: [DONE]\n\n")  # the end: one piece
+    assert '"completion_tokens": 7' in outs[-1]  # the usage counts the tokens that go out with it
+    assert all("[DONE]" not in out for out in outs[:-1])
     _, events = run(lambda ch: tokens(ch, n_tokens=8, n=2), n=2)  # two choices, each counted on its own
     per = [sorted(c["choices"][0]["index"] for c in e) for e in events]
     assert all(p == [0, 1] for p in per) and len(events) == (8 if interval == 1 else 4)  # 1, 3, 3, 1

@@ -375,6 +375,19 @@ class Stream(StreamingResponse):
             elif a.failed is None:
                 self.svc.metrics.requests.labels("499").inc()
 
+    async def stream_response(self, send):
+        """Starlette's, but the piece that ends with [DONE] also ends the body: one write to the socket, not two."""
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        ended = False
+        async for chunk in self.body_iterator:
+            ended = chunk.endswith(DONE)
+            await send({"type": "http.response.body", "body": chunk.encode(), "more_body": not ended})
+        if not ended:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+DONE = "data: [DONE]\n\n"
+
 
 def due(held: list, shown: set, interval: int) -> bool:
     """Whether the held (choice, Token) pairs go out now: a choice's first token (the time to first token is not
@@ -396,7 +409,8 @@ def events(chunks: list) -> str:
 async def sse(answer: Answer, choices: Choices, interval: int = 1):
     """Per choice a chunk of the text that came since the last one (one token, or several when the client or the
     loop fell behind, or with --stream-interval N every N tokens after the first), [DONE] last (an error body
-    instead if the engine failed, after the tokens that came before it)."""
+    instead if the engine failed, after the tokens that came before it). The last tokens, the usage and [DONE] go
+    out as one piece (one write to the socket)."""
     if choices.chat:
         yield f"data: {json.dumps(choices.role_chunk())}\n\n"
     held, shown = [], set()
@@ -407,6 +421,8 @@ async def sse(answer: Answer, choices: Choices, interval: int = 1):
             yield f"data: {items.body.decode()}\n\n"
             return
         held += items
+        if not answer.left:  # every choice finished: these go out with the end
+            break
         if not due(held, shown, interval):
             continue
         chunks, held = choices.chunks(held), []
@@ -414,11 +430,10 @@ async def sse(answer: Answer, choices: Choices, interval: int = 1):
         out = events(chunks)
         if out:
             yield out
-    if held:
-        yield events(choices.chunks(held))
+    tail = events(choices.chunks(held)) if held else ""  # (first: the usage counts these tokens)
     if choices.include_usage:
-        yield f"data: {json.dumps(choices.usage_chunk())}\n\n"
-    yield "data: [DONE]\n\n"
+        tail += f"data: {json.dumps(choices.usage_chunk())}\n\n"
+    yield tail + DONE
     answer.done = True
 
 
@@ -712,9 +727,9 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
               "(give --api-key KEY or set GPT2FFN_API_KEY)", file=sys.stderr, flush=True)
     scheme = "https" if ssl_certfile else "http"
     port = sock.getsockname()[1]  # --port 0: the one the system gave
-    print(f"gpt2ffn: serving {model_spec or 'openai-community/gpt2'} on {scheme}://{host}:{port} "
-          f"(OpenAPI: /docs, /openapi.json; {len(api_keys) or 'no'} API key{'s' * (len(api_keys) != 1)})",
-          flush=True)
+    print(f"gpt2ffn: listening on {scheme}://{host}:{port}, loading {model_spec or 'openai-community/gpt2'} "
+          f"(/health answers 503 until it is in; OpenAPI: /docs, /openapi.json; {len(api_keys) or 'no'} API "
+          f"key{'s' * (len(api_keys) != 1)})", flush=True)
     if ssl_certfile:
         # uvicorn closes idle keep-alive connections at SIGTERM; over TLS asyncio then waits for each client's
         # close_notify, 30 s by default, which an idle pooled client (the openai package's) never sends. What
