@@ -372,6 +372,10 @@ WRONG = {
     "c_proj_viewed": named_layers(
         "h = F.gelu(self.c_fc(x), approximate='tanh')\n"
         "                return h @ self.c_proj.weight.view(h.shape[-1], -1) + self.c_proj.bias"),
+    # Both weights read in the other layout, as a learner who mis-loads one matrix mostly mis-loads both.
+    "both_not_transposed": own_conv1d(
+        "w = self.weight.view(self.weight.shape[1], -1).T\n"
+        "                return x @ w + self.bias"),
     "dropout": named_layers("h = F.dropout(F.gelu(self.c_fc(x), approximate='tanh'), 0.1)  # training=True by default\n"
                             "                return self.c_proj(h)"),
 }
@@ -819,3 +823,87 @@ def test_own_parameters_pair_their_biases_not_a_norm_gain():
     w1, b1, w2, b2 = torch.zeros(d, 4 * d), torch.zeros(4 * d), torch.zeros(4 * d, d), torch.zeros(d)
     pairs = {k: b for k, _, b in own_linears([("W1", w1), ("W2", w2), ("b2", b2), ("b1", b1)], d)}
     assert pairs["1"] is b1 and pairs["2"] is b2
+
+
+@pytest.fixture(scope="module")
+def small_golden(tmp_path_factory):
+    """A golden set of a checkpoint saved from HF's own random init (std 0.02): its c_fc outputs stay under |x| ~
+    0.5, where the exact GELU is within 2e-5 of the tanh one, as a learner's own save_pretrained set is."""
+    root = tmp_path_factory.mktemp("small_init")
+    torch.manual_seed(0)
+    GPT2LMHeadModel(hf_config(Config(n_embd=64, n_layer=1, n_head=4, vocab_size=300, n_positions=64))
+                    ).save_pretrained(root / "ck")
+    assert main(["extract", "--model", str(root / "ck"), "--ids", "1,2,3,4", "--out", str(root / "g"),
+                 "--quiet"]) == 0
+    return str(root / "g")
+
+
+@pytest.mark.parametrize("target, code, says", [
+    ("FeedForward", 0, "PASS: learner.py:FeedForward computes GPT-2's FFN (c_fc -> tanh GELU -> c_proj) (and with "
+                       "its input scaled)"),
+    ("Exact", 1, "FAIL (after activation): exact GELU (erf) where the config says tanh GELU"),
+    ("ffn", 0, "PASS: learner.py:ffn computes GPT-2's FFN"),
+    ("ffn_exact", 1, "FAIL (output): exact GELU (erf) where the config says tanh GELU"),
+    ("NoBias", 1, "FAIL (output): c_proj bias missing"),  # the set's biases are 0: the widened check draws some
+])
+def test_a_set_too_small_to_tell_the_gelus_apart_is_widened(target, code, says, small_golden, tmp_path, capsys):
+    """On the set's own inputs the exact GELU passes within 1e-4 (the negative control below); check then feeds the
+    same tokens scaled until c_fc's outputs reach |x| ~ 4 and judges that too (a function through a c_proj that
+    passes the first n_embd hidden units through, so its output shows the activation)."""
+    path = learner_file(tmp_path, SEED_002 + """
+class Exact(FeedForward):
+    def forward(self, x):
+        return self.layers[2](F.gelu(self.layers[0](x)))
+
+
+class NoBias(FeedForward):
+    def forward(self, x):
+        return F.linear(self.layers[1](self.layers[0](x)), self.layers[2].weight)
+
+
+def ffn(x, w1, b1, w2, b2):
+    return F.gelu(x @ w1 + b1, approximate="tanh") @ w2 + b2
+
+
+def ffn_exact(x, w1, b1, w2, b2):
+    return F.gelu(x @ w1 + b1) @ w2 + b2
+""")
+    got, out, err = run(["check", f"{path}:{target}", "--golden", small_golden], capsys)
+    assert got == code and says in out, out + err
+    assert "c_fc outputs reach only |x| = 0." in out and "exact GELU (erf) where the config says tanh GELU; " \
+        in out and "c_proj.bias drawn N(0, 0.1) (the set's is 0)" in out and ", scaled " in out, out
+    rows = [line for line in out.splitlines() if line.startswith(("after", "output"))]
+    unscaled = [line for line in rows if ", scaled" not in line]
+    assert unscaled and not any("  FAIL" in line for line in unscaled)  # the negative control: the set alone passes
+
+
+def test_a_set_that_tells_them_apart_is_not_widened(golden, tmp_path, capsys):
+    path = learner_file(tmp_path, SEED_002)
+    got, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden], capsys)
+    assert got == 0 and "scaled" not in out and out.strip().endswith("-> c_proj)"), out
+
+
+@pytest.mark.parametrize("target", ["NoProj", "ffn_no_proj"])
+def test_a_missing_c_proj_is_named(target, golden, tmp_path, capsys):
+    """An FFN that stops after the activation is a mistake check names (exit 1), not code it cannot run."""
+    path = learner_file(tmp_path, """
+class NoProj(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg["emb_dim"], 4 * cfg["emb_dim"])
+
+    def forward(self, x):
+        return F.gelu(self.c_fc(x), approximate="tanh")
+
+
+def ffn_no_proj(x, w1, b1, w2, b2):
+    return F.gelu(x @ w1 + b1, approximate="tanh")
+""")
+    got, out, err = run(["check", f"{path}:{target}", "--golden", golden], capsys)
+    assert got == 1, out + err
+    assert out.strip().splitlines()[-1] == (
+        f"FAIL (output): c_proj missing: learner.py:{target} returns 256 values a token (c_fc's width); GPT-2's FFN "
+        "projects them back to n_embd = 64 with c_proj, a second linear layer (256 -> 64, with bias) after the "
+        "activation"), out
+    if target == "NoProj":  # its c_fc is loaded and judged
+        assert re.search(r"after c_fc \(1st linear\) +\(1, 8, 256\) .* PASS", out), out

@@ -149,7 +149,7 @@ def test_a_checkpoint_without_a_tokenizer_generates_from_ids(no_tokenizer, tmp_p
     out = capsys.readouterr().out
     model, tok, _ = load(str(no_tokenizer), need_tokenizer=False)
     assert tok is None
-    assert out == ",".join(map(str, [1, 2, 3] + generate(model, [[1, 2, 3]], Sampling(max_new_tokens=6))[0]))
+    assert out == ",".join(map(str, [1, 2, 3] + generate(model, [[1, 2, 3]], Sampling(max_new_tokens=6))[0])) + "\n"
     for argv, message in ((["Hello", "--ids", "1,2"], "give a prompt or --ids"), ([], "give a prompt or --ids"),
                           (["--ids", "1,2", "--stop", "x"], "--stop needs the checkpoint's tokenizer"),
                           (["--ids", "1,2,999"], "token ids must be in [0, 300)")):
@@ -230,3 +230,13 @@ def test_an_untied_head_is_no_reference(tmp_path, capsys):
                                tie_word_embeddings=False)).save_pretrained(tmp_path / "m")
     assert main(["extract", "--model", str(tmp_path / "m"), "--ids", "1,2", "--out", str(tmp_path / "g")]) == 2
     assert "its lm_head.weight differs from wte" in capsys.readouterr().err
+
+
+def test_gelu_takes_negative_numbers_in_any_notation(capsys):
+    """argparse reads -1e-3 as an option unless told: every float is a point; a non-finite one is refused."""
+    assert main(["gelu", "-1e-3", "-2.5E0", "-.5", "-3"]) == 0
+    out = capsys.readouterr().out
+    assert all(f" {x} " in out for x in ("-0.0010", "-2.5000", "-0.5000", "-3.0000")), out
+    assert main(["gelu", "-inf"]) == 2
+    err = capsys.readouterr().err
+    assert err == "error: gpt2ffn gelu: give finite numbers, got -inf\n", err

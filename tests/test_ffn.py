@@ -7,6 +7,7 @@ import torch
 from conftest import ACTIVATIONS, WIDTHS, hf_mlp
 from gpt2ffn import Config, FeedForward, InputError, ShapeError, reference, tolerance
 from gpt2ffn.cli import GPT_CONFIG_124M
+from gpt2ffn.errors import ConfigError
 
 HF_KEYS = {"c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias"}
 
@@ -253,3 +254,14 @@ def test_triton_gemm_gelu_matches_the_plain_ops(dtype, monkeypatch):
     x = torch.randn(2048, cfg.n_embd, device="cuda", dtype=dtype)
     with torch.no_grad():
         torch.testing.assert_close(ffn(x), mlp(x), atol=tol.atol, rtol=tol.rtol)
+
+
+def test_transformers_gpt2config_builds_it():
+    """FeedForward(hf_model.config): HF's GPT2Config, its width and activation taken, the rest ignored."""
+    from transformers import GPT2Config
+    f = FeedForward(GPT2Config(n_embd=64, n_layer=2, n_head=4, n_inner=200, activation_function="gelu"))
+    assert f.config.n_embd == 64 and f.config.hidden == 200 and f.config.gelu_approximate == "none"
+    assert tuple(f.c_fc.weight.shape) == (64, 200)
+    with pytest.raises(ConfigError, match="transformers' GPT2Config, got LlamaConfig"):
+        from transformers import LlamaConfig
+        FeedForward(LlamaConfig())

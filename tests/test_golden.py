@@ -267,7 +267,7 @@ def test_negative_variants_all_fail_and_are_named(tiny_golden, capsys):
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--negative", "--json"], capsys)
     rows = json.loads(out)["rows"]
     known = golden.Golden(tiny_golden).ffn_case(0).known
-    assert code == 0 and len(known) == 29 and len(rows) == 2 * 29
+    assert code == 0 and len(known) == 31 and len(rows) == 2 * 31
     assert all(r["status"] == "PASS" and r["max_abs"] > 1e-4 and r["note"].endswith("; named") for r in rows)
     labels = {r["name"] for r in rows}
     assert {"exact GELU (erf) where the config says tanh GELU", "cubic coefficient 0.055715 instead of 0.044715",

@@ -266,7 +266,7 @@ def test_cli_generate_without_model_says_how(tmp_path, monkeypatch, capsys):
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     assert main(["generate", "Hello"]) == 2
     err = capsys.readouterr().err
-    assert "no local openai-community/gpt2" in err and "huggingface-cli download" in err and err.count("\n") == 1
+    assert "no local openai-community/gpt2" in err and "hf download" in err and err.count("\n") == 1
 
 
 def test_load_from_hf_cache(tmp_path, monkeypatch):

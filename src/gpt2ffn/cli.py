@@ -2,6 +2,7 @@
 
 import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -62,6 +63,8 @@ def cmd_gelu(args):
     if not args.x:
         raise UsageError("gpt2ffn gelu: give one or more numbers, or --plot FILE")
     x = np.array(args.x, dtype=np.float64)
+    if not np.isfinite(x).all():
+        raise UsageError(f"gpt2ffn gelu: give finite numbers, got {next(v for v in args.x if not np.isfinite(v))}")
     tanh, exact = gelu_tanh(x), gelu_exact(x)
     print(f"{'x':>10} {'tanh (GPT-2)':>14} {'exact (erf)':>14} {'exact - tanh':>14}")
     for row in zip(x, tanh, exact, exact - tanh):
@@ -346,10 +349,10 @@ def cmd_generate(args):
         if stopped:
             break
     steps.close()  # --tp: releases the other ranks
-    print(shown if not new else "", text.finish() if text else "", sep="", end="")
+    print(shown if not new else "", text.finish() if text else "", sep="")  # the answer ends its line on stdout
     dt = time.perf_counter() - t0
     tp = f", tensor-parallel over {args.tp} ranks" if args.tp > 1 else ""
-    print(f"\n[{name}: {len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s{tp}]",
+    print(f"[{name}: {len(ids)} prompt + {len(new)} new tokens in {dt:.2f} s, {len(new) / dt:.1f} tokens/s{tp}]",
           file=sys.stderr)
     return _leave(args.tp)
 
@@ -413,7 +416,7 @@ def _kv_dtype_arg(p):
 
 
 def _device_args(p):
-    p.add_argument("--device", default="cpu", metavar="{auto,cpu,cuda}",
+    p.add_argument("--device", default="cpu", metavar="{auto,cpu,cuda[:N]}",
                    help="where the model runs: cpu (default), cuda[:N], or auto (CUDA when torch sees one)")
     p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
                    help="dtype of every tensor (activations too); auto: bfloat16 on CUDA, float32 on the CPU "
@@ -428,7 +431,9 @@ def build_parser() -> Parser:
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("gelu", help="print GELU (tanh and exact) at points, or plot both with ReLU")
-    p.add_argument("x", nargs="*", type=float, help="points to evaluate, e.g. -2 0.5 3")
+    p.add_argument("x", nargs="*", type=float, help="points to evaluate, e.g. -2 0.5 3 -1e-3")
+    # argparse takes -1e-3 or -inf for an option (its negative numbers are -2 and -.5 only): any float is a point
+    p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf(inity)?$", re.I)
     p.add_argument("--plot", metavar="FILE", type=_plot_file, help="write a PNG: tanh GELU, exact GELU, ReLU, and exact - tanh")
     p.set_defaults(func=cmd_gelu)
     p = sub.add_parser("extract", help="write golden tensors from HF GPT-2 (forward hooks) with a manifest")
@@ -494,8 +499,9 @@ def build_parser() -> Parser:
     p.add_argument("--max-new-tokens", type=int, help="default 50, or the room the context has left")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens; 0 = off (default)")
-    p.add_argument("--top-p", type=float)
-    p.add_argument("--seed", type=int)
+    p.add_argument("--top-p", type=float,
+                   help="sample from the likeliest tokens whose probabilities sum to p (0 < p <= 1); default: off")
+    p.add_argument("--seed", type=int, help="seed of the sampling: the same seed, the same tokens")
     p.add_argument("--stop", action="append", default=[], help="stop string; repeatable")
     _device_args(p)
     p.add_argument("--precision", choices=PRECISIONS, default="fp32",

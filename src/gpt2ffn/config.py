@@ -173,14 +173,17 @@ class Config:
 
     @classmethod
     def coerce(cls, cfg) -> "Config":
-        """A Config as is; a dict through from_dict; a preset name through from_name."""
+        """A Config as is; a dict through from_dict; a preset name through from_name; transformers' GPT2Config."""
         if isinstance(cfg, Config):
             return cfg
         if isinstance(cfg, dict):
             return cls.from_dict(cfg)
         if isinstance(cfg, str):
             return cls.from_name(cfg)
-        raise ConfigError(f"expected a Config, a dict or a preset name, got {type(cfg).__name__}")
+        if callable(getattr(cfg, "to_dict", None)) and getattr(cfg, "model_type", None) == "gpt2":
+            return cls.from_dict(cfg.to_dict(), ignore_unknown=True)  # transformers' GPT2Config
+        raise ConfigError(f"expected a Config, a dict, a preset name or transformers' GPT2Config, got "
+                          f"{type(cfg).__name__}")
 
     def check_heads(self):
         """Raise unless n_embd splits into n_head heads: attention needs it, an FFN alone does not."""

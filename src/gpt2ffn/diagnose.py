@@ -178,6 +178,13 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None, width=None
             run(w.reshape(n_out, n_in).T))
         add(f"{layer}_viewed", f"{layer} weight not transposed ([out, in] weight viewed as [in, out])", fix,
             run(w.T.reshape(n_in, n_out)))
+    (i1, o1), (i2, o2) = w1.shape, w2.shape  # a learner who mis-loads one matrix mostly mis-loads both
+    fix = ("transpose both: GPT-2's Conv1D stores c_fc.weight and c_proj.weight as [in, out], nn.Linear as [out, in]; "
+           "copy each weight.T into nn.Linear.weight (a reshape or view is not a transpose)")
+    add("both_not_transposed", "c_fc and c_proj weights not transposed ([in, out] data read as [out, in])", fix,
+        forward(x, w1.reshape(o1, i1).T, b1, w2.reshape(o2, i2).T, b2, act))
+    add("both_viewed", "c_fc and c_proj weights not transposed ([out, in] weights viewed as [in, out])", fix,
+        forward(x, w1.T.reshape(i1, o1), b1, w2.T.reshape(i2, o2), b2, act))
     linear = forward(x, w1, b1, w2, b2, lambda h: h)
     add("gelu_after_c_proj", "GELU applied after c_proj instead of between c_fc and c_proj",
         "c_proj(gelu(c_fc(x))): the activation goes between the two linear layers, not after the second",

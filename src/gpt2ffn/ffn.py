@@ -16,7 +16,7 @@ class FeedForward(TrainChecked):
     """c_fc (d -> hidden) -> GELU -> c_proj (hidden -> d) -> dropout, on each token alone.
 
     Keys and shapes equal HF GPT2MLP's (c_fc.weight is [d, hidden]), so state dicts move both ways.
-    Takes a Config, a dict (HF or book-style keys) or a preset name."""
+    Takes a Config, a dict (HF or book-style keys), a preset name or transformers' GPT2Config."""
 
     def __init__(self, cfg):
         super().__init__()

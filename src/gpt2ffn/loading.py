@@ -86,7 +86,7 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
         found = hf_cache_gpt2()
         if found is None:
             raise Gpt2ffnError("no local openai-community/gpt2 in the HF cache; get it where there is network with "
-                               "`huggingface-cli download openai-community/gpt2`, then pass --model DIR "
+                               "`hf download openai-community/gpt2` (huggingface_hub's CLI), then pass --model DIR "
                                "(or try --model random:gpt2)")
         spec, name = str(found), "openai-community/gpt2"
     elif not spec.startswith("random:") and not Path(spec).exists() and (found := cached_snapshot(spec)) is not None:

@@ -66,8 +66,8 @@ def resolve_checkpoint(spec) -> Path:
     if not looks_like_id:
         raise CheckpointError(f"checkpoint {path} does not exist")
     raise CheckpointError(f"checkpoint {path} does not exist, nor is {spec!r} in the local HF cache ({hub_cache()}); "
-                          f"gpt2ffn never downloads: get it where there is network (`huggingface-cli download "
-                          f"{spec}`), then pass its directory")
+                          f"gpt2ffn never downloads: get it where there is network (`hf download {spec}`, "
+                          f"huggingface_hub's CLI), then pass its directory")
 
 
 def ffn_shapes(cfg: Config) -> dict:
