@@ -870,7 +870,7 @@ def ffn_exact(x, w1, b1, w2, b2):
 """)
     got, out, err = run(["check", f"{path}:{target}", "--golden", small_golden], capsys)
     assert got == code and says in out, out + err
-    assert "c_fc outputs reach only |x| = 0." in out and "exact GELU (erf) where the config says tanh GELU; " \
+    assert "on this set (c_fc's outputs reach |x| = 0." in out and "(exact GELU (erf) where the config says tanh GELU; " \
         in out and "c_proj.bias drawn N(0, 0.1) (the set's is 0)" in out and ", scaled " in out, out
     rows = [line for line in out.splitlines() if line.startswith(("after", "output"))]
     unscaled = [line for line in rows if ", scaled" not in line]
@@ -907,3 +907,21 @@ def ffn_no_proj(x, w1, b1, w2, b2):
         "activation"), out
     if target == "NoProj":  # its c_fc is loaded and judged
         assert re.search(r"after c_fc \(1st linear\) +\(1, 8, 256\) .* PASS", out), out
+
+
+def test_the_widened_check_leaves_the_set_weights_and_names_a_probe_failure(small_golden, tmp_path, capsys):
+    """A module checked as an instance holds the set's weights afterwards (not the widened check's biases); a
+    function that passes the set and fails on the scaled tokens is one line, exit 2."""
+    ffn = FeedForward(Config(n_embd=64, n_head=4))
+    report = check(ffn, golden=small_golden)
+    assert report.passed and "scaled" in report.verdict
+    assert not ffn.c_fc.bias.any() and not ffn.c_proj.bias.any()  # HF's init: zero biases, as in the set
+    path = learner_file(tmp_path, """
+def ffn(x, w1, b1, w2, b2):
+    assert x.abs().max() < 10, "input out of the range I tested"
+    return F.gelu(x @ w1 + b1, approximate="tanh") @ w2 + b2
+""")
+    code, out, err = run(["check", f"{path}:ffn", "--golden", small_golden], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "learner.py:ffn passed, then failed on the same tokens scaled (c_fc's outputs to |x| ~ 4): " \
+           "AssertionError: input out of the range I tested" in err, err

@@ -163,7 +163,8 @@ def test_each_engine_mistake_is_named_where_it_first_shows(gold, tmp_path, capsy
 
 
 def test_ffn_with_two_mistakes_gets_both_named(gold, tmp_path, capsys):
-    """c_fc and c_proj both read transposed: c_fc named on the golden input, c_proj on the engine's own GELU."""
+    """c_fc and c_proj both read transposed: named as both at once, or c_fc on the golden input and c_proj on the
+    engine's own GELU."""
     _, report = verify(gold, engine(gold, tmp_path / "two", "both_ffn_transposed"), capsys)
     rows = {r["name"]: r for r in report["rows"]}
     assert "c_fc weight not transposed" in rows["h0_c_fc"]["note"]

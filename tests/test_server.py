@@ -980,7 +980,7 @@ def test_loopback_and_authorized():
     (["--served-model-name", "gpt2", "gpt2"], "--served-model-name takes distinct, non-empty names, got ['gpt2', 'gpt2']"),
     (["--served-model-name", " "], "--served-model-name takes distinct, non-empty names"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0 seconds, got -1.0"),
-    (["--model", "random:foo"], "unknown config name 'foo'"),  # before "serving on ..." is printed
+    (["--model", "random:foo"], "unknown config name 'foo'"),  # before "listening on ..." is printed
     (["--model", "nobody/gpt9"], "model 'nobody/gpt9' is neither a checkpoint directory, a model id in the local HF"),
 ])
 def test_serve_flags_refused_in_one_line(capsys, argv, message):
@@ -1155,7 +1155,7 @@ def test_a_port_in_use_or_a_bad_host_is_one_line(capsys):
         assert capsys.readouterr().err == f"error: cannot listen on 127.0.0.1:{port}: Address already in use\n"
     assert main(["serve", "--model", "random:tiny", "--host", "999.1.1.1"]) == 2
     assert capsys.readouterr().err.startswith("error: --host '999.1.1.1' does not resolve: ")
-    assert main(["serve", "--model", "random:tiny", "--max-model-len", "2000"]) == 2  # before "serving on"
+    assert main(["serve", "--model", "random:tiny", "--max-model-len", "2000"]) == 2  # before "listening on"
     out, err = capsys.readouterr()
     assert out == "" and err == "error: --max-model-len 2000 is outside [1, 128], the model's context (n_positions)\n"
     for flag, value in (("--max-batch", "0"), ("--max-waiting", "-1"), ("--threads", "0")):

@@ -404,8 +404,12 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
     svc.tok, svc.name = SimpleNamespace(decode=lambda ids: "".join("abcdefgh"[i] for i in ids)), "m"
 
     class Answer:  # one engine step per call, one token of each choice a step; left: choices not yet finished
-        def __init__(self, steps, n):
-            self.steps, self.done, self.left = list(steps), False, n
+        def __init__(self, steps, n, gone=False):
+            self.steps, self.done, self.left, self.svc, self.failed = list(steps), False, n, svc, None
+
+            async def is_disconnected():
+                return gone
+            self.request = SimpleNamespace(is_disconnected=is_disconnected)
 
         async def next(self):
             items = self.steps.pop(0) if self.steps else []
@@ -414,20 +418,23 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
 
     outs = []  # the pieces sse yielded (each one write to the socket) in the last run
 
-    def run(steps, n=1):
+    def run(steps, n=1, gone=False):
         body = CompletionRequest(model="m", prompt=[0], n=n, stream=True, stream_options={"include_usage": True})
         samplings = [Sampling(max_new_tokens=8)] * n
         choices = Choices(svc, body, [[0]], samplings)
         events = []
 
+        answer = Answer(steps(choices), n, gone)
+
         async def go():
             outs.clear()
-            async for out in sse(Answer(steps(choices), n), choices, interval):
+            async for out in sse(answer, choices, interval):
                 outs.append(out)
                 batch = [c for e in out.split("\n\n")  # not [DONE], not the usage chunk (no choices)
                          if e.startswith("data: {") and (c := json.loads(e[6:])).get("choices") != []]
                 events.extend([batch] if batch else [])
         asyncio.run(go())
+        run.answer = answer
         return choices, events
 
     def tokens(choices, n_tokens=7, n=1, error_at=None):
@@ -449,6 +456,9 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
     assert '"finish_reason": "length"' in outs[-1] and outs[-1].endswith("data: [DONE]\n\n")  # the end: one piece
     assert '"completion_tokens": 7' in outs[-1]  # the usage counts the tokens that go out with it
     assert all("[DONE]" not in out for out in outs[:-1])
+    _, events = run(tokens, gone=True)  # the client left before the end: no end sent, a 499 (not a 200)
+    assert not any("[DONE]" in out for out in outs) and run.answer.failed.status_code == 499
+    assert not run.answer.done
     _, events = run(lambda ch: tokens(ch, n_tokens=8, n=2), n=2)  # two choices, each counted on its own
     per = [sorted(c["choices"][0]["index"] for c in e) for e in events]
     assert all(p == [0, 1] for p in per) and len(events) == (8 if interval == 1 else 4)  # 1, 3, 3, 1

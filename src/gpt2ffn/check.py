@@ -328,7 +328,10 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
 
         def run(probe: FFNCase) -> list:
             load(probe.weights)
-            return [_run(module, l1, l2, torch.from_numpy(probe.x).to(param.dtype), name) for _ in range(2)]
+            try:
+                return [_run(module, l1, l2, torch.from_numpy(probe.x).to(param.dtype), name) for _ in range(2)]
+            finally:
+                load(case.weights)  # the module is left holding the set's weights, as before the probe
         return _widen(report, case, atol, unseen, run)
     finally:
         module.train(was_training)
@@ -406,7 +409,7 @@ def _widen(report: Report, case: FFNCase, atol: float, unseen: str, run, pass_th
     top = float(np.abs(np.asarray(case.x, np.float64) @ np.asarray(case.weights["c_fc.weight"], np.float64)).max())
     if not blind or not top > 0:
         return report
-    scale = PROBE_REACH / top
+    scale = max(1.0, PROBE_REACH / top)  # (a set that reaches far already, but with zero biases: not shrunk)
     x = (np.asarray(case.x, np.float64) * scale).astype(np.float32)
     w, how = dict(case.weights), ["c_fc's weight"]
     rng = np.random.default_rng(0)
@@ -424,10 +427,11 @@ def _widen(report: Report, case: FFNCase, atol: float, unseen: str, run, pass_th
     first, again = run(probe)
     widened = _judge(report.subject, [], first, again, probe, atol, unseen)
     reach = float(np.abs(np.asarray(case.expected["c_fc"])).max())
-    note = (f"this set's c_fc outputs reach only |x| = {reach:.2g}: there {len(blind)} known mistake"
-            f"{'s' * (len(blind) > 1)} also pass within {atol:.0e} ({'; '.join(blind)}); so check also fed the same "
-            f"tokens x {scale:.3g} (c_fc's outputs to |x| ~ {PROBE_REACH:g}) and compared with the right FFN of them "
-            f"(float64; {', '.join(how)}): rows 'scaled'")
+    fed = (f"the same tokens x {scale:.3g} (c_fc's outputs to |x| ~ {PROBE_REACH:g})" if scale > 1 else
+           "the same tokens")
+    note = (f"on this set (c_fc's outputs reach |x| = {reach:.2g}) {len(blind)} known mistake"
+            f"{'s' * (len(blind) > 1)} also pass within {atol:.0e} ({'; '.join(blind)}); so check also fed {fed} "
+            f"and compared with the right FFN of them (float64; {', '.join(how)}): rows 'scaled'")
     rows = report.rows + [dataclasses.replace(r, name=f"{r.name}, scaled") for r in widened.rows]
     verdict = widened.verdict if not widened.passed else report.verdict + " (and with its input scaled)"
     return Report(report.kind, report.subject, report.info + [note], rows, verdict,
@@ -602,8 +606,12 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 def run(probe, style=style, lib=lib, layout=layout):
                     args = _function_args(len(names), style, probe.weights, lib, layout)
                     xs = torch.from_numpy(probe.x[0].copy()) if lib == "torch" else probe.x[0].copy()
-                    with torch.no_grad():
-                        return [{"ffn": np.asarray(fn(xs, *args), dtype=np.float32)[None]} for _ in range(2)]
+                    try:
+                        with torch.no_grad():
+                            return [{"ffn": np.asarray(fn(xs, *args), dtype=np.float32)[None]} for _ in range(2)]
+                    except Exception as e:
+                        raise CheckError(f"{name} passed, then failed on the same tokens scaled (c_fc's outputs to "
+                                         f"|x| ~ {PROBE_REACH:g}): {type(e).__name__}: {e}".splitlines()[0]) from None
                 return _widen(report, case, atol, unseen, run, pass_through=True)
     raise CheckError(f"{name}({', '.join(['x', *names])}) failed in every calling style check knows "
                      f"({'; '.join(styles)}; numpy or torch; weights [in, out] or [out, in]); with numpy arrays "

@@ -430,6 +430,9 @@ async def sse(answer: Answer, choices: Choices, interval: int = 1):
         out = events(chunks)
         if out:
             yield out
+    if await answer.request.is_disconnected():  # gone since Answer.next last asked (it asks every 0.25 s)
+        answer.failed = refuse(answer.svc, 499, "client closed the request")
+        return
     tail = events(choices.chunks(held)) if held else ""  # (first: the usage counts these tokens)
     if choices.include_usage:
         tail += f"data: {json.dumps(choices.usage_chunk())}\n\n"
