@@ -471,3 +471,18 @@ def test_stream_interval_sends_the_first_token_then_every_n(interval):
     assert texts == (list("bcdefg") if interval == 1 else ["b", "cde", "fg"])
     _, events = run(lambda ch: tokens(ch, error_at=3))
     assert "".join(c["choices"][0]["text"] for e in events for c in e if "choices" in c) == "abc"
+
+
+def test_top_logprobs_keep_the_chosen_tokens_own_log_prob():
+    """Two ids that decode alike (byte tokens' U+FFFD) share a key: the likelier keeps it among the top ones, but
+    the chosen token's key holds the chosen token's log-prob, so top_logprobs[i][tokens[i]] == token_logprobs[i]."""
+    from types import SimpleNamespace
+
+    from gpt2ffn.serving.service import Service
+    svc = Service("random:tiny")
+    svc.tok = SimpleNamespace(decode=lambda ids: {97: "\ufffd", 235: "\ufffd", 5: "a"}[ids[0]])
+    out = svc.logprobs([235], [-7.5], [((97, 5), (-4.0, -5.0))], [0])
+    assert out["tokens"] == ["\ufffd"] and out["top_logprobs"] == [{"\ufffd": -7.5, "a": -5.0}]
+    assert out["top_logprobs"][0][out["tokens"][0]] == out["token_logprobs"][0]
+    out = svc.logprobs([5], [-5.0], [((97, 235), (-4.0, -4.5))], [0])  # not among the top: added after them
+    assert list(out["top_logprobs"][0].items()) == [("\ufffd", -4.0), ("a", -5.0)]

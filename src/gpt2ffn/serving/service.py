@@ -216,8 +216,9 @@ class Service:
                 tops_out.append(None)
                 continue
             entry = {}
-            for i, v in [*zip(*top), (t, lp)]:  # two ids may decode alike: the likelier keeps the key
+            for i, v in zip(*top):  # two ids may decode alike (byte tokens' U+FFFD): the likelier keeps the key,
                 entry.setdefault(d([i]), v)
+            entry[d([t])] = lp  # but the chosen token's own: top_logprobs[i][tokens[i]] is token_logprobs[i]
             tops_out.append(entry)
         return {"tokens": [d([t]) for t in ids], "token_logprobs": list(lps), "top_logprobs": tops_out,
                 "text_offset": list(offsets)}
