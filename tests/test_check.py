@@ -925,3 +925,11 @@ def ffn(x, w1, b1, w2, b2):
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "learner.py:ffn passed, then failed on the same tokens scaled (c_fc's outputs to |x| ~ 4): " \
            "AssertionError: input out of the range I tested" in err, err
+
+
+def test_json_errors_are_json_too(tmp_path, capsys):
+    """check --json that cannot run: a JSON object on stdout for the reader, the one line on stderr, exit 2."""
+    target = f"{tmp_path / 'nope.py'}:X"
+    code, out, err = run(["check", target, "--json"], capsys)
+    assert code == 2 and err == f"error: no file {tmp_path / 'nope.py'}\n", err
+    assert json.loads(out) == {"target": target, "passed": False, "error": f"no file {tmp_path / 'nope.py'}"}

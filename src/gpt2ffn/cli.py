@@ -261,13 +261,18 @@ def cmd_check(args):
     import json
 
     from .check import check, load_object
-    with contextlib.redirect_stdout(sys.stderr):  # what the learner's file prints must not mix into the report
-        obj, label = load_object(args.target)
-        model = args.model or (f"random:{args.preset}:0" if args.preset else None)
-        try:
-            report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label, model=model)
-        except SystemExit as e:  # from the learner's __init__ or forward: it would end check with its own code
-            raise Gpt2ffnError(f"{label} called sys.exit({e.code!r}) while check built or ran it") from None
+    try:
+        with contextlib.redirect_stdout(sys.stderr):  # what the learner's file prints must not mix into the report
+            obj, label = load_object(args.target)
+            model = args.model or (f"random:{args.preset}:0" if args.preset else None)
+            try:
+                report = check(obj, golden=args.golden, layer=args.layer, config=args.config, name=label, model=model)
+            except SystemExit as e:  # from the learner's __init__ or forward: it would end check with its own code
+                raise Gpt2ffnError(f"{label} called sys.exit({e.code!r}) while check built or ran it") from None
+    except Gpt2ffnError as e:
+        if args.json:  # a JSON reader gets an object too (the one line on stderr and exit 2 stay)
+            print(json.dumps({"target": args.target, "passed": False, "error": str(e)}, indent=1))
+        raise
     print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
     return 0 if report.passed else 1
 
