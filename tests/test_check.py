@@ -933,3 +933,22 @@ def test_json_errors_are_json_too(tmp_path, capsys):
     code, out, err = run(["check", target, "--json"], capsys)
     assert code == 2 and err == f"error: no file {tmp_path / 'nope.py'}\n", err
     assert json.loads(out) == {"target": target, "passed": False, "error": f"no file {tmp_path / 'nope.py'}"}
+
+
+def test_a_half_module_that_casts_its_input_is_told_why_it_cannot_run(golden, tmp_path, capsys):
+    """check judges in float32 (module.float()); a forward that casts its input to fp16 then mixes dtypes, and the
+    one line says that check converted it and what to write instead."""
+    path = learner_file(tmp_path, """
+class Half(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        d = cfg["emb_dim"]
+        self.l = nn.Sequential(nn.Linear(d, 4 * d).half(), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d).half())
+
+    def forward(self, x):
+        return self.l(x.half()).float()
+""")
+    code, out, err = run(["check", f"{path}:Half", "--golden", golden], capsys)
+    assert code == 2 and out == "" and err.count("\n") == 1, err
+    assert "(check ran learner.py:Half in float32 with module.float(), its parameters being float16: a forward " \
+           "that casts its input to float16 itself cannot run so; cast it to the weights' dtype instead" in err, err

@@ -209,6 +209,20 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         module = module.float()
         built.append(f"its parameters are {' and '.join(halves)}: judged in float32 (module.float()), as GPT-2's "
                      f"math is checked at 1e-4; in {halves[0]} itself every stage differs by ~1e-2")
+        try:
+            return _check_module(module, name, built, source, case_of, ref_cfg, layer)
+        except CheckError as e:
+            if "dtype" not in str(e).lower():
+                raise
+            raise CheckError(f"{e} (check ran {name} in float32 with module.float(), its parameters being {halves[0]}: "
+                             f"a forward that casts its input to {halves[0]} itself cannot run so; cast it to the "
+                             f"weights' dtype instead, x.to(next(self.parameters()).dtype))") from None
+    return _check_module(module, name, built, source, case_of, ref_cfg, layer)
+
+
+def _check_module(module: nn.Module, name: str, built: list, source: str, case_of, ref_cfg: Config,
+                  layer: int):
+    """check() of a module (its parameters in float32): a whole model, an FFN or a GELU."""
     if is_model(module):
         return check_model(module, name, built, source)
     if case_of is None:
