@@ -240,3 +240,14 @@ def test_gelu_takes_negative_numbers_in_any_notation(capsys):
     assert main(["gelu", "-inf"]) == 2
     err = capsys.readouterr().err
     assert err == "error: gpt2ffn gelu: give finite numbers, got -inf\n", err
+
+
+def test_an_empty_prompt_starts_from_endoftext_as_serve_takes_it(capsys):
+    """generate "": the text after <|endoftext|> (GPT-2's unconditional start), as serve answers an empty prompt."""
+    from gpt2ffn.model import parse_random
+    eos = parse_random("random:tiny")[0].eos_ids[0]
+    assert main(["generate", "", "--model", "random:tiny", "--max-new-tokens", "4"]) == 0
+    empty = capsys.readouterr().out
+    assert main(["generate", "--ids", str(eos), "--model", "random:tiny", "--max-new-tokens", "4"]) == 0
+    from_ids = capsys.readouterr().out  # the prompt's text echoed first
+    assert len(empty) > 1 and from_ids.endswith(empty), (empty, from_ids)

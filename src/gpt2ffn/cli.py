@@ -333,6 +333,8 @@ def cmd_generate(args):
         raise UsageError("gpt2ffn generate: --stop takes non-empty strings (an empty one would stop at once)")
     decode = tok.decode if tok is not None else None
     ids = tok.encode(args.prompt) if args.ids is None else args.ids
+    if args.ids is None and not ids:  # "": GPT-2's unconditional start, <|endoftext|>, as serve (and OpenAI) take it
+        ids = model.config.eos_ids[:1] or [model.config.bos_token_id or 0]
     new = args.max_new_tokens
     if new is None:  # not given: 50, or what the context has room for (an 8-position model's 2-token prompt: 6)
         new = max(1, min(50, model.config.n_positions - len(ids)))
