@@ -371,20 +371,11 @@ def check_no_proj(module: nn.Module, linear: tuple, name: str, built: list, case
     note = _load(l1, case.weights["c_fc.weight"], case.weights["c_fc.bias"], lay1, n1)
     info = built + [f"c_fc = {n1} ({type(l1).__name__}, {lay1}){'; it has ' + note if note else ''}; no second "
                     f"linear layer", f"fed {case.source} layer {case.layer}'s ln_2 output in eval()"]
-    seen = {}
-    def keep(m, a, o):  # returns None: a hook that returns a value replaces the layer's output
-        seen.setdefault("c_fc", o.detach().float().numpy().copy())
-    hook = l1.register_forward_hook(keep)
     was_training = module.training
     module.eval()
     try:
-        with torch.no_grad():
-            out = module(torch.from_numpy(case.x).to(next(module.parameters()).dtype))
-    except Exception as e:
-        raise CheckError(f"{name} failed on input of shape {case.x.shape}: {type(e).__name__}: {e}".splitlines()[0]) \
-            from None
+        seen = _run(module, l1, None, torch.from_numpy(case.x).to(next(module.parameters()).dtype), name)
     finally:
-        hook.remove()
         module.train(was_training)
     rows = []
     if "c_fc" in seen:
@@ -392,7 +383,7 @@ def check_no_proj(module: nn.Module, linear: tuple, name: str, built: list, case
         r = compare(STAGE_LABELS["c_fc"], {"checkpoint": "06", "layer": case.layer}, seen["c_fc"],
                     case.expected["c_fc"], atol)
         rows.append(Row(STAGE_LABELS["c_fc"], tuple(seen["c_fc"].shape), r.max_abs, atol, r.status, r.note))
-    shape = tuple(out.shape) if isinstance(out, torch.Tensor) else ()
+    shape = seen["ffn"].shape
     if shape[-1:] != (hidden,):
         raise CheckError(f"{name} has one linear layer ({n1}, {d} -> {hidden}) and returns shape {shape}; an FFN "
                          f"has two, c_fc then c_proj")
@@ -518,14 +509,16 @@ def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float) ->
 
 
 def _run(module, l1, l2, x, name, info=None) -> dict:
-    """One forward; the stages it passes through: c_fc's output, c_proj's input, the output (float32 numpy).
-    info: where an output in another dtype than the input's is noted (it is judged in float32 all the same)."""
+    """One forward; the stages it passes through: c_fc's output, c_proj's input (l2 None: none), the output
+    (float32 numpy). info: where an output in another dtype than the input's is noted (it is judged in float32 all
+    the same)."""
     seen = {}
 
     def keep(key, t):  # returns None: a hook that returns a value replaces the layer's output
         seen.setdefault(key, t.detach().float().numpy().copy())
-    hooks = [l1.register_forward_hook(lambda m, a, o: keep("c_fc", o)),
-             l2.register_forward_pre_hook(lambda m, a: keep("gelu", a[0]))]
+    hooks = [l1.register_forward_hook(lambda m, a, o: keep("c_fc", o))]
+    if l2 is not None:
+        hooks.append(l2.register_forward_pre_hook(lambda m, a: keep("gelu", a[0])))
     try:
         with torch.no_grad():
             out = module(x)
@@ -586,6 +579,7 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                          "GELU f(x), picoGPT's ffn(x, c_fc, c_proj) or ffn(x, w1, b1, w2, b2)")
     x2 = case.x[0]
     T, d = x2.shape
+    hidden = case.weights["c_fc.weight"].shape[1]
     first_error, errors = None, {}  # errors: each library's first, so a torch-only function's own error is seen
     for style in styles:
         for lib in ("numpy", "torch"):
@@ -595,7 +589,6 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 try:
                     with torch.no_grad():
                         out = [np.asarray(fn(x, *args), dtype=np.float32) for _ in range(2)]
-                    hidden = case.weights["c_fc.weight"].shape[1]
                     if out[0].shape == (T, hidden) and hidden != d:  # it stops after the activation
                         info = [f"a function: {name}({', '.join(['x', *names])}), called with {lib} {style}, "
                                 f"weights {layout}", f"fed {case.source} layer {case.layer}'s ln_2 output ({T}, {d})"]
