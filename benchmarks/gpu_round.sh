@@ -28,6 +28,9 @@
 #                    the same 256 requests in process (issue 18's >= 0.7 target), CPU us per token of the event
 #                    loop and the engine thread (a third call: `bash benchmarks/gpu_round.sh overhead sampling`)
 #   overhead4: serve-overhead-cuda-interval-4.json, overhead4.txt   the same with serve --stream-interval 4
+#   procs: serve-overhead-cuda-processes.json, procs.txt   the same, 4 servers interleaved: the engine in a thread of
+#                    the server (--engine-process off), in its own process (on, CUDA's default), and that behind 2
+#                    and 4 API processes (--api-servers); issue 18's 0.7 is for the best of them
 #   sampling: sampling-host-cuda.json, sampling.txt   benchmarks/sampling_host.py --device cuda: the batch sampler
 #                    against the per-row loop at batch 256 (GPT-2's vocabulary), aten ops per call, engine steps
 #   attention: attention-cuda.json, attention.txt   benchmarks/gpu_attention.py: one layer's decode attention at batch
@@ -42,11 +45,14 @@
 #   too few for all of them), `tests ab bench overhead profile` with CUDA_TESTS naming three files and
 #   BENCH_DTYPES=bf16 230 s, `diag ab bench` (BENCH_DTYPES=bf16) 145 s; on 2026-11-27 `tests bench overhead overhead4
 #   invariant ffn` with CUDA_TESTS naming the six files that hold cuda tests and BENCH_DTYPES=bf16 412 s (its tests 68
-#   s). What the next GPU should run first (not yet run there: the profile since the fused add + layer norm and the
-#   wide decode configuration, and the two apart):   T=short bash benchmarks/gpu_round.sh kernels profile ab
+#   s). What the next GPU should run first (not yet run there: the engine's own process and the API processes in
+#   front of it, the cuda tests of the server since, the profile since the fused add + layer norm and the wide decode
+#   configuration, and the two apart):
+#     T=short CUDA_TESTS="tests/test_server.py tests/test_serving.py" bash benchmarks/gpu_round.sh procs tests
+#     T=short bash benchmarks/gpu_round.sh kernels profile ab
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,overhead4,sampling,attention,invariant,profile}..."
+usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,overhead4,procs,sampling,attention,invariant,profile}..."
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 limit() {  # limit PART LONG SHORT: the part's time limit in seconds
@@ -88,6 +94,10 @@ for part in "$@"; do
             --out "$OUT/load-cuda.json" ;;
     overhead) run overhead 400 150 overhead.txt python3 benchmarks/serve_overhead.py --model random:gpt2 \
                 --device cuda --clients 256 --max-tokens 64 --rounds 2 --out "$OUT/serve-overhead-cuda.json" ;;
+    procs) run procs 560 300 procs.txt python3 benchmarks/serve_overhead.py --model random:gpt2 \
+             --device cuda --clients 256 --max-tokens 64 --rounds 2 --serve "engine thread=--engine-process off" \
+             --serve "engine process=--engine-process on" --serve "2 API processes=--api-servers 2" \
+             --serve "4 API processes=--api-servers 4" --out "$OUT/serve-overhead-cuda-processes.json" ;;
     overhead4) run overhead 400 150 overhead4.txt python3 benchmarks/serve_overhead.py --model random:gpt2 \
                  --device cuda --clients 256 --max-tokens 64 --rounds 2 --stream-interval 4 \
                  --out "$OUT/serve-overhead-cuda-interval-4.json" ;;

@@ -81,6 +81,8 @@ def gpt2ffn_cmd(args, port):
         cmd += ["--dtype", {"fp32": "float32", "bf16": "bfloat16"}[args.precision]]
     if args.max_batch:
         cmd += ["--max-batch", str(args.max_batch)]
+    if args.engine_process:
+        cmd += ["--engine-process", args.engine_process]
     return cmd + (["--batch-invariant"] if args.batch_invariant else [])
 
 
@@ -228,6 +230,8 @@ def main():
     p.add_argument("--batch-invariant", action="store_true", help="gpt2ffn serve --batch-invariant")
     p.add_argument("--device", default="cpu", help="gpt2ffn serve --device (cuda: its default bf16, CUDA graphs)")
     p.add_argument("--max-batch", type=int, help="gpt2ffn serve --max-batch (default its own, 64)")
+    p.add_argument("--engine-process", nargs="+", choices=("auto", "on", "off"), help="gpt2ffn serve "
+                   "--engine-process, a server per value, one after the other (default: serve's own)")
     p.add_argument("--llama-server", help="path to llama.cpp's llama-server; omit to test gpt2ffn only")
     p.add_argument("--gguf", help="the GGUF llama-server loads")
     p.add_argument("--parallel", type=int, default=32, help="llama-server -np")
@@ -255,7 +259,10 @@ def main():
     if args.url:
         servers["server"] = (None, args.url)
     else:
-        servers[f"gpt2ffn serve ({args.precision})"] = (gpt2ffn_cmd, None)
+        for mode in args.engine_process or [None]:
+            label = f"gpt2ffn serve ({args.precision}{f', engine process {mode}' if mode else ''})"
+            servers[label] = (lambda a, port, mode=mode: gpt2ffn_cmd(argparse.Namespace(**{**vars(a), "engine_process":
+                                                                                           mode}), port), None)
         if args.llama_server:
             servers[f"llama-server ({Path(args.gguf).stem})"] = (llama_cmd, None)
     result = {"machine": f"{platform.machine()}, {os.cpu_count()} cores, {platform.platform()}",

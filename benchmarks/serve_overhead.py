@@ -17,7 +17,7 @@ thread (the steps, sampling, detokenizing, handing tokens over), medians over ro
 With --tokenizer DIR, also the detokenizer's (TextStream's) microseconds per token at 64, 256 and 1024 tokens.
 
     python benchmarks/serve_overhead.py [--model random:tiny] [--clients 256] [--max-tokens 64] [--rounds 3] \\
-        [--src before=/path/to/old/src] [--tokenizer DIR] [--stream-interval N] \\
+        [--src before=/path/to/old/src] [--serve 'LABEL=SERVE FLAGS' ...] [--tokenizer DIR] [--stream-interval N] \\
         [--out benchmarks/results/serve-overhead.json]
 """
 
@@ -46,25 +46,54 @@ def child_env(src: str) -> dict:
 
 
 def thread_cpu(pid: int) -> dict:
-    """CPU seconds (user + system) of pid's threads: "loop" (the main thread, uvicorn's event loop), "engine" (the
-    first thread named gpt2ffn-engine), "engine's workers" (threads it started, which inherit its name: torch's
-    OpenMP pool), "other"."""
+    """CPU seconds (user + system) of pid's threads and its child processes' (serve --engine-process on, --api-servers
+    N): "loop" (each API process's main thread, uvicorn's event loop), "engine" (the first thread named
+    gpt2ffn-engine), "engine's workers" (threads it started, which inherit its name: torch's OpenMP pool, and the
+    engine process's other threads), "other" (the API processes' other threads)."""
     out = {"loop": 0.0, "engine": 0.0, "engine's workers": 0.0, "other": 0.0}
     engine_seen = False
-    for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
-        try:
-            stat = (task / "stat").read_text()
+    children = []
+    for pids in Path(f"/proc/{pid}/task").glob("*/children"):
+        children += [int(c) for c in pids.read_text().split()]
+    for proc in [pid, *children]:
+        try:  # a child that ended meanwhile (not one of the server's processes) has nothing to count
+            tasks = sorted(Path(f"/proc/{proc}/task").iterdir(), key=lambda t: int(t.name))
+            cmdline = Path(f"/proc/{proc}/cmdline").read_bytes()
         except OSError:
             continue
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        if task.name == str(pid):
-            kind = "loop"
-        elif name == "gpt2ffn-engine":
-            kind, engine_seen = ("engine's workers", True) if engine_seen else ("engine", True)
-        else:
-            kind = "other"
-        out[kind] += (int(fields[11]) + int(fields[12])) / TICK
+        for task in tasks:
+            try:
+                stat = (task / "stat").read_text()
+            except OSError:
+                continue
+            name = stat[stat.index("(") + 1:stat.rindex(")")]
+            fields = stat[stat.rindex(")") + 2:].split()
+            if task.name == str(proc) and (proc == pid or b"gpt2ffn.serving.http" in cmdline):
+                kind = "loop"  # an API process's event loop (serve --api-servers N starts N - 1 more)
+            elif name == "gpt2ffn-engine":
+                kind, engine_seen = ("engine's workers", True) if engine_seen else ("engine", True)
+            else:
+                kind = "engine's workers" if b"gpt2ffn.serving.core" in cmdline else "other"
+            out[kind] += (int(fields[11]) + int(fields[12])) / TICK
+    return out
+
+
+def resident_mb(pid: int) -> dict:
+    """Resident memory (VmRSS, MB) of the server's processes after the run: {"server": its first process, "engine
+    process": ..., "API processes": the others together}."""
+    out = {}
+    children = [int(c) for pids in Path(f"/proc/{pid}/task").glob("*/children") for c in pids.read_text().split()]
+    for proc in [pid, *children]:
+        try:
+            cmdline = Path(f"/proc/{proc}/cmdline").read_bytes()
+            kb = next(int(line.split()[1]) for line in Path(f"/proc/{proc}/status").read_text().splitlines()
+                      if line.startswith("VmRSS"))
+        except (OSError, StopIteration):
+            continue
+        kind = ("server" if proc == pid else "engine process" if b"gpt2ffn.serving.core" in cmdline else
+                "API processes" if b"gpt2ffn.serving.http" in cmdline else None)
+        if kind:
+            out[kind] = out.get(kind, 0) + kb // 1024
     return out
 
 
@@ -89,12 +118,13 @@ def prompts(n: int, vocab: int) -> list:
     return [[(7 * i + j) % vocab for j in range(16)] for i in range(n)]
 
 
-def through_http(src: str, args, vocab: int) -> dict:
+def through_http(src: str, args, vocab: int, flags=()) -> dict:
     port = free_port()
     env = child_env(src)
     cmd = [sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-batch", str(args.clients), "--max-waiting", str(args.clients), "--threads", str(args.threads),
            "--device", args.device, "--stream-interval", str(args.stream_interval)]
+    cmd += list(flags)
     proc, _ = start(cmd, port, env=env)
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models") as r:
@@ -105,13 +135,15 @@ def through_http(src: str, args, vocab: int) -> dict:
         done = asyncio.run(_all(port, prompts(args.clients, vocab), args.max_tokens, model))
         wall = time.perf_counter() - t0
         after = thread_cpu(proc.pid)
+        rss = resident_mb(proc.pid)
     finally:
         stop(proc)
     tokens = sum(t for t, _, _ in done)
     us = {k: 1e6 * (after[k] - before[k]) / tokens for k in after}
     return {"tokens": tokens, "tokens_per_s": tokens / wall, "events_per_token": sum(e for _, e, _ in done) / tokens,
             "loop_us_per_token": us["loop"], "engine_us_per_token": us["engine"],
-            "workers_us_per_token": us["engine's workers"], "other_threads_us_per_token": us["other"]}
+            "workers_us_per_token": us["engine's workers"], "other_threads_us_per_token": us["other"],
+            "resident_mb": rss}
 
 
 async def _all(port, ps, max_tokens, model):
@@ -182,6 +214,9 @@ def main():
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--stream-interval", type=int, default=1, help="serve's --stream-interval (tokens a chunk)")
     p.add_argument("--src", action="append", default=[], help="label=path of another tree's src (A/B)")
+    p.add_argument("--serve", action="append", default=[], metavar="LABEL=FLAGS", help="this tree's server with "
+                   "more serve flags, a server of its own in the A/B (repeatable), e.g. 'one process=--engine-process "
+                   "off' 'two API processes=--api-servers 2'")
     p.add_argument("--tokenizer", help="a tokenizer directory: also time TextStream per token (GPT-2's own files)")
     p.add_argument("--out", default="benchmarks/results/serve-overhead.json")
     args = p.parse_args()
@@ -189,17 +224,22 @@ def main():
     from gpt2ffn.bench import cpu_info
     from gpt2ffn.config import Config
     vocab = Config.from_name(args.model.split(":")[1]).vocab_size if args.model.startswith("random:") else 50257
-    trees = {"this tree": str(HERE.parent / "src"), **dict(s.split("=", 1) for s in args.src)}
-    runs = {name: [] for name in trees}
+    here = str(HERE.parent / "src")
+    servers = ({label: (here, flags.split()) for label, flags in (s.split("=", 1) for s in args.serve)}
+               or {"this tree": (here, ())})
+    servers.update({name: (src, ()) for name, src in (s.split("=", 1) for s in args.src)})
+    trees = {name: src for name, (src, _) in servers.items()}
+    runs = {name: [] for name in servers}
     for r in range(args.rounds):
-        for name, src in trees.items():
-            point = {**through_http(src, args, vocab), "in_process": in_process(src, args)}
+        for name, (src, flags) in servers.items():
+            point = {**through_http(src, args, vocab, flags), "in_process": in_process(src, args)}
             point["ratio"] = point["tokens_per_s"] / point["in_process"]["tokens_per_s"]
             runs[name].append(point)
             print(f"round {r} {name:12s} http {point['tokens_per_s']:9.0f} tok/s  in process "
                   f"{point['in_process']['tokens_per_s']:9.0f}  ratio {point['ratio']:.2f}  events/token "
                   f"{point['events_per_token']:.2f}  loop {point['loop_us_per_token']:.1f} us/token  engine "
-                  f"{point['engine_us_per_token']:.1f}  its workers {point['workers_us_per_token']:.1f}", flush=True)
+                  f"{point['engine_us_per_token']:.1f}  its workers {point['workers_us_per_token']:.1f}  resident MB "
+                  f"{point['resident_mb']}", flush=True)
     med = {name: {k: statistics.median(pt[k] for pt in pts) for k in
                   ("tokens_per_s", "ratio", "events_per_token", "loop_us_per_token", "engine_us_per_token",
                    "workers_us_per_token", "other_threads_us_per_token")} | {"in_process_tokens_per_s": statistics.median(

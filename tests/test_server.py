@@ -81,10 +81,15 @@ CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfo
                  "{% if add_generation_prompt %}assistant:{% endif %}")
 
 
-@pytest.fixture(scope="module")
-def server(model_dir):
+# Each test of a server runs against both places the engine can run: a thread of the server's process and a
+# process of its own (serve --engine-process, serving/core.py).
+ENGINE = pytest.mark.parametrize("engine", ["off", "on"], ids=["engine-thread", "engine-process"])
+
+
+@pytest.fixture(scope="module", params=["off", "on"], ids=["engine-thread", "engine-process"])
+def server(model_dir, request):
     (model_dir.parent / "chat.jinja").write_text(CHAT_TEMPLATE)
-    s = Server(model_dir, "--chat-template", str(model_dir.parent / "chat.jinja"))
+    s = Server(model_dir, "--chat-template", str(model_dir.parent / "chat.jinja"), "--engine-process", request.param)
     yield s
     s.stop()
 
@@ -327,11 +332,11 @@ def test_schemathesis_finds_no_5xx(server):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
 
 
-@pytest.fixture(scope="module")
-def slow_server():
+@pytest.fixture(scope="module", params=["off", "on"], ids=["engine-thread", "engine-process"])
+def slow_server(request):
     """gpt2-sized random weights, one running sequence and two waiting: the third concurrent request waits,
     the fourth is refused."""
-    s = Server("random:gpt2", "--max-batch", "1", "--max-waiting", "2")
+    s = Server("random:gpt2", "--max-batch", "1", "--max-waiting", "2", "--engine-process", request.param)
     yield s
     s.stop()
 
@@ -381,8 +386,9 @@ def test_disconnect_stops_generation(slow_server):
     pytest.fail("generation went on after the client disconnected")
 
 
-def test_sigterm_drains_in_flight(model_dir):
-    s = Server("random:gpt2", "--max-batch", "4")
+@ENGINE
+def test_sigterm_drains_in_flight(model_dir, engine):
+    s = Server("random:gpt2", "--max-batch", "4", "--engine-process", engine)
     lines = []
     with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
                       json={"model": s.model, "prompt": "x", "max_tokens": 40, "stream": True}) as r:
@@ -410,10 +416,11 @@ def stream_until_signals(s, *signals, max_tokens=1000):
     return lines, s.proc.wait(30)
 
 
-def test_a_stream_past_the_shutdown_timeout_ends_with_an_error_event(model_dir):
+@ENGINE
+def test_a_stream_past_the_shutdown_timeout_ends_with_an_error_event(model_dir, engine):
     """SIGTERM with a stream that outlives --shutdown-timeout: the stream gets an error event saying why, and
     closes properly (it was cut mid-chunk by uvicorn's own 60 s timeout, an incomplete chunked read); exit 0."""
-    s = Server("random:gpt2", "--max-batch", "4", "--shutdown-timeout", "1")
+    s = Server("random:gpt2", "--max-batch", "4", "--shutdown-timeout", "1", "--engine-process", engine)
     lines, code = stream_until_signals(s, signal.SIGTERM)
     error = json.loads(lines[-1].removeprefix("data: "))["error"]
     assert error["message"].startswith("the server is shutting down (requests still running after "
@@ -421,10 +428,11 @@ def test_a_stream_past_the_shutdown_timeout_ends_with_an_error_event(model_dir):
     assert len(lines) > 2 and code == 0
 
 
-def test_a_second_ctrl_c_ends_streams_with_an_error_and_no_abort(model_dir):
+@ENGINE
+def test_a_second_ctrl_c_ends_streams_with_an_error_and_no_abort(model_dir, engine):
     """Ctrl-C twice with a stream running: the stream ends with an error event, the process with 130 (SIGINT),
     no traceback, no C++ abort (it was SIGABRT: the engine thread was killed inside native code at exit)."""
-    s = Server("random:gpt2", "--max-batch", "4")
+    s = Server("random:gpt2", "--max-batch", "4", "--engine-process", engine)
     lines, code = stream_until_signals(s, signal.SIGINT, signal.SIGINT)
     err = s.proc.stderr.read() + s.proc.stdout.read()
     assert "a second interrupt" in lines[-1] and code == 130, (lines[-1], code)
@@ -644,6 +652,10 @@ def test_metrics_are_vllm_named(server):
                  "gpt2ffn_e2e_request_latency_seconds_count", "gpt2ffn_batch_size_bucket",
                  "gpt2ffn_prompt_tokens_total", "gpt2ffn_generation_tokens_total", "gpt2ffn_kv_cache_blocks_in_use"]:
         assert f"\n{name}" in text, name
+    # one family per name, parsed by prometheus_client's own parser (the engine process's part is appended)
+    from prometheus_client.parser import text_string_to_metric_families
+    names = [f.name for f in text_string_to_metric_families(text)]
+    assert len(names) == len(set(names)) and "gpt2ffn_requests" in names and "gpt2ffn_batch_size" in names
 
 
 LM_EVAL_DOCS = [{"context": "the quick brown", "choices": [" fox", " dog", " world"], "label": 0, "answer": "x"},
@@ -1100,10 +1112,11 @@ def test_bad_input_is_a_400_in_openai_shape_never_a_500(server, client):
     assert client.models.retrieve(m).id == m
 
 
-def test_a_non_streamed_request_stops_when_its_client_leaves():
+@ENGINE
+def test_a_non_streamed_request_stops_when_its_client_leaves(engine):
     """Its client gone (a timeout), the request is cancelled within a step or so, not run to max_tokens (~20 s
     here): a non-streamed answer sends nothing until the end, so the server asks the connection as it goes."""
-    s = Server("random:gpt2", "--max-batch", "2")
+    s = Server("random:gpt2", "--max-batch", "2", "--engine-process", engine)
 
     def cancelled():
         line = next(x for x in httpx.get(s.url + "/metrics").text.splitlines()
@@ -1258,3 +1271,120 @@ def load_model_cuda(model_dir):
 
     from gpt2ffn.model import load_model
     return load_model(str(model_dir), dtype=torch.bfloat16, precision=None).to("cuda")
+
+
+def engine_pid(s) -> int:
+    """The pid of a server's engine process (serve --engine-process on)."""
+    children = [int(c) for f in os.scandir(f"/proc/{s.proc.pid}/task")
+                for c in open(f"{f.path}/children").read().split()]
+    assert len(children) == 1, children
+    return children[0]
+
+
+def test_an_engine_process_that_dies_ends_its_streams_with_an_error_and_the_server_says_so():
+    """The engine's process killed mid-stream: the stream ends with an error event naming it, /health is a 503
+    saying why, a new request a 503 (never a hang)."""
+    s = Server("random:gpt2", "--max-batch", "2", "--engine-process", "on")
+    try:
+        lines = []
+        with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
+                          json={"model": s.model, "prompt": "x", "max_tokens": 900, "stream": True}) as r:
+            for line in r.iter_lines():
+                if line and not lines:
+                    os.kill(engine_pid(s), signal.SIGKILL)
+                if line:
+                    lines.append(line)
+        error = json.loads(lines[-1].removeprefix("data: "))["error"]
+        assert error["message"] == "generation failed: the engine process exited (code -9)", error
+        health = httpx.get(s.url + "/health")
+        assert health.status_code == 503 and "the engine process exited" in health.json()["error"]["message"]
+        r = httpx.post(s.url + "/v1/completions", json={"model": s.model, "prompt": "x", "max_tokens": 2})
+        assert r.status_code == 503 and "the engine process exited" in r.json()["error"]["message"]
+    finally:
+        s.stop()
+
+
+def test_a_killed_server_takes_its_engine_process_with_it():
+    s = Server("random:tiny", "--engine-process", "on")
+    child = engine_pid(s)
+    s.proc.kill()
+    s.proc.wait()
+    deadline = time.time() + 10
+    while time.time() < deadline and os.path.exists(f"/proc/{child}") and \
+            open(f"/proc/{child}/stat").read().split(")")[1].split()[0] != "Z":
+        time.sleep(0.1)
+    alive = os.path.exists(f"/proc/{child}") and open(f"/proc/{child}/stat").read().split(")")[1].split()[0] != "Z"
+    assert not alive, "the engine process outlived its server"
+
+
+@pytest.mark.parametrize("engine", ["off", "on"])
+def test_weights_that_do_not_load_are_one_line_and_exit_2(model_dir, tmp_path, engine):
+    """A checkpoint whose weights file is broken (config and tokenizer fine): one error line, exit 2, in either
+    place the engine loads."""
+    d = tmp_path / "broken"
+    d.mkdir()
+    for f in model_dir.iterdir():
+        if f.name != "model.safetensors":
+            (d / f.name).symlink_to(f)
+    (d / "model.safetensors").write_bytes(b"not a safetensors file")
+    out = subprocess.run([sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", str(d), "--port",
+                          str(free_port()), "--engine-process", engine], capture_output=True, text=True, timeout=120)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error: ")]
+    assert out.returncode == 2 and len(errors) == 1 and "Traceback" not in out.stderr, out.stderr
+
+
+def test_engine_process_and_tp_are_refused_together():
+    from gpt2ffn.errors import Gpt2ffnError
+    from gpt2ffn.serving.http import serve
+    with pytest.raises(Gpt2ffnError, match="--engine-process on does not combine with --tp"):
+        serve("random:tiny", tp=2, engine_process="on")
+
+
+def test_api_servers_share_one_engine_its_limits_and_its_metrics():
+    """--api-servers 2: two processes serve the port in front of one engine process. The engine's limits hold
+    across both (one running + two waiting, the rest 503), every answer equals the same request alone, the
+    requests of both are counted in one /metrics, and SIGTERM ends all three processes with exit 0."""
+    s = Server("random:gpt2", "--max-batch", "1", "--max-waiting", "2", "--api-servers", "2")
+    try:
+        children = [int(c) for f in os.scandir(f"/proc/{s.proc.pid}/task")
+                    for c in open(f"{f.path}/children").read().split()]
+        assert len(children) == 2, children  # the engine process and the second API process
+        body = {"model": s.model, "prompt": "x", "max_tokens": 40, "temperature": 0}
+        alone = post(s, **body)["choices"][0]["text"]
+        codes, texts = [], []
+
+        def one(stream):
+            r = httpx.post(s.url + "/v1/completions", json={**body, "stream": stream}, timeout=120)
+            codes.append(r.status_code)
+            if r.status_code == 200 and not stream:
+                texts.append(r.json()["choices"][0]["text"])
+
+        threads = [threading.Thread(target=one, args=(i % 2 == 1,)) for i in range(6)]
+        for t in threads:
+            t.start()
+            time.sleep(0.05)
+        for t in threads:
+            t.join()
+        assert codes.count(503) == 3 and codes.count(200) == 3, codes
+        assert texts and all(t == alone for t in texts)
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:  # a connection each: both serve
+            for _ in range(8):
+                assert c.post(s.url + "/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
+        text = httpx.get(s.url + "/metrics").text
+        assert 'gpt2ffn_requests_total{code="200"} 12.0' in text and 'gpt2ffn_requests_total{code="503"} 3.0' in text
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(60) == 0
+        deadline = time.time() + 10
+        while time.time() < deadline and any(os.path.exists(f"/proc/{c}") for c in children):
+            time.sleep(0.1)
+        assert not any(os.path.exists(f"/proc/{c}") for c in children)
+    finally:
+        s.stop()
+
+
+def test_api_servers_need_the_engine_in_its_own_process(capsys):
+    assert main(["serve", "--model", "random:tiny", "--api-servers", "2", "--engine-process", "off"]) == 2
+    assert "--api-servers 2 puts the engine in a process of its own: not with --engine-process off" in \
+        capsys.readouterr().err
+    assert main(["serve", "--model", "random:tiny", "--api-servers", "0"]) == 2
+    assert capsys.readouterr().err == "error: --api-servers must be at least 1, got 0\n"

@@ -402,7 +402,7 @@ def cmd_serve(args):
           kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds,
           cuda_graphs=not args.no_cuda_graphs, skip_tokenizer=args.skip_tokenizer_init,
           served_names=args.served_model_name or (), shutdown_timeout=args.shutdown_timeout,
-          stream_interval=args.stream_interval)
+          stream_interval=args.stream_interval, engine_process=args.engine_process, api_servers=args.api_servers)
     return _leave(args.tp)
 
 
@@ -568,6 +568,11 @@ def build_parser() -> Parser:
     p.add_argument("--stream-interval", type=int, default=1, metavar="N", help="SGLang's: a streamed choice's "
                    "first token goes out at once, then a chunk every N tokens (and at its end): fewer events for "
                    "many streaming clients (default 1: every token)")
+    p.add_argument("--engine-process", choices=("auto", "on", "off"), default="auto", help="the engine (model, "
+                   "steps, sampling) in a process of its own, as vLLM's EngineCore, so HTTP and the steps do not share "
+                   "one interpreter lock: on, off (a thread of the server's process), auto (default: on with CUDA)")
+    p.add_argument("--api-servers", type=int, default=1, metavar="N", help="vLLM's --api-server-count: N processes "
+                   "serve HTTP on the one port in front of the engine's own process (default 1)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("bench", help="time gpt2ffn's FFN against HF, the book FFN, nn.GELU, torch.compile, numpy")

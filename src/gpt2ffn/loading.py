@@ -81,16 +81,7 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
                 raise Gpt2ffnError(f"precision={precision!r} quantizes a float32 model's weights; it does not "
                                    f"combine with dtype={dtype}")
             precision = None
-    name = None
-    if spec is None:
-        found = hf_cache_gpt2()
-        if found is None:
-            raise Gpt2ffnError("no local openai-community/gpt2 in the HF cache; get it where there is network with "
-                               "`hf download openai-community/gpt2` (huggingface_hub's CLI), then pass --model DIR "
-                               "(or try --model random:gpt2)")
-        spec, name = str(found), "openai-community/gpt2"
-    elif not spec.startswith("random:") and not Path(spec).exists() and (found := cached_snapshot(spec)) is not None:
-        spec, name = str(found), spec  # a model id in the local HF cache: named by its id, not its snapshot
+    spec, name = _where(spec)
     if activations is not None:
         if precision is None:
             raise Gpt2ffnError(f"activations={activations!r} applies to packed int8/int4 weights on the CPU, not to "
@@ -109,6 +100,34 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     if tp > 1:
         model = parallelize(model, make_mesh(tp))
     return model, tok, parse_random(spec)[2] if spec.startswith("random:") else name or Path(spec).name
+
+
+def _where(spec):
+    """(where the model is, its name if not its directory's): a directory, `random:...`, or from the local HF cache
+    (openai-community/gpt2 for None, or a model id)."""
+    if spec is None:
+        found = hf_cache_gpt2()
+        if found is None:
+            raise Gpt2ffnError("no local openai-community/gpt2 in the HF cache; get it where there is network with "
+                               "`hf download openai-community/gpt2` (huggingface_hub's CLI), then pass --model DIR "
+                               "(or try --model random:gpt2)")
+        return str(found), "openai-community/gpt2"
+    if not spec.startswith("random:") and not Path(spec).exists() and (found := cached_snapshot(spec)) is not None:
+        return str(found), spec  # a model id in the local HF cache: named by its id, not its snapshot
+    return spec, None
+
+
+def tokenizer_for(spec=None):
+    """The tokenizer load(spec) gives with the model, without the model (the server's process when the engine runs
+    in its own: serving/core.py). A directory without tokenizer files is an error."""
+    if spec is not None:
+        check_spec(spec)
+    spec, _ = _where(spec)
+    if spec.startswith("random:"):
+        return ByteTokenizer()
+    if Path(spec).is_dir() and not has_tokenizer_files(spec):
+        raise no_tokenizer(spec)
+    return _tokenizer(spec, True)
 
 
 def _tokenizer(spec: str, need: bool):

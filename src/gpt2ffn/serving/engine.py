@@ -95,8 +95,33 @@ def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, device="c
     return max(min(max_batch * max_len, int(cap // per_token)), max_len)
 
 
+def check_request(prompt: list, s: Sampling, vocab_size: int, max_len: int, block_size: int, num_blocks: int):
+    """Engine.add's check of one request (also the API process's, serving/core.py, with the engine's numbers)."""
+    if not prompt:
+        raise Gpt2ffnError("every prompt needs at least one token")
+    if min(prompt) < 0 or max(prompt) >= vocab_size:
+        raise Gpt2ffnError(f"token ids must be in [0, {vocab_size}); got min {min(prompt)}, max {max(prompt)}")
+    if len(prompt) + s.max_new_tokens > max_len:
+        raise Gpt2ffnError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
+                           f"context of {max_len} positions")
+    if -(-(len(prompt) + s.max_new_tokens) // block_size) > num_blocks:
+        raise Gpt2ffnError(f"prompt + max_new_tokens ({len(prompt) + s.max_new_tokens}) exceed the KV cache "
+                           f"of {num_blocks * block_size} positions")
+
+
 class QueueFull(Gpt2ffnError):
     """More requests are waiting than max_waiting allows."""
+
+
+def check_room(new: int, running: int, waiting: int, max_batch: int, max_waiting: int):
+    """Whether `new` sequences fit beside those held (a request the next step admits to a free slot of the batch
+    is not waiting for room): Gpt2ffnError if no retry could fit them, QueueFull if not now."""
+    if new > max_batch + max_waiting:
+        raise Gpt2ffnError(f"{new} sequences at once exceed what this server holds: {max_batch} "
+                           f"running (max batch) + {max_waiting} waiting (max waiting)")
+    if running + waiting + new > max_batch + max_waiting:
+        raise QueueFull(f"{running} running and {waiting} waiting (limits: max batch "
+                        f"{max_batch}, max waiting {max_waiting})")
 
 
 @dataclass
@@ -183,17 +208,8 @@ class Engine:
 
     # -- requests in ------------------------------------------------------------------------------------
     def check(self, prompt: list, s: Sampling):
-        cfg = self.model.config
-        if not prompt:
-            raise Gpt2ffnError("every prompt needs at least one token")
-        if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
-            raise Gpt2ffnError(f"token ids must be in [0, {cfg.vocab_size}); got min {min(prompt)}, max {max(prompt)}")
-        if len(prompt) + s.max_new_tokens > self.max_len:
-            raise Gpt2ffnError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
-                               f"context of {self.max_len} positions")
-        if self.cache.blocks_for(len(prompt) + s.max_new_tokens) > self.cache.num_blocks:
-            raise Gpt2ffnError(f"prompt + max_new_tokens ({len(prompt) + s.max_new_tokens}) exceed the KV cache "
-                               f"of {self.cache.num_blocks * self.cache.block_size} positions")
+        check_request(prompt, s, self.model.config.vocab_size, self.max_len, self.cache.block_size,
+                      self.cache.num_blocks)
 
     def add(self, *requests: Request):
         """Queue requests (all or none). Raises QueueFull beyond max_waiting, Gpt2ffnError on bad input."""
@@ -201,14 +217,8 @@ class Engine:
             self.check(r.prompt, r.params)
             if self.decode is not None:
                 r.text = TextStream(self.decode, r.params.stop)
-        if len(requests) > self.max_batch + self.max_waiting:  # no retry could fit them
-            raise Gpt2ffnError(f"{len(requests)} sequences at once exceed what this server holds: {self.max_batch} "
-                               f"running (max batch) + {self.max_waiting} waiting (max waiting)")
         with self.lock:
-            # a request the next step admits to a free slot of the batch is not waiting for room
-            if len(self.running) + len(self.waiting) + len(requests) > self.max_batch + self.max_waiting:
-                raise QueueFull(f"{len(self.running)} running and {len(self.waiting)} waiting (limits: max batch "
-                                f"{self.max_batch}, max waiting {self.max_waiting})")
+            check_room(len(requests), len(self.running), len(self.waiting), self.max_batch, self.max_waiting)
             self.waiting.extend(requests)
 
     def abort(self, request: Request):
@@ -537,6 +547,13 @@ def name_os_thread(name: str):
 SHUTTING_DOWN = "the server is shutting down"  # how a cut request's error event starts (http.py answers 503)
 
 
+def to_sinks(events: list):
+    """Each Token to its request's sink (the server's bridge to its event loop)."""
+    for ev in events:
+        if ev.request.sink is not None:
+            ev.request.sink(ev)
+
+
 def _halt_at_exit(ref):
     loop = ref()
     if loop is not None:
@@ -551,8 +568,9 @@ class Loop:
     the prefill of the request that gets it. Until idle time has covered the cache, blocks not yet reached are
     faulted in on first use, as before; `cold` is None once it is all resident."""
 
-    def __init__(self, engine: Engine):
+    def __init__(self, engine: Engine, deliver=None):
         self.engine, self.wake, self.stopping = engine, threading.Condition(), False
+        self.deliver = deliver or to_sinks  # a step's Tokens, all at once (serving/core.py ships them elsewhere)
         self.cutting = None  # a message: end every request with it at the next turn (shutdown's deadline)
         self.cold = engine.cache.pieces() if engine.device.type == "cpu" else None
         self.thread = threading.Thread(target=self.work, name="gpt2ffn-engine", daemon=True)
@@ -598,9 +616,7 @@ class Loop:
                     self.engine.close()
                     return
             if cutting is not None and self.engine.has_work():
-                for ev in self.fail_all(cutting):
-                    if ev.request.sink is not None:
-                        ev.request.sink(ev)
+                self.deliver(self.fail_all(cutting))
                 continue
             if not self.engine.has_work():  # idle, part of the cache not yet resident: one piece, then look again
                 piece = next(self.cold, None)
@@ -611,9 +627,7 @@ class Loop:
                 events = self.engine.step()
             except Exception as e:  # a bug must reach the clients as a 500, not kill the engine
                 events = self.fail_all(f"{type(e).__name__}: {e}")
-            for ev in events:
-                if ev.request.sink is not None:
-                    ev.request.sink(ev)
+            self.deliver(events)
 
     def fail_all(self, message: str) -> list:
         e = self.engine

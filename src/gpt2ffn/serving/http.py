@@ -1,8 +1,8 @@
 """`gpt2ffn serve`: OpenAI-compatible completions over HTTP (FastAPI + uvicorn).
 
 The routes only translate: a request body (serving/protocol.py) becomes engine requests through the Service
-(serving/service.py), whose engine thread runs the model; its Tokens come back as JSON or server-sent events.
-The event loop never runs the model. Beyond --max-batch running and --max-waiting queued requests: 503 with
+(serving/service.py), whose engine thread, or engine process (serving/core.py), runs the model; its Tokens come
+back as JSON or server-sent events. The event loop never runs the model. Beyond --max-batch running and --max-waiting queued requests: 503 with
 Retry-After. A client that disconnects frees its slot at the next step. SIGTERM (uvicorn's graceful
 shutdown) stops accepting, lets in-flight requests finish, exits. Every error is JSON in OpenAI's shape:
 {"error": {"message", "type", "param", "code"}}, naming the field at fault.
@@ -20,12 +20,16 @@ import importlib
 import ipaddress
 import json
 import math
+import os
+import pickle
 import signal
 import socket
 import ssl
+import subprocess
 import sys
 import threading
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Annotated
 
@@ -41,6 +45,7 @@ from ..loading import resolve_device
 from ..model import check_spec, parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
+from .core import EngineGone, EngineProcess, check_max_len
 from .engine import SHUTTING_DOWN, QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
@@ -57,7 +62,7 @@ from .protocol import (
     TokenizeRequest,
     TokenizeResponse,
 )
-from .service import MAX_CHOICES, BadRequest, Choices, Service, check_max_len
+from .service import MAX_CHOICES, BadRequest, Choices, Service
 
 MAX_BODY = 1 << 20  # 1 MiB: a GPT-2 context is 1024 tokens, a few KiB of text
 ERRORS = {code: {"model": ErrorResponse} for code in (400, 401, 404, 413, 499, 500, 503)}
@@ -112,6 +117,8 @@ def unready(svc: Service, model: str):
 async def health(svc: ServiceDep):
     if not svc.ready.is_set():
         return loading()
+    if getattr(svc.engine, "gone", None):
+        return error(503, svc.engine.gone, kind="server_error")
     running, waiting, _ = svc.engine.counts()
     return {"status": "ok", "model": svc.name, "running": running, "waiting": waiting}
 
@@ -121,7 +128,10 @@ async def metrics(svc: ServiceDep):
     """Prometheus text exposition (vLLM's metric names, gpt2ffn_ prefix)."""
     if svc.engine is not None:
         svc.metrics.counts(svc.engine)
-    return Response(svc.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+    text = svc.metrics.render()
+    if isinstance(svc.engine, EngineProcess):  # the engine's part, from its process
+        text += await svc.engine.exposition()
+    return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
 @router.get("/v1/models", response_model=ModelList, responses=ERRORS)
@@ -158,7 +168,7 @@ async def tokenize(body: TokenizeRequest, svc: ServiceDep):
 async def detokenize(body: DetokenizeRequest, svc: ServiceDep):
     if not svc.ready.is_set():
         return loading()
-    V = svc.model.config.vocab_size
+    V = svc.config.vocab_size
     if any(not 0 <= t < V for t in body.tokens):
         return refuse(svc, 400, f"tokens: ids must be in [0, {V})", param="tokens")
     if svc.tok is None:
@@ -217,14 +227,19 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
 # -- from engine Tokens to a response ---------------------------------------------------------------------
 class Inbox:
     """Tokens from the engine thread to one event loop. The thread appends; the loop is woken once for all that
-    arrived since it last looked (one call_soon_threadsafe per engine step, not one per token)."""
+    arrived since it last looked (one call_soon_threadsafe per engine step, not one per token). With the engine in
+    its own process the Tokens arrive on the loop's thread (core.EngineProcess reads them there): straight in."""
 
     def __init__(self, loop):
         self.loop, self.lock, self.items, self.woken = loop, threading.Lock(), [], False
+        self.thread = threading.get_ident()  # the loop's (made in lifespan, on it)
 
     def put(self, box, item):
         """From the engine thread: item into box, on the loop's thread (dropped once the loop has closed: nobody
         is left to answer, and the engine thread must go on)."""
+        if threading.get_ident() == self.thread:
+            box.put(item)
+            return
         with self.lock:
             self.items.append((box, item))
             if self.woken:
@@ -313,7 +328,7 @@ class Answer:
                 self.svc.engine.abort(r)
 
 
-def submit(svc: Service, request: Request, prompts: list, samplings: list):
+async def submit(svc: Service, request: Request, prompts: list, samplings: list):
     """One engine request per choice, queued: an Answer, or an error response (503 beyond --max-waiting),
     before any byte of the answer is sent."""
     box, inbox = Mailbox(), request.app.state.inbox
@@ -323,10 +338,15 @@ def submit(svc: Service, request: Request, prompts: list, samplings: list):
             inbox.put(box, (c, ev))
         reqs.append(EngineRequest(prompts[c // (len(samplings) // len(prompts))], s, sink))
     try:
-        svc.loop.submit(*reqs)
+        if isinstance(svc.loop, EngineProcess):
+            await svc.loop.submit(*reqs)  # the engine process decides (every API process sends it requests)
+        else:
+            svc.loop.submit(*reqs)
     except QueueFull as e:
         return refuse(svc, 503, f"the server is busy ({e}); retry shortly", kind="server_busy",
                       headers={"Retry-After": "1"})
+    except EngineGone as e:
+        return refuse(svc, 503, str(e), kind="server_error")
     except Gpt2ffnError as e:
         return refuse(svc, 400, str(e), param="prompt")
     svc.metrics.counts(svc.engine)
@@ -335,7 +355,7 @@ def submit(svc: Service, request: Request, prompts: list, samplings: list):
 
 async def respond(svc: Service, request: Request, stream: bool, prompts: list, samplings: list, choices: Choices):
     """Queue the choices, then answer with the whole response or a stream of server-sent events."""
-    answer = submit(svc, request, prompts, samplings)
+    answer = await submit(svc, request, prompts, samplings)
     if not isinstance(answer, Answer):
         return answer
     if stream:
@@ -446,7 +466,8 @@ async def lifespan(app: FastAPI):
     # Bind first, load in the background: /health answers 503 until the weights are in.
     svc = app.state.service
     app.state.inbox = Inbox(asyncio.get_running_loop())
-    threading.Thread(target=svc.load_or_exit, name="gpt2ffn-loader", daemon=True).start()
+    threading.Thread(target=svc.load_or_exit, args=(asyncio.get_running_loop(),), name="gpt2ffn-loader",
+                     daemon=True).start()
     yield
     if svc.loop is not None:  # after uvicorn has drained in-flight requests: stop the engine thread
         svc.loop.stop()
@@ -666,13 +687,16 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
           precision="fp32", chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, tp=1,
           rank=0, api_keys=(), metrics_public=False, ssl_certfile=None, ssl_keyfile=None, limit_concurrency=None,
           max_model_len=None, max_n=16, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
-          skip_tokenizer=False, served_names=(), shutdown_timeout=60.0, stream_interval=1):
+          skip_tokenizer=False, served_names=(), shutdown_timeout=60.0, stream_interval=1, engine_process="auto",
+          api_servers=1):
     """Load the model, then serve until SIGTERM / Ctrl-C (in-flight requests finish first).
     tp > 1 (under torchrun, process group joined): rank 0 serves; the other ranks run its forward passes.
     skip_tokenizer (vLLM's --skip-tokenizer-init): no tokenizer is read; prompts are token ids, and each choice
     carries its token_ids (its text is empty). served_names (vLLM's --served-model-name): the names requests may
-    give as "model", the first the one /v1/models lists first; default the loaded model's own name."""
-    import uvicorn
+    give as "model", the first the one /v1/models lists first; default the loaded model's own name.
+    engine_process: 'on' runs the engine in a process of its own (serving/core.py), 'off' in a thread of this one,
+    'auto' (default): its own process on CUDA, a thread on the CPU (see README, "HTTP server"). api_servers > 1
+    (vLLM's --api-server-count): that many processes serve HTTP on the one socket, in front of the engine's own."""
     if any(not name.strip() for name in served_names) or len(set(served_names)) < len(served_names):
         raise Gpt2ffnError(f"--served-model-name takes distinct, non-empty names, got {list(served_names)}")
     if model_spec is not None:
@@ -684,6 +708,18 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     if chat_template and skip_tokenizer:
         raise Gpt2ffnError("--chat-template renders text, which needs the tokenizer: not with --skip-tokenizer-init")
     device = resolve_device(device)  # a missing GPU is one line and exit 2 here, before anything starts
+    if engine_process not in ("auto", "on", "off"):
+        raise Gpt2ffnError(f"--engine-process must be auto, on or off, got {engine_process!r}")
+    if engine_process == "on" and tp > 1:
+        raise Gpt2ffnError("--engine-process on does not combine with --tp: rank 0's engine runs the process "
+                           "group's passes in torchrun's process")
+    if api_servers < 1:
+        raise Gpt2ffnError(f"--api-servers must be at least 1, got {api_servers}")
+    if api_servers > 1 and (engine_process == "off" or tp > 1):
+        raise Gpt2ffnError(f"--api-servers {api_servers} puts the engine in a process of its own: not with "
+                           f"{'--engine-process off' if engine_process == 'off' else '--tp'}")
+    own_process = engine_process == "on" or api_servers > 1 or (engine_process == "auto" and device.startswith("cuda")
+                                                                and tp == 1)
     if kv_fraction is not None and not 0 < kv_fraction <= 1:
         raise Gpt2ffnError(f"--kv-cache-fraction must be in (0, 1], got {kv_fraction!r}")
     # uvicorn counts the connection asking among its connections: --limit-concurrency 1 would refuse everything
@@ -715,24 +751,47 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         failed = box[0]
     if failed is not None:
         raise Gpt2ffnError(failed)
-    svc = Service(model_spec, max_batch, max_waiting, batch_invariant, precision, chat_template, threads, device,
-                  dtype, kv_fraction, max_model_len, max_n, tp, activations, kv_dtype, graph_seconds, cuda_graphs,
-                  skip_tokenizer, served_names, freeze_heap=True)
+    service = dict(model_spec=model_spec, max_batch=max_batch, max_waiting=max_waiting,
+                   batch_invariant=batch_invariant, precision=precision, chat_template=chat_template, threads=threads,
+                   device=device, dtype=dtype, kv_fraction=kv_fraction, max_model_len=max_model_len, max_n=max_n,
+                   tp=tp, activations=activations, kv_dtype=kv_dtype, graph_seconds=graph_seconds,
+                   cuda_graphs=cuda_graphs, skip_tokenizer=skip_tokenizer, served_names=served_names,
+                   freeze_heap=True)
     if rank != 0:
+        svc = Service(**service)
         svc.load()
         svc.engine.follow()  # returns when rank 0's engine thread stops
         return
-    app = create_app(svc, api_keys=api_keys, metrics_public=metrics_public, stream_interval=stream_interval)
-    if limit_concurrency:
-        busy_in_openai_shape(svc)
+    svc = Service(**service, engine_process=own_process, api_servers=api_servers)
+    front = dict(host=host, port=port, api_keys=api_keys, metrics_public=metrics_public, stream_interval=stream_interval,
+                 limit_concurrency=limit_concurrency, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
+                 shutdown_timeout=shutdown_timeout)
     if not api_keys and not loopback(host):
         print(f"warning: serving on {host} without an API key: anyone who can reach port {port} can use it "
               "(give --api-key KEY or set GPT2FFN_API_KEY)", file=sys.stderr, flush=True)
     scheme = "https" if ssl_certfile else "http"
-    port = sock.getsockname()[1]  # --port 0: the one the system gave
+    port = front["port"] = sock.getsockname()[1]  # --port 0: the one the system gave
     print(f"gpt2ffn: listening on {scheme}://{host}:{port}, loading {model_spec or 'openai-community/gpt2'} "
           f"(/health answers 503 until it is in; OpenAPI: /docs, /openapi.json; {len(api_keys) or 'no'} API "
           f"key{'s' * (len(api_keys) != 1)})", flush=True)
+    workers = [start_worker(sock, channel, service, front) for channel in svc.channels]
+    try:
+        run_front(svc, sock, workers=workers, **front)
+    finally:
+        for w in workers:  # they drain as this one did (run_front passed the signal on), within the same time
+            try:
+                w.wait(shutdown_timeout + DRAIN_GRACE + 5)
+            except subprocess.TimeoutExpired:
+                w.kill()
+
+
+def run_front(svc: Service, sock, host="127.0.0.1", port=8000, api_keys=(), metrics_public=False, stream_interval=1, limit_concurrency=None,
+              ssl_certfile=None, ssl_keyfile=None, shutdown_timeout=60.0, workers=()):
+    """Serve HTTP on the bound `sock` until SIGTERM / Ctrl-C (passed on to `workers`, the other API processes)."""
+    import uvicorn
+    app = create_app(svc, api_keys=api_keys, metrics_public=metrics_public, stream_interval=stream_interval)
+    if limit_concurrency:
+        busy_in_openai_shape(svc)
     if ssl_certfile:
         # uvicorn closes idle keep-alive connections at SIGTERM; over TLS asyncio then waits for each client's
         # close_notify, 30 s by default, which an idle pooled client (the openai package's) never sends. What
@@ -747,7 +806,35 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
                             timeout_graceful_shutdown=math.ceil(shutdown_timeout) + DRAIN_GRACE,
                             ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile, limit_concurrency=limit_concurrency,
                             loop="asyncio" if ssl_certfile else "auto")
-    draining_server()(config, svc, shutdown_timeout).run(sockets=[sock])
+    draining_server()(config, svc, shutdown_timeout, workers).run(sockets=[sock])
+
+
+def start_worker(sock, channel, service: dict, front: dict) -> subprocess.Popen:
+    """One more API process (--api-servers): it serves on `sock` (the kernel hands each connection to one of them)
+    with the engine process's `channel`; what it needs comes through its stdin. In a session of its own, so a
+    terminal's Ctrl-C reaches only the first process, which passes each signal on (Draining.handle_exit)."""
+    here = str(Path(__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+    fds = (sock.fileno(), channel.fileno())
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2ffn.serving.http", *map(str, fds)], pass_fds=fds,
+                            stdin=subprocess.PIPE, env=env, start_new_session=True)
+    proc.stdin.write(pickle.dumps((service, front, os.getpid())))
+    proc.stdin.close()
+    channel.close()  # the worker has its own copy
+    return proc
+
+
+def worker(sock_fd: int, channel_fd: int):
+    """An API process started by start_worker: serve until signalled (or until the first process is gone)."""
+    service, front, parent = pickle.load(sys.stdin.buffer)
+
+    def orphaned():  # the first process died without passing a signal on (a SIGKILL): drain and end as it would
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGTERM)
+    threading.Thread(target=orphaned, name="gpt2ffn-parent", daemon=True).start()
+    svc = Service(**service, engine=EngineProcess(Connection(channel_fd)), quiet=True)
+    run_front(svc, socket.socket(fileno=sock_fd), **front)
 
 
 # Shutdown (SIGTERM, Ctrl-C): in-flight requests get --shutdown-timeout seconds to finish; then what still runs
@@ -761,9 +848,9 @@ def draining_server():
     import uvicorn
 
     class Draining(uvicorn.Server):
-        def __init__(self, config, svc, timeout: float):
+        def __init__(self, config, svc, timeout: float, workers=()):
             super().__init__(config)
-            self.svc, self.timeout, self.cutting = svc, timeout, False
+            self.svc, self.timeout, self.cutting, self.workers = svc, timeout, False, workers
 
         def cut(self, why: str):
             if self.svc.loop is not None:
@@ -772,6 +859,9 @@ def draining_server():
         def handle_exit(self, sig, frame):
             # The second Ctrl-C ends every request at once (each stream gets its error event and closes, so the
             # drain ends now); a third one is uvicorn's forced exit, which closes connections unsent.
+            for w in self.workers:  # the other API processes drain (or cut) as this one does
+                if w.poll() is None:
+                    w.send_signal(sig)
             if self.should_exit and sig == signal.SIGINT and not self.cutting:
                 self.cutting = True
                 self.cut("a second interrupt")
@@ -809,3 +899,7 @@ def listen(host: str, port: int) -> socket.socket:
         sock.close()
         raise Gpt2ffnError(f"cannot listen on {host}:{port}: {e.strerror}") from None
     return sock
+
+
+if __name__ == "__main__":  # an API process of `serve --api-servers N` (start_worker)
+    worker(int(sys.argv[1]), int(sys.argv[2]))

@@ -8,11 +8,17 @@ LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 
 
 class Metrics:
-    """One registry per server (tests create several apps in one process)."""
+    """One registry per server (tests create several apps in one process). With the engine in its own process
+    (serving/core.py) each side keeps its part: the server its requests by status (server), the engine process the
+    rest (engine); /metrics gives both."""
 
-    def __init__(self):
+    def __init__(self, server: bool = True, engine: bool = True):
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("gpt2ffn_requests", "Completion requests by HTTP status.", ["code"], registry=r)
+        self.engine = engine
+        if server:
+            self.requests = Counter("gpt2ffn_requests", "Completion requests by HTTP status.", ["code"], registry=r)
+        if not engine:
+            return
         self.cancelled = Counter("gpt2ffn_cancelled", "Requests stopped because the client went away.", registry=r)
         self.running = Gauge("gpt2ffn_num_requests_running", "Sequences in the running batch.", registry=r)
         self.waiting = Gauge("gpt2ffn_num_requests_waiting", "Requests waiting to be admitted.", registry=r)
@@ -30,6 +36,8 @@ class Metrics:
                              registry=r, buckets=LATENCY)
 
     def counts(self, engine):
+        if not self.engine:
+            return
         running, waiting, blocks = engine.counts()
         self.running.set(running)
         self.waiting.set(waiting)

@@ -14,12 +14,12 @@ import time
 import uuid
 
 from ..errors import Gpt2ffnError
-from ..loading import load
+from ..loading import tokenizer_for
+from .core import Counted, EngineProcess, build, describe, start_engine
 from .engine import Loop
 from .metrics import Metrics
 from .protocol import SamplingFields
 from .sampling import Sampling
-from .tp import make_engine
 
 MAX_CHOICES = 128   # prompts x n in one request
 
@@ -33,14 +33,16 @@ class BadRequest(Exception):
 
 
 class Service:
-    """The model, its tokenizer, the engine and the thread that steps it."""
+    """The model's config, its tokenizer, the engine and what steps it: a thread of this process (Loop), or with
+    engine_process the engine's own process (serving/core.py: EngineProcess stands for both)."""
 
     def __init__(self, model_spec, max_batch=None, max_waiting=256, batch_invariant=False, precision="fp32",
                  chat_template=None, threads=None, device="cpu", dtype=None, kv_fraction=None, max_model_len=None,
                  max_n=16, tp=1, activations=None, kv_dtype=None, graph_seconds=60.0, cuda_graphs=True,
-                 skip_tokenizer=False, served_names=(), freeze_heap=False):
+                 skip_tokenizer=False, served_names=(), freeze_heap=False, engine_process=False, engine=None,
+                 quiet=False, api_servers=1):
         self.model_spec, self.tp, self.max_batch, self.max_waiting = model_spec, tp, max_batch, max_waiting
-        self.freeze_heap = freeze_heap  # serve()'s own process: see load()
+        self.freeze_heap = freeze_heap  # a server's own process: see core.build()
         self.device, self.dtype, self.kv_fraction, self.activations = device, dtype, kv_fraction, activations
         self.kv_dtype, self.graph_seconds, self.cuda_graphs = kv_dtype, graph_seconds, cuda_graphs
         self.threads, self.max_model_len, self.max_n = threads, max_model_len, max_n
@@ -48,74 +50,86 @@ class Service:
         self.batch_invariant, self.precision = batch_invariant, precision
         self.skip_tokenizer = skip_tokenizer  # token ids in and out (vLLM's --skip-tokenizer-init): tok is None
         self.served_names = list(served_names)  # vLLM's --served-model-name: what requests may call the model
+        self.engine_process = engine_process = engine_process or engine is not None or api_servers > 1
+        self.api_servers, self.channels = api_servers, []  # the channels of the other API processes (serve())
+        self.quiet = quiet  # an API process beside serve()'s own (--api-servers): the first one speaks
         self.names = []  # the names a request's "model" may be: served_names, else the loaded model's own name
         self.template = None
         if chat_template:
             self.template = load_template(chat_template)
-        self.model = self.tok = self.name = self.loaded = self.engine = self.loop = None
+        self.model = self.config = self.tok = self.name = self.loaded = self.engine = self.loop = None
         self.ready = threading.Event()
-        self.metrics = Metrics()
+        self.metrics = Metrics(server=not engine_process, engine=not engine_process)
+        if engine_process:  # the engine process starts loading now (given: started by serve(), shared)
+            if engine is None:
+                proc, (conn, *self.channels) = start_engine(self.settings(), api_servers)
+                engine = EngineProcess(conn, proc)
+            self.engine = self.loop = engine
+            self.metrics.requests = Counted(engine)  # every API process's requests, counted in the engine's process
+
+    def settings(self) -> dict:
+        """What core.build() loads and builds from (sent to the engine process as it is)."""
+        keys = ("model_spec", "dtype", "precision", "device", "tp", "activations", "kv_dtype", "skip_tokenizer",
+                "threads", "max_model_len", "max_batch", "max_waiting", "batch_invariant", "kv_fraction",
+                "graph_seconds", "cuda_graphs", "freeze_heap", "served_names", "max_n", "engine_process",
+                "api_servers")
+        return {k: getattr(self, k) for k in keys}
+
+    def named(self, name: str):
+        self.loaded = name
+        self.loaded_at = int(time.time())  # /v1/models' "created": when this server loaded it
+        self.names = self.served_names or [name]
+        self.name = self.names[0]  # the one /v1/models and /health give
 
     def load(self):
-        if self.threads:
-            import torch
-            torch.set_num_threads(self.threads)
-        self.model, self.tok, self.name = load(self.model_spec, self.dtype, self.precision, self.device, self.tp,
-                                               self.activations, self.kv_dtype,
-                                               need_tokenizer=not self.skip_tokenizer)
-        self.loaded = self.name
-        self.loaded_at = int(time.time())  # /v1/models' "created": when this server loaded it
-        self.names = self.served_names or [self.name]
-        self.name = self.names[0]  # the one /v1/models and /health give
-        if self.skip_tokenizer:
-            self.tok = None
-        context = self.model.config.n_positions
-        check_max_len(self.max_model_len, context)
-        self.max_len = self.max_model_len or context
-        self.max_batch = self.max_batch or 64  # a 64-client load never waits
-        decode = self.tok.decode if self.tok is not None else None
-        self.engine = make_engine(self.model, decode, max_batch=self.max_batch, max_waiting=self.max_waiting,
-                                  max_len=self.max_len, batch_invariant=self.batch_invariant, metrics=self.metrics,
-                                  kv_fraction=self.kv_fraction, graph_seconds=self.graph_seconds,
-                                  cuda_graphs=self.cuda_graphs)
-        if self.freeze_heap:
-            # What start-up made (torch's, the tokenizer's and the model's objects: ~240k with GPT-2 medium) lives
-            # as long as the process. Frozen out of the cyclic collector's sight, as vLLM does after its warm-up
-            # (freeze_gc_heap), a full collection no longer walks it: 70-99 ms each on an Intel Xeon, 2 threads,
-            # a pause in every stream, against ~0 after the freeze. Only for serve()'s process: frozen objects are
-            # never collected, which a process that loads models again and again (the tests) would feel.
-            gc.collect()
-            gc.freeze()
+        """The model and its engine in this process, stepped by a thread (Loop)."""
+        self.model, self.tok, name, self.engine, self.max_len, self.max_batch = build(self.settings(), self.metrics)
+        self.config = self.model.config
+        self.named(name)
         if getattr(self.engine, "follower", False):
             return  # ranks > 0 of --tp run rank 0's forward passes (engine.follow()); no HTTP, no Loop
         self.loop = Loop(self.engine)
         self.ready.set()
 
-    def load_or_exit(self):
-        """load(), and on a bad model spec say so in one line and end the process with exit code 2."""
+    def load_remote(self, loop):
+        """The engine in its own process (serving/core.py); here the tokenizer, read while it loads. The channel
+        is read on `loop` (the server's event loop); ready is set there once it is."""
         try:
-            self.load()
-            cache = self.engine.cache
-            served = f" (served as {', '.join(map(repr, self.names))})" if self.served_names else ""
-            print(f"gpt2ffn: {self.loaded}{served} loaded on {self.engine.device} ({self.model.transformer.wte.weight.dtype}), "
-                  f"ready (max batch {self.max_batch}, max waiting {self.max_waiting}, KV cache "
-                  f"{cache.num_blocks * cache.block_size} positions, max model len {self.max_len}, max n {self.max_n}"
-                  f"{', batch-invariant' if self.batch_invariant else ''}"
-                  f"{', no tokenizer: token ids in and out' if self.tok is None else ''})", flush=True)
-            if self.engine.graph_capture is not None:
-                (done, shapes, seconds), static = self.engine.graph_capture, self.engine.static
-                failed = static.capture_error and f"; a capture failed, that shape runs eagerly: {static.capture_error}"
-                print(f"gpt2ffn: decode steps captured as {done} of {shapes} CUDA graphs in {seconds:.1f} s "
-                      f"(batch buckets {static.buckets}, spans {static.spans}; the rest on first use{failed or ''})",
-                      flush=True)
+            self.tok = None if self.skip_tokenizer else tokenizer_for(self.model_spec)
+            info = self.engine.wait_ready()
+        except BaseException:
+            if self.engine.proc is not None:
+                self.engine.proc.kill()
+            raise
+        self.config, self.max_len, self.max_batch = info["config"], info["max_len"], info["max_batch"]
+        self.named(info["name"])
+        if self.freeze_heap:  # torch's modules and the tokenizer here too: no full collection walks them (core.build)
+            gc.collect()
+            gc.freeze()
+        self.engine.attach(loop, self.ready.set)
+        return info["lines"]
+
+    def load_or_exit(self, loop=None):
+        """load() (or load_remote(loop)), and on a bad model spec say so in one line and end the process with exit
+        code 2."""
+        try:
+            if self.engine_process:
+                lines = self.load_remote(loop)
+            else:
+                self.load()
+                lines = describe(self.settings(), self.loaded, self.names, self.engine,
+                                 self.model.transformer.wte.weight.dtype, self.max_batch, self.max_len, self.tok)
+            for line in lines if not self.quiet else ():
+                print(line, flush=True)
         except Exception as e:
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            if not self.quiet:
+                print(f"error: {e}", file=sys.stderr, flush=True)
             os._exit(2)
 
     # -- from a request body to engine requests --------------------------------------------------------------
     def prompts(self, prompt) -> list:
         """OpenAI's four prompt shapes -> a list of token-id lists."""
-        cfg = self.model.config
+        cfg = self.config
         if isinstance(prompt, str):
             prompt = [prompt]
         if not prompt:
@@ -141,7 +155,7 @@ class Service:
         """One Sampling per candidate (prompt-major, best_of or n per prompt); candidate j gets seed + j.
         max_tokens None (not sent): `default` (completions: OpenAI's 16), or what the context has room for
         (chat, vLLM's), at most that room: a default never makes a request too long."""
-        cfg = self.model.config
+        cfg = self.config
         longest = max(len(p) for p in prompts)
         limit = (f"the model's context of {self.max_len} tokens" if self.max_len == cfg.n_positions else
                  f"this server's --max-model-len of {self.max_len} tokens")
@@ -252,13 +266,6 @@ class Offsets:
             if i - self.anchor >= self.WINDOW and not window.endswith("\ufffd"):
                 self.anchor, self.base = i, self.base + len(window)
         return out
-
-
-def check_max_len(max_model_len, context: int):
-    """--max-model-len within the model's context (serve checks it before binding where it can read the config)."""
-    if max_model_len is not None and not 0 < max_model_len <= context:
-        raise Gpt2ffnError(f"--max-model-len {max_model_len} is outside [1, {context}], the model's context "
-                           "(n_positions)")
 
 
 def load_template(path):
