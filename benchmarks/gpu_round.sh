@@ -52,7 +52,8 @@
 #     T=short bash benchmarks/gpu_round.sh kernels profile ab
 # The .json and .png files go back in one results.tar (the device tool brings back 8 files at most).
 set -u
-usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,overhead4,procs,sampling,attention,invariant,profile}..."
+usage="usage: $0 {tests,bench,ab,kernels,diag,ffn,load,overhead,overhead4,procs,sampling,attention,invariant,"
+usage+="profile}..."
 [ $# -gt 0 ] || { echo "$usage" >&2; exit 2; }
 OUT=${OUT:-/tmp/gpu-round}
 limit() {  # limit PART LONG SHORT: the part's time limit in seconds

@@ -1388,3 +1388,48 @@ def test_api_servers_need_the_engine_in_its_own_process(capsys):
         capsys.readouterr().err
     assert main(["serve", "--model", "random:tiny", "--api-servers", "0"]) == 2
     assert capsys.readouterr().err == "error: --api-servers must be at least 1, got 0\n"
+
+
+def test_an_add_waiting_for_its_answer_when_the_engine_goes_is_refused_not_left_hanging():
+    """The engine's channel ends while a request waits for the engine to admit it: submit raises EngineGone (the
+    route's 503) at once; it waited forever before."""
+    import asyncio
+    from multiprocessing.connection import Connection
+
+    from gpt2ffn.serving.core import EngineGone, EngineProcess
+    from gpt2ffn.serving.engine import Request
+    from gpt2ffn.serving.sampling import Sampling
+
+    async def run():
+        mine, theirs = socket.socketpair()
+        engine = EngineProcess(Connection(mine.detach()))
+        engine.loop = asyncio.get_running_loop()
+        engine.loop.add_reader(engine.conn.fileno(), engine.readable)
+        waiting = asyncio.create_task(engine.submit(Request([1, 2], Sampling())))
+        await asyncio.sleep(0.05)
+        theirs.close()
+        with pytest.raises(EngineGone, match="the engine process exited"):
+            await asyncio.wait_for(waiting, 3)
+    asyncio.run(run())
+
+
+def test_sigterm_while_the_engine_process_loads_ends_the_server_at_once():
+    """SIGTERM before the model is in: the engine process is ended (nothing runs to drain), exit 0, no traceback
+    (the loader thread and the shutdown read the one channel at once before: torn messages, exit 2)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", "random:gpt2-large", "--port",
+                             str(port), "--engine-process", "on"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    deadline = time.time() + 60
+    while time.time() < deadline:  # listening (the port answers 503 while it loads)
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 503:
+                break
+        except httpx.HTTPError:
+            time.sleep(0.1)
+    time.sleep(1)
+    proc.send_signal(signal.SIGTERM)
+    t0 = time.time()
+    code = proc.wait(30)
+    err = proc.stderr.read()
+    assert code == 0 and time.time() - t0 < 10 and "Traceback" not in err and "error" not in err, (code, err)

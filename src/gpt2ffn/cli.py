@@ -564,7 +564,8 @@ def build_parser() -> Parser:
                    "may have none): prompts are token ids, each choice carries token_ids and empty text, stops are "
                    "stop_token_ids")
     p.add_argument("--limit-concurrency", type=int, metavar="N", help="uvicorn's: beyond N connections or "
-                   "requests at once, 503 at once (default: no limit; --max-waiting still applies)")
+                   "requests at once, 503 at once (default: no limit; --max-waiting still applies; with "
+                   "--api-servers, per API process)")
     p.add_argument("--stream-interval", type=int, default=1, metavar="N", help="SGLang's: a streamed choice's "
                    "first token goes out at once, then a chunk every N tokens (and at its end): fewer events for "
                    "many streaming clients (default 1: every token)")

@@ -26,6 +26,8 @@ import asyncio
 import gc
 import itertools
 import os
+import pickle
+import queue
 import signal
 import socket
 import subprocess
@@ -127,8 +129,10 @@ class EngineProcess:
         self.requests = {}           # rid -> Request, sent and not yet finished
         self.ids = itertools.count()
         self.held = (0, 0, 0)        # the engine's last (running, waiting, KV blocks in use)
-        self.waiters = {}            # rid of an add, or key of a /metrics ask -> its future
+        self.waiters = {}            # ("added", rid) of an add, ("metrics", n) of a /metrics ask -> its future
         self.info, self.loop, self.gone, self.serving = None, None, None, None
+        self.halted = False          # stopped before it was attached (a signal while the model loaded)
+        self.patience = 30.0         # seconds stop() waits for the engine process to end before killing it
         self.device = None
 
     def exited(self) -> str:
@@ -167,12 +171,13 @@ class EngineProcess:
             r.id = next(self.ids)
             self.requests[r.id] = r
             items.append((r.id, r.prompt, r.params, r.arrival))
-        self.waiters[requests[0].id] = added = self.loop.create_future()
+        key = ("added", requests[0].id)
+        self.waiters[key] = added = self.loop.create_future()
         self.send(("add", items))
         try:
             refused = await added
         finally:
-            self.waiters.pop(requests[0].id, None)
+            self.waiters.pop(key, None)
         if refused is not None:
             for r in requests:
                 self.requests.pop(r.id, None)
@@ -201,7 +206,7 @@ class EngineProcess:
         """The engine's Prometheus metrics (its registry's text), b"" if it is gone or does not answer in 5 s."""
         if self.gone:
             return b""
-        key = ("metrics", next(self.ids))
+        key = ("metrics", next(self.ids))  # the engine answers with it as is
         self.waiters[key] = waiter = asyncio.get_running_loop().create_future()
         self.send(("metrics", key))
         try:
@@ -211,12 +216,23 @@ class EngineProcess:
         finally:
             self.waiters.pop(key, None)
 
-    def stop(self, timeout: float = 30):
+    def stop(self):
         """Let the engine finish what runs (Tokens still handed over); it ends once every API process has
-        stopped (its process killed after `timeout` seconds, as Loop.stop gives its thread)."""
+        stopped (the process this one started is killed after `patience` seconds: 30, as Loop.stop gives its
+        thread, or with --api-servers as long as the others may drain). Before the channel is attached (a signal
+        while the model loads) nothing runs: the engine process this one started is ended at once, and the
+        loader thread, which reads the channel until then, sees it end (load_or_exit then exits quietly)."""
+        if self.loop is None:
+            self.halted = True
+            if self.proc is not None:
+                self.proc.kill()
+                self.proc.wait()
+            else:
+                self.send(("stop",))
+            return
         if not self.gone:
             self.send(("stop",))
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + self.patience
         while not self.gone and time.monotonic() < deadline:
             if self.conn.poll(0.05):
                 self.readable()  # Tokens still coming, then the end of the channel (gone)
@@ -260,7 +276,7 @@ class EngineProcess:
         elif kind == "serving":
             self.serving()
         elif kind in ("added", "metrics"):  # an add's answer (None or its refusal), a /metrics text
-            waiter = self.waiters.get(message[1])
+            waiter = self.waiters.get((kind, message[1]) if kind == "added" else message[1])
             if waiter is not None and not waiter.done():
                 waiter.set_result(message[2])
 
@@ -306,19 +322,34 @@ class _Count:
 
 # -- the engine process ----------------------------------------------------------------------------------------
 class Channel:
-    """The engine process's end of one API process's channel."""
+    """The engine process's end of one API process's channel. What it sends is pickled by the sender and written by
+    a thread of the channel's own: an API process that stops reading (stalled, stopped with SIGSTOP) holds up its
+    own messages, never the engine's steps or the other API processes."""
 
     def __init__(self, fd: int):
-        self.conn, self.lock, self.open = Connection(fd), threading.Lock(), True
+        self.conn, self.open = Connection(fd), True
         self.told = None        # the counts last sent
         self.attached = False   # its API process reads the channel and has its tokenizer: it can serve
+        self.broken = False     # its API process is gone: what is sent is dropped
+        self.queue = queue.SimpleQueue()
+        self.writer = threading.Thread(target=self.write, name="gpt2ffn-send", daemon=True)
+        self.writer.start()
 
     def send(self, message):
-        with self.lock:
+        if not self.broken:
+            self.queue.put(pickle.dumps(message, pickle.HIGHEST_PROTOCOL))
+
+    def write(self):
+        while (data := self.queue.get()) is not None:
             try:
-                self.conn.send(message)
-            except OSError:  # that API process is gone: its requests are aborted at its channel's end
-                pass
+                self.conn.send_bytes(data)
+            except OSError:  # that API process is gone: its requests are aborted where its channel ends (main)
+                self.broken = True
+
+    def flush(self, timeout: float = 5):
+        """Send what is queued, then end the writer."""
+        self.queue.put(None)
+        self.writer.join(timeout)
 
 
 def main(fds: list):
@@ -344,6 +375,8 @@ def main(fds: list):
     loader.join()
     if isinstance(built[0], Exception):
         everyone(("failed", str(built[0]) or type(built[0]).__name__))
+        for ch in channels:
+            ch.flush()
         return
     model, tok, name, engine, max_len, max_batch = built[0]
     live = {}  # (channel, rid) -> [Request, whether its prompt log-probs went out]
@@ -390,18 +423,22 @@ def main(fds: list):
                 channels[i].attached = True
             elif message is not None:
                 serve_message(i, message, channels[i], engine, loop, live, metrics)
-            if not serving and all(ch.attached for ch in channels if ch.open):
+            still = [ch for ch in channels if ch.open]
+            if not serving and still and all(ch.attached for ch in still):
                 serving = True  # every API process can answer: each says so (/health 200) from now on
                 everyone(("serving",))
     loop.stop()
     everyone(("stopped",))
+    for ch in channels:
+        ch.flush()
 
 
 def serve_message(i: int, message, ch: Channel, engine, loop: Loop, live: dict, metrics):
     """One message from API process i's channel."""
     kind = message[0]
     if kind == "add":
-        requests = [Request(prompt, params, id=(i, rid), arrival=arrival) for rid, prompt, params, arrival in message[1]]
+        requests = [Request(prompt, params, id=(i, rid), arrival=arrival)
+                    for rid, prompt, params, arrival in message[1]]
         for r in requests:
             live[r.id] = [r, False]
         try:

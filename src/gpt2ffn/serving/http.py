@@ -2,10 +2,10 @@
 
 The routes only translate: a request body (serving/protocol.py) becomes engine requests through the Service
 (serving/service.py), whose engine thread, or engine process (serving/core.py), runs the model; its Tokens come
-back as JSON or server-sent events. The event loop never runs the model. Beyond --max-batch running and --max-waiting queued requests: 503 with
-Retry-After. A client that disconnects frees its slot at the next step. SIGTERM (uvicorn's graceful
-shutdown) stops accepting, lets in-flight requests finish, exits. Every error is JSON in OpenAI's shape:
-{"error": {"message", "type", "param", "code"}}, naming the field at fault.
+back as JSON or server-sent events. The event loop never runs the model. Beyond --max-batch running and
+--max-waiting queued requests: 503 with Retry-After. A client that disconnects frees its slot at the next step.
+SIGTERM (uvicorn's graceful shutdown) stops accepting, lets in-flight requests finish, exits. Every error is JSON
+in OpenAI's shape: {"error": {"message", "type", "param", "code"}}, naming the field at fault.
 
 Beyond localhost: with API keys (--api-key, GPT2FFN_API_KEY) every path but /health and the API's docs (and
 /metrics with --metrics-public) needs `Authorization: Bearer KEY`, else 401 before the body is read; TLS is
@@ -763,9 +763,11 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         svc.engine.follow()  # returns when rank 0's engine thread stops
         return
     svc = Service(**service, engine_process=own_process, api_servers=api_servers)
-    front = dict(host=host, port=port, api_keys=api_keys, metrics_public=metrics_public, stream_interval=stream_interval,
-                 limit_concurrency=limit_concurrency, ssl_certfile=ssl_certfile, ssl_keyfile=ssl_keyfile,
-                 shutdown_timeout=shutdown_timeout)
+    if svc.channels:  # at shutdown the engine ends once every API process has drained: wait as long as they may
+        svc.engine.patience = shutdown_timeout + DRAIN_GRACE + 30
+    front = dict(host=host, port=port, api_keys=api_keys, metrics_public=metrics_public,
+                 stream_interval=stream_interval, limit_concurrency=limit_concurrency, ssl_certfile=ssl_certfile,
+                 ssl_keyfile=ssl_keyfile, shutdown_timeout=shutdown_timeout)
     if not api_keys and not loopback(host):
         print(f"warning: serving on {host} without an API key: anyone who can reach port {port} can use it "
               "(give --api-key KEY or set GPT2FFN_API_KEY)", file=sys.stderr, flush=True)
@@ -785,8 +787,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
                 w.kill()
 
 
-def run_front(svc: Service, sock, host="127.0.0.1", port=8000, api_keys=(), metrics_public=False, stream_interval=1, limit_concurrency=None,
-              ssl_certfile=None, ssl_keyfile=None, shutdown_timeout=60.0, workers=()):
+def run_front(svc: Service, sock, host="127.0.0.1", port=8000, api_keys=(), metrics_public=False, stream_interval=1,
+              limit_concurrency=None, ssl_certfile=None, ssl_keyfile=None, shutdown_timeout=60.0, workers=()):
     """Serve HTTP on the bound `sock` until SIGTERM / Ctrl-C (passed on to `workers`, the other API processes)."""
     import uvicorn
     app = create_app(svc, api_keys=api_keys, metrics_public=metrics_public, stream_interval=stream_interval)
@@ -834,6 +836,7 @@ def worker(sock_fd: int, channel_fd: int):
         os.kill(os.getpid(), signal.SIGTERM)
     threading.Thread(target=orphaned, name="gpt2ffn-parent", daemon=True).start()
     svc = Service(**service, engine=EngineProcess(Connection(channel_fd)), quiet=True)
+    svc.engine.patience = front["shutdown_timeout"] + DRAIN_GRACE + 30  # as serve() gives the first process
     run_front(svc, socket.socket(fileno=sock_fd), **front)
 
 

@@ -122,6 +122,8 @@ class Service:
             for line in lines if not self.quiet else ():
                 print(line, flush=True)
         except Exception as e:
+            if self.engine_process and self.engine.halted:  # a signal came while it loaded: the server is ending
+                return
             if not self.quiet:
                 print(f"error: {e}", file=sys.stderr, flush=True)
             os._exit(2)
