@@ -1374,6 +1374,7 @@ def test_api_servers_share_one_engine_its_limits_and_its_metrics():
         assert 'gpt2ffn_requests_total{code="200"} 12.0' in text and 'gpt2ffn_requests_total{code="503"} 3.0' in text
         s.proc.send_signal(signal.SIGTERM)
         assert s.proc.wait(60) == 0
+        assert "exited" not in s.proc.stderr.read()  # the second API process ended as asked: nothing to report
         deadline = time.time() + 10
         while time.time() < deadline and any(os.path.exists(f"/proc/{c}") for c in children):
             time.sleep(0.1)
@@ -1433,3 +1434,22 @@ def test_sigterm_while_the_engine_process_loads_ends_the_server_at_once():
     code = proc.wait(30)
     err = proc.stderr.read()
     assert code == 0 and time.time() - t0 < 10 and "Traceback" not in err and "error" not in err, (code, err)
+
+
+def test_an_api_process_that_dies_is_reported_and_the_others_serve_on():
+    s = Server("random:tiny", "--api-servers", "2")
+    try:
+        worker = next(int(c) for f in os.scandir(f"/proc/{s.proc.pid}/task")
+                      for c in open(f"{f.path}/children").read().split()
+                      if b"gpt2ffn.serving.http" in open(f"/proc/{c}/cmdline", "rb").read())
+        os.kill(worker, signal.SIGKILL)
+        time.sleep(1)
+        with httpx.Client(limits=httpx.Limits(max_keepalive_connections=0)) as c:
+            for _ in range(4):
+                r = c.post(s.url + "/v1/completions", json={"model": s.model, "prompt": [1, 2], "max_tokens": 2})
+                assert r.status_code == 200, r.text
+        s.proc.send_signal(signal.SIGTERM)
+        assert s.proc.wait(30) == 0
+        assert f"gpt2ffn: API process {worker} exited (code -9); the others serve on" in s.proc.stderr.read()
+    finally:
+        s.stop()

@@ -777,6 +777,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
           f"(/health answers 503 until it is in; OpenAPI: /docs, /openapi.json; {len(api_keys) or 'no'} API "
           f"key{'s' * (len(api_keys) != 1)})", flush=True)
     workers = [start_worker(sock, channel, service, front) for channel in svc.channels]
+    for w in workers:
+        threading.Thread(target=watch, args=(w, svc), name="gpt2ffn-watch", daemon=True).start()
     try:
         run_front(svc, sock, workers=workers, **front)
     finally:
@@ -826,6 +828,14 @@ def start_worker(sock, channel, service: dict, front: dict) -> subprocess.Popen:
     return proc
 
 
+def watch(proc: subprocess.Popen, svc: Service):
+    """Say so when an API process ends while the server runs (the others go on serving the port)."""
+    code = proc.wait()
+    if not svc.ending:
+        print(f"gpt2ffn: API process {proc.pid} exited (code {code}); the others serve on", file=sys.stderr,
+              flush=True)
+
+
 def worker(sock_fd: int, channel_fd: int):
     """An API process started by start_worker: serve until signalled (or until the first process is gone)."""
     service, front, parent = pickle.load(sys.stdin.buffer)
@@ -862,6 +872,7 @@ def draining_server():
         def handle_exit(self, sig, frame):
             # The second Ctrl-C ends every request at once (each stream gets its error event and closes, so the
             # drain ends now); a third one is uvicorn's forced exit, which closes connections unsent.
+            self.svc.ending = True
             for w in self.workers:  # the other API processes drain (or cut) as this one does
                 if w.poll() is None:
                     w.send_signal(sig)

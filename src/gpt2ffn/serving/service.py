@@ -52,6 +52,7 @@ class Service:
         self.served_names = list(served_names)  # vLLM's --served-model-name: what requests may call the model
         self.engine_process = engine_process = engine_process or engine is not None or api_servers > 1
         self.api_servers, self.channels = api_servers, []  # the channels of the other API processes (serve())
+        self.ending = False  # a signal to end has come (serve() then expects its API processes to end)
         self.quiet = quiet  # an API process beside serve()'s own (--api-servers): the first one speaks
         self.names = []  # the names a request's "model" may be: served_names, else the loaded model's own name
         self.template = None
