@@ -779,14 +779,25 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     workers = [start_worker(sock, channel, service, front) for channel in svc.channels]
     for w in workers:
         threading.Thread(target=watch, args=(w, svc), name="gpt2ffn-watch", daemon=True).start()
+    ending = None
     try:
         run_front(svc, sock, workers=workers, **front)
+    except (SystemExit, KeyboardInterrupt) as e:  # SIGTERM's exit(0), or Ctrl-C's re-raised interrupt
+        ending = e
     finally:
         for w in workers:  # they drain as this one did (run_front passed the signal on), within the same time
             try:
                 w.wait(shutdown_timeout + DRAIN_GRACE + 5)
             except subprocess.TimeoutExpired:
                 w.kill()
+    if ending is not None and not svc.ready.is_set():
+        # Ended while the model loads: the loader thread may be inside native code (OpenMP), which the interpreter's
+        # teardown would abort ("terminate called without an active exception", exit 134). Nothing runs: leave now.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130 if isinstance(ending, KeyboardInterrupt) else ending.code if isinstance(ending.code, int) else 0)
+    if ending is not None:
+        raise ending
 
 
 def run_front(svc: Service, sock, host="127.0.0.1", port=8000, api_keys=(), metrics_public=False, stream_interval=1,
