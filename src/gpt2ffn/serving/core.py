@@ -10,11 +10,11 @@ offers the routes what Loop and Engine offer them in one process: submit, abort,
 Each API process has a channel of its own to the engine: a socket pair (multiprocessing.connection, pickled
 messages; the API process reads it on its event loop, the engine sends a step's Tokens in one message).
   API -> engine: ("attached",) once, then ("add", [(rid, prompt, Sampling, arrival)]), ("abort", rid),
-                 ("count", status), ("cut", message), ("metrics", key), ("stop",)
+                 ("count", status), ("cut", message), ("metrics", n), ("stop",)
   engine -> API: ("ready", info) or ("failed", message), once; ("serving",) once every API process is attached;
                  ("added", rid, refusal or None) for each add; ("tokens", [(rid, id, logprob, top, text,
                  finish_reason, gap, prompt_logprobs)], (running, waiting, blocks)) after each step that has Tokens
-                 for it or moved the counts; ("metrics", key, text); ("stopped",)
+                 for it or moved the counts; ("metrics", n, text); then the channel's end when it exits
 The engine decides each add as Engine.add does (400 for bad input, 503 beyond --max-waiting), since it alone sees
 what every API process has sent: one round trip a request, before its response starts. Requests by HTTP status are
 counted in the engine's registry too, so /metrics from any API process tells the whole server. The engine process
@@ -102,15 +102,19 @@ class EngineGone(Gpt2ffnError):
     """The engine process has exited: nothing more can be served."""
 
 
+def child_env() -> dict:
+    """This environment, for a child process that imports the gpt2ffn this one runs, whatever its sys.path."""
+    here = str(Path(__file__).resolve().parents[2])
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
+
+
 def start_engine(settings: dict, channels: int = 1) -> tuple:
     """Start the engine process for `settings` (Service.settings) with `channels` channels, one per API process:
     (its Popen, the server's end of each channel)."""
     pairs = [socket.socketpair() for _ in range(channels)]
-    env = dict(os.environ)
-    here = str(Path(__file__).resolve().parents[2])  # the gpt2ffn the server runs, whatever its sys.path
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [here, env.get("PYTHONPATH")]))
     fds = [theirs.fileno() for _, theirs in pairs]
-    proc = subprocess.Popen([sys.executable, "-m", "gpt2ffn.serving.core", *map(str, fds)], pass_fds=fds, env=env)
+    proc = subprocess.Popen([sys.executable, "-m", "gpt2ffn.serving.core", *map(str, fds)], pass_fds=fds,
+                            env=child_env())
     conns = []
     for mine, theirs in pairs:
         theirs.close()
@@ -130,10 +134,9 @@ class EngineProcess:
         self.ids = itertools.count()
         self.held = (0, 0, 0)        # the engine's last (running, waiting, KV blocks in use)
         self.waiters = {}            # ("added", rid) of an add, ("metrics", n) of a /metrics ask -> its future
-        self.info, self.loop, self.gone, self.serving = None, None, None, None
+        self.loop, self.gone, self.serving = None, None, None
         self.halted = False          # stopped before it was attached (a signal while the model loaded)
         self.patience = 30.0         # seconds stop() waits for the engine process to end before killing it
-        self.device = None
 
     def exited(self) -> str:
         code = self.proc.wait() if self.proc is not None else None
@@ -147,8 +150,6 @@ class EngineProcess:
             raise Gpt2ffnError(f"{self.exited()} before the model was loaded") from None
         if kind == "failed":
             raise Gpt2ffnError(payload)
-        self.info = payload
-        self.device = payload["device"]
         return payload
 
     def attach(self, loop, then):
@@ -206,15 +207,15 @@ class EngineProcess:
         """The engine's Prometheus metrics (its registry's text), b"" if it is gone or does not answer in 5 s."""
         if self.gone:
             return b""
-        key = ("metrics", next(self.ids))  # the engine answers with it as is
-        self.waiters[key] = waiter = asyncio.get_running_loop().create_future()
-        self.send(("metrics", key))
+        n = next(self.ids)
+        self.waiters["metrics", n] = waiter = asyncio.get_running_loop().create_future()
+        self.send(("metrics", n))
         try:
             return await asyncio.wait_for(waiter, 5)
         except asyncio.TimeoutError:
             return b""
         finally:
-            self.waiters.pop(key, None)
+            self.waiters.pop(("metrics", n), None)
 
     def stop(self):
         """Let the engine finish what runs (Tokens still handed over); it ends once every API process has
@@ -276,7 +277,7 @@ class EngineProcess:
         elif kind == "serving":
             self.serving()
         elif kind in ("added", "metrics"):  # an add's answer (None or its refusal), a /metrics text
-            waiter = self.waiters.get((kind, message[1]) if kind == "added" else message[1])
+            waiter = self.waiters.get((kind, message[1]))
             if waiter is not None and not waiter.done():
                 waiter.set_result(message[2])
 
@@ -403,7 +404,6 @@ def main(fds: list):
     loop = Loop(engine, deliver)
     dtype = model.transformer.wte.weight.dtype
     everyone(("ready", {"name": name, "config": model.config, "max_len": max_len, "max_batch": max_batch,
-                        "device": str(engine.device),
                         "lines": describe(settings, name, settings["served_names"] or [name], engine, dtype,
                                           max_batch, max_len, tok)}))
     conns = {ch.conn: i for i, ch in enumerate(channels)}
@@ -418,18 +418,14 @@ def main(fds: list):
                 for key, (r, _) in list(live.items()):
                     if key[0] == i:
                         engine.abort(r)
-                message = None
-            if message is not None and message[0] == "attached":
-                channels[i].attached = True
-            elif message is not None:
+            else:
                 serve_message(i, message, channels[i], engine, loop, live, metrics)
             still = [ch for ch in channels if ch.open]
             if not serving and still and all(ch.attached for ch in still):
                 serving = True  # every API process can answer: each says so (/health 200) from now on
                 everyone(("serving",))
     loop.stop()
-    everyone(("stopped",))
-    for ch in channels:
+    for ch in channels:  # what is queued goes out; then the process ends, and with it each channel
         ch.flush()
 
 
@@ -460,6 +456,8 @@ def serve_message(i: int, message, ch: Channel, engine, loop: Loop, live: dict, 
     elif kind == "metrics":
         metrics.counts(engine)
         ch.send(("metrics", message[1], metrics.render()))
+    elif kind == "attached":
+        ch.attached = True
     elif kind == "stop":
         ch.open = False
 

@@ -95,33 +95,8 @@ def default_kv_tokens(cfg, max_batch: int, dtype, slots: bool = False, device="c
     return max(min(max_batch * max_len, int(cap // per_token)), max_len)
 
 
-def check_request(prompt: list, s: Sampling, vocab_size: int, max_len: int, block_size: int, num_blocks: int):
-    """Engine.add's check of one request (also the API process's, serving/core.py, with the engine's numbers)."""
-    if not prompt:
-        raise Gpt2ffnError("every prompt needs at least one token")
-    if min(prompt) < 0 or max(prompt) >= vocab_size:
-        raise Gpt2ffnError(f"token ids must be in [0, {vocab_size}); got min {min(prompt)}, max {max(prompt)}")
-    if len(prompt) + s.max_new_tokens > max_len:
-        raise Gpt2ffnError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
-                           f"context of {max_len} positions")
-    if -(-(len(prompt) + s.max_new_tokens) // block_size) > num_blocks:
-        raise Gpt2ffnError(f"prompt + max_new_tokens ({len(prompt) + s.max_new_tokens}) exceed the KV cache "
-                           f"of {num_blocks * block_size} positions")
-
-
 class QueueFull(Gpt2ffnError):
     """More requests are waiting than max_waiting allows."""
-
-
-def check_room(new: int, running: int, waiting: int, max_batch: int, max_waiting: int):
-    """Whether `new` sequences fit beside those held (a request the next step admits to a free slot of the batch
-    is not waiting for room): Gpt2ffnError if no retry could fit them, QueueFull if not now."""
-    if new > max_batch + max_waiting:
-        raise Gpt2ffnError(f"{new} sequences at once exceed what this server holds: {max_batch} "
-                           f"running (max batch) + {max_waiting} waiting (max waiting)")
-    if running + waiting + new > max_batch + max_waiting:
-        raise QueueFull(f"{running} running and {waiting} waiting (limits: max batch "
-                        f"{max_batch}, max waiting {max_waiting})")
 
 
 @dataclass
@@ -208,8 +183,17 @@ class Engine:
 
     # -- requests in ------------------------------------------------------------------------------------
     def check(self, prompt: list, s: Sampling):
-        check_request(prompt, s, self.model.config.vocab_size, self.max_len, self.cache.block_size,
-                      self.cache.num_blocks)
+        cfg = self.model.config
+        if not prompt:
+            raise Gpt2ffnError("every prompt needs at least one token")
+        if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
+            raise Gpt2ffnError(f"token ids must be in [0, {cfg.vocab_size}); got min {min(prompt)}, max {max(prompt)}")
+        if len(prompt) + s.max_new_tokens > self.max_len:
+            raise Gpt2ffnError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
+                               f"context of {self.max_len} positions")
+        if self.cache.blocks_for(len(prompt) + s.max_new_tokens) > self.cache.num_blocks:
+            raise Gpt2ffnError(f"prompt + max_new_tokens ({len(prompt) + s.max_new_tokens}) exceed the KV cache "
+                               f"of {self.cache.num_blocks * self.cache.block_size} positions")
 
     def add(self, *requests: Request):
         """Queue requests (all or none). Raises QueueFull beyond max_waiting, Gpt2ffnError on bad input."""
@@ -217,8 +201,14 @@ class Engine:
             self.check(r.prompt, r.params)
             if self.decode is not None:
                 r.text = TextStream(self.decode, r.params.stop)
+        if len(requests) > self.max_batch + self.max_waiting:  # no retry could fit them
+            raise Gpt2ffnError(f"{len(requests)} sequences at once exceed what this server holds: {self.max_batch} "
+                               f"running (max batch) + {self.max_waiting} waiting (max waiting)")
         with self.lock:
-            check_room(len(requests), len(self.running), len(self.waiting), self.max_batch, self.max_waiting)
+            # a request the next step admits to a free slot of the batch is not waiting for room
+            if len(self.running) + len(self.waiting) + len(requests) > self.max_batch + self.max_waiting:
+                raise QueueFull(f"{len(self.running)} running and {len(self.waiting)} waiting (limits: max batch "
+                                f"{self.max_batch}, max waiting {self.max_waiting})")
             self.waiting.extend(requests)
 
     def abort(self, request: Request):
@@ -489,9 +479,7 @@ class Engine:
         """In-process use: add the requests, step until all finish, return them."""
         self.add(*requests)
         while any(r.finish_reason is None for r in requests):
-            for ev in self.step():
-                if ev.request.sink is not None:
-                    ev.request.sink(ev)
+            to_sinks(self.step())
         return requests
 
 

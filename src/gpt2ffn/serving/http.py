@@ -45,7 +45,7 @@ from ..loading import resolve_device
 from ..model import check_spec, parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
-from .core import EngineGone, EngineProcess, check_max_len
+from .core import EngineGone, EngineProcess, check_max_len, child_env
 from .engine import SHUTTING_DOWN, QueueFull
 from .engine import Request as EngineRequest
 from .protocol import (
@@ -828,11 +828,9 @@ def start_worker(sock, channel, service: dict, front: dict) -> subprocess.Popen:
     """One more API process (--api-servers): it serves on `sock` (the kernel hands each connection to one of them)
     with the engine process's `channel`; what it needs comes through its stdin. In a session of its own, so a
     terminal's Ctrl-C reaches only the first process, which passes each signal on (Draining.handle_exit)."""
-    here = str(Path(__file__).resolve().parents[2])
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [here, os.environ.get("PYTHONPATH")]))}
     fds = (sock.fileno(), channel.fileno())
     proc = subprocess.Popen([sys.executable, "-m", "gpt2ffn.serving.http", *map(str, fds)], pass_fds=fds,
-                            stdin=subprocess.PIPE, env=env, start_new_session=True)
+                            stdin=subprocess.PIPE, env=child_env(), start_new_session=True)
     proc.stdin.write(pickle.dumps((service, front, os.getpid())))
     proc.stdin.close()
     channel.close()  # the worker has its own copy
