@@ -952,3 +952,34 @@ class Half(nn.Module):
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert "(check ran learner.py:Half in float32 with module.float(), its parameters being float16: a forward " \
            "that casts its input to float16 itself cannot run so; cast it to the weights' dtype instead" in err, err
+
+
+class Scaled(torch.nn.Module):
+    """An FFN with a buffer beside its layers, for what check gives back."""
+
+    def __init__(self):
+        super().__init__()
+        self.c_fc, self.c_proj = torch.nn.Linear(64, 256), torch.nn.Linear(256, 64)
+        self.register_buffer("scale", torch.full((1,), 3.0))
+
+    def forward(self, x):
+        return self.c_proj(torch.nn.functional.gelu(self.c_fc(x), approximate="tanh")) * self.scale
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_instance_comes_back_as_it_came(dtype, golden):
+    """check loads GPT-2's weights into an instance's layers (and runs a bf16 one in float32): the caller's
+    trained module comes back with its own weights, dtypes, buffers and mode, in the same tensors (a view of a
+    weight still sees it). Negative control: the module does hold other weights while it is judged."""
+    torch.manual_seed(0)
+    module = Scaled().to(dtype).train()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    weight, row = module.c_fc.weight, module.c_fc.weight[0]
+    seen = []
+    module.register_forward_hook(lambda m, a, out: seen.append(m.c_fc.weight.detach().clone()))
+    report = check(module, golden=golden)
+    assert not report.passed and "scale" not in report.verdict  # judged (x 3 fails), then given back
+    assert any(not torch.equal(w.to(dtype), before["c_fc.weight"]) for w in seen)  # the reference's, while judged
+    assert module.training and module.c_fc.weight is weight and module.scale.dtype == dtype
+    assert all(torch.equal(v, before[k]) and v.dtype == dtype for k, v in module.state_dict().items())
+    assert row.data_ptr() == module.c_fc.weight.data_ptr() and torch.equal(row, before["c_fc.weight"][0])

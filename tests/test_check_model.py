@@ -472,3 +472,40 @@ def test_a_notebook_export_and_an_ffn_of_parameters_with_an_activation_module(tm
     an nn.GELU child is an FFN of its own Parameters (it was refused: 'no linear layer')."""
     code, out, err = run(tmp_path, capsys, NOTEBOOK_FFN, "FeedForward", name="nb.py")
     assert code == 0 and "PASS: nb.py:FeedForward computes GPT-2's FFN" in out, out + err
+
+
+def test_a_model_instance_comes_back_as_it_came():
+    """check(model) loads the reference's weights into a learner's whole model to judge it, then puts the
+    model's own back (its tied embedding and head still one tensor). Control: it was judged on other weights."""
+    import transformers
+
+    from gpt2ffn import check
+    torch.manual_seed(1)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_positions=128, vocab_size=512, n_layer=2,
+                                                                 n_head=4, n_embd=64)).train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    seen = []
+    model.transformer.wte.register_forward_hook(lambda m, a, out: seen.append(m.weight.detach().clone()))
+    report = check(model, model=TINY)
+    assert report.passed, report.format()
+    assert any(not torch.equal(w, before["transformer.wte.weight"]) for w in seen)
+    assert model.training and model.lm_head.weight is model.transformer.wte.weight
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_an_ffn_of_another_width_than_the_checkpoints_is_named(tmp_path, capsys):
+    """The book's GPTModel builds its FFN 4 x n_embd wide; a checkpoint with n_inner = 100 gets one line naming
+    the widths (it was 'has LayerNorms [...] and other layers [...]', the cause unsaid). Control: the same model
+    against a checkpoint of 4 x n_embd passes."""
+    import transformers
+    for inner in (100, None):
+        cfg = transformers.GPT2Config(n_embd=64, n_head=4, n_layer=1, n_positions=32, vocab_size=300, n_inner=inner)
+        transformers.GPT2LMHeadModel(cfg).save_pretrained(tmp_path / f"w{inner}")
+    path = tmp_path / "book.py"
+    path.write_text(textwrap.dedent(BOOK))
+    capsys.readouterr()  # HF's progress bars
+    assert main(["check", f"{path}:GPTModel", "--model", str(tmp_path / "w100")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and ("FFN (ff.layers.0, ff.layers.2) is 256 wide (4x n_embd); the reference's is "
+                                     "n_inner = 100 (1.562x): no weights of it fit") in err, err
+    assert main(["check", f"{path}:GPTModel", "--model", str(tmp_path / "wNone")]) == 0

@@ -192,6 +192,15 @@ def test_bench_accuracy_fits_a_small_context():
     assert r["positions"] == 128 and 0 <= r["precisions"]["int8"]["mean_kld"] < 1e-2
 
 
+def test_bench_model_fits_a_small_context():
+    """random:tiny has 128 positions: the 128-token prompt and 64 new tokens are cut to 64 + 64 (was an
+    IndexError from HF's wpe inside generate, a traceback from the CLI)."""
+    from gpt2ffn.bench import bench_model
+    r = bench_model(weights="random:tiny", repeats=1, log=lambda *a: None)
+    assert (r["prompt_tokens"], r["new_tokens"]) == (64, 64)
+    assert r["engines"]["gpt2ffn fp32"]["greedy_same_as_hf"] == 1.0 and r["engines"]["gpt2ffn fp32"]["prefill_ms"] > 0
+
+
 def test_generate_fits_its_default_length_to_a_small_context(tmp_path, capsys):
     """No --max-new-tokens on an 8-position model: the room the context has (it was 50, refused); given, checked."""
     from transformers import GPT2Config, GPT2LMHeadModel

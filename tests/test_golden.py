@@ -127,6 +127,8 @@ def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
     np.save(cand / "h1_ffn.npy", bad)
     np.save(cand / "h1_block.npy", np.load(cand / "h1_block.npy")[0])  # [T, d] for [1, T, d]: accepted
     (cand / "ln_f.npy").write_bytes(b"junk")
+    np.save(cand / "h1_gelu.npy", np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    (cand / "h1_c_fc.npy").write_bytes(np.lib.format.MAGIC_PREFIX + b"\x01\x00garbage")  # a header, broken
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
     assert code == 1
@@ -135,7 +137,11 @@ def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
     assert rows["h0_gelu"]["note"] == "shape (1, 8, 128), expected (1, 8, 256)"
     assert rows["h1_ffn"]["note"] == "1 NaN/Inf values"
     assert rows["h1_block"]["status"] == "PASS"
-    assert rows["ln_f"]["note"].startswith("unreadable .npy")
+    # numpy's own words for a file that is no .npy advise allow_pickle=True: not what a user should do
+    assert rows["ln_f"]["note"] == "ln_f.npy is not an .npy file (no NumPy header): write it with np.save"
+    assert rows["h1_gelu"]["note"] == "h1_gelu.npy holds Python objects (dtype object), not numbers: save a float32 array"
+    assert rows["h1_c_fc"]["note"].startswith("unreadable .npy h1_c_fc.npy: ")
+    assert not any("allow_pickle" in r.get("note", "") for r in rows.values())
     assert json.loads(out)["first_failure"]["name"] == "h0_c_fc"
     # --strict makes a missing file a failure on its own.
     only_missing = candidate_from(tiny_golden, tmp_path / "c2")

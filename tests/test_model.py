@@ -1,5 +1,7 @@
 """The whole GPT-2: against HF GPT2LMHeadModel (logits, generate), KV cache, batching, sampling, loading."""
 
+import re
+
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -512,3 +514,26 @@ def test_from_pretrained_refuses_a_precision_on_half_weights(tmp_path):
                                           r"combine with dtype=torch.float16"):
         GPT2.from_pretrained(tmp_path, dtype=torch.float16, precision="int8")
     assert GPT2.from_pretrained(tmp_path, dtype=torch.float16, precision=None).lm_head.weight.dtype == torch.float16
+
+
+@pytest.mark.parametrize("prompts, says", [
+    ([1, 2, 3], "prompts[0] is 1 (int): one prompt is [ids], a list of one list"),
+    ([[1.5]], "token ids must be ints; prompts[0] holds 1.5 (float)"),
+    ([[True, 2]], "prompts[0] holds True (bool)"),
+    ("Hello", "got str (text: encode it with the tokenizer first)"),
+    (torch.tensor([1, 2]), "2-D integer ids (batch, tokens), as HF's input_ids; got torch.int64 of shape (2,)"),
+    (torch.ones(1, 2), "got torch.float32 of shape (1, 2)"),
+])
+def test_generate_names_a_prompt_of_the_wrong_shape(prompts, says):
+    """gpt2ffn.generate / stream take a list of token-id lists (or HF's 2-D input_ids): a flat list, a float id
+    or text is refused by name (was a TypeError from len(int), or the kernel's 'ids must be a 1-D integer
+    tensor'); the lists, tuples, 1-D tensors in a list and a 2-D tensor that are right all give the same tokens."""
+    from gpt2ffn.generate import stream
+    model, s = GPT2(Config.from_name("tiny")).eval(), Sampling(max_new_tokens=3)
+    for run in (generate, lambda *a: list(stream(*a))):
+        with pytest.raises(Gpt2ffnError, match=re.escape(says)):
+            run(model, prompts, s)
+    want = generate(model, [[1, 2, 3]], s)
+    assert len(want[0]) == 3
+    for same in ([(1, 2, 3)], [torch.tensor([1, 2, 3])], torch.tensor([[1, 2, 3]])):
+        assert generate(model, same, s) == want

@@ -721,6 +721,7 @@ def test_serve_precision_answers_as_the_model_in_process(model_dir):
                                                          "echo": True, "logprobs": 0}, timeout=60).json()
     finally:
         s.stop()
+    assert "(int8 weights), ready" in s.proc.stdout.read()  # said so (the embeddings' float32 was)
     got = r["choices"][0]["logprobs"]["token_logprobs"][1:]
     assert got == pytest.approx(logprobs("int8"), abs=1e-4)
     assert got != pytest.approx(logprobs("fp32"), abs=1e-4)

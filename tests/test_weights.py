@@ -7,7 +7,17 @@ from safetensors.torch import load_file, save_file
 from transformers import GPT2Model
 
 from conftest import SMALL, hf_mlp
-from gpt2ffn import Checkpoint, CheckpointError, Config, FeedForward, ShapeError, save_ffn, tolerance, weights
+from gpt2ffn import (
+    Checkpoint,
+    CheckpointError,
+    Config,
+    FeedForward,
+    Gpt2ffnError,
+    ShapeError,
+    save_ffn,
+    tolerance,
+    weights,
+)
 
 
 def hf_block_out(model, layer, x):
@@ -103,6 +113,9 @@ def test_save_ffn_round_trip_bit_identical(tmp_path):
     again = FeedForward.from_pretrained(tmp_path / "dir", layer=1)
     assert again.config.activation_function == "gelu" and again.config.hidden == 600
     assert all(torch.equal(again.state_dict()[k], v) for k, v in ffn.state_dict().items())
+    # An existing file that is not .safetensors is no directory to write into: said by name (was FileExistsError).
+    with pytest.raises(Gpt2ffnError, match="dir/config.json is a file: save_ffn writes a directory"):
+        save_ffn(ffn, tmp_path / "dir" / "config.json")
 
 
 def test_hf_reads_what_save_ffn_writes(tmp_path):

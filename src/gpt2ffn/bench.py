@@ -410,12 +410,22 @@ def random_hf(weights: str):
     return cfg, name, random_weights_(GPT2LMHeadModel(hf_cfg), seed).eval()
 
 
+def fit(cfg, spec: str, prompt_tokens: int, new_tokens: int, what: str) -> tuple:
+    """(prompt_tokens, new_tokens) cut to a smaller context: half of it each at most (random:tiny has 128
+    positions, not 128 + 64)."""
+    if cfg.n_positions < 2:
+        raise Gpt2ffnError(f"{what} needs a context of 2 positions at least (a prompt and a new token); "
+                           f"{spec} has n_positions={cfg.n_positions}")
+    prompt_tokens = min(prompt_tokens, cfg.n_positions // 2)
+    return prompt_tokens, min(new_tokens, cfg.n_positions - prompt_tokens)
+
+
 def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print,
                 weights="random:gpt2", device="cpu", batches=None) -> dict:
     """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
     (sdpa, KV cache, fp32), the same random weights (`weights`: random:<preset>[:seed], default the 124M
-    shape; gpt2-medium / -large / -xl for the others), greedy, interleaved rounds in one
-    process. fp32's tokens are checked equal to HF's first. Each precision's floor: the bytes a decode step
+    shape; gpt2-medium / -large / -xl for the others; a smaller context cuts the prompt and the new tokens to
+    half of it each at most), greedy, interleaved rounds in one process. fp32's tokens are checked equal to HF's first. Each precision's floor: the bytes a decode step
     must read (its packed weights, lm_head included) over the DRAM read bandwidth measured in the same run.
     The per-step overhead: a decode step of a 1-layer model with tiny widths, where weights cost nothing.
     On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16) and batch (default 1, 32, 256), HF also
@@ -430,6 +440,7 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     from .precision import packable, quantize
     from .serving.kv_cache import KVCache
     cfg, name, hf = random_hf(weights)
+    prompt_tokens, new_tokens = fit(cfg, weights, prompt_tokens, new_tokens, "bench --model")
     hf.generation_config.eos_token_id = None
     ids = torch.randint(0, cfg.vocab_size, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
     s = Sampling(max_new_tokens=new_tokens)
@@ -496,6 +507,7 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
     if not batches or min(batches) < 1:
         raise Gpt2ffnError(f"batch sizes must be >= 1, got {list(batches)}")
     cfg, name, base = random_hf(weights)
+    prompt_tokens, new_tokens = fit(cfg, weights, prompt_tokens, new_tokens, "bench --model")
     hf_cfg = base.config
     prompts = torch.randint(0, cfg.vocab_size, (max(batches), prompt_tokens),
                             generator=torch.Generator().manual_seed(0)).to(device)
@@ -697,11 +709,7 @@ def bench_accuracy(spec: str = "random:gpt2", precisions=("fp32", "bf16", "int8"
     positions = positions or cfg.n_positions
     if positions > cfg.n_positions:
         raise Gpt2ffnError(f"{positions} positions exceed the context of {cfg.n_positions}")
-    if cfg.n_positions < 2:
-        raise Gpt2ffnError(f"bench --accuracy needs a context of 2 positions at least (a prompt and a new token); "
-                           f"{spec} has n_positions={cfg.n_positions}")
-    prompt_tokens = min(prompt_tokens, cfg.n_positions // 2)
-    new_tokens = min(new_tokens, cfg.n_positions - prompt_tokens)
+    prompt_tokens, new_tokens = fit(cfg, spec, prompt_tokens, new_tokens, "bench --accuracy")
     ids = torch.randint(0, cfg.vocab_size, (1, positions), generator=torch.Generator().manual_seed(0))
     prompt = ids[0, :prompt_tokens].tolist()
     with torch.no_grad():

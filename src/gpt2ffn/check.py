@@ -11,6 +11,7 @@ diagnosed (gpt2ffn.diagnose). A GELU (a module or function with no linear layer)
 which form it computes.
 """
 
+import contextlib
 import dataclasses
 import inspect
 import sys
@@ -175,7 +176,8 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     random:<preset>[:seed] (default random:gpt2:0, offline); layer: the FFN's block; config: what a class is
     built with (--config: a dict, preset name or JSON); model: a whole model's reference weights (a checkpoint
     directory or random:<preset>[:seed]; default: golden's model). A module holding an nn.Embedding is a whole
-    model and gets gpt2ffn.check_model's checkpoint-by-checkpoint report."""
+    model and gets gpt2ffn.check_model's checkpoint-by-checkpoint report. An instance is judged with the
+    reference's weights loaded into it and is given back as it came (its own weights, dtypes and mode)."""
     name = name or getattr(obj, "__name__", type(obj).__name__)
     source = model_source(golden, model)
     if model is not None and not str(model).startswith("random:"):  # a checkpoint: a whole model's reference
@@ -190,7 +192,8 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
             module, how = build(obj, ref_cfg, config, qkv_bias=True)
         built = [f"built as {how}"]
     elif isinstance(obj, nn.Module):
-        module, built = obj, [f"an instance of {type(obj).__name__}"]
+        with kept(obj):  # the caller's own module: its weights, dtypes and buffers come back as they were
+            return _check_built(obj, name, [f"an instance of {type(obj).__name__}"], source, case_of, ref_cfg, layer)
     elif callable(obj):
         names = weight_params(obj)
         if is_model_function(names):
@@ -203,6 +206,31 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     else:
         raise CheckError(f"{name} is a {type(obj).__name__}; check takes an nn.Module class or instance, "
                          "or a GELU function")
+    return _check_built(module, name, built, source, case_of, ref_cfg, layer)
+
+
+@contextlib.contextmanager
+def kept(module: nn.Module):
+    """Give the module back as it came: check loads the reference's weights into its layers (and runs a
+    half-precision one in float32), so every parameter and buffer is saved first and put back after, in place
+    (the same tensors and storage: tied weights stay tied, views of them stay valid)."""
+    saved = [(m._parameters, k, t, t.data, t.detach().clone())
+             for m in module.modules() for k, t in m._parameters.items() if t is not None]
+    saved += [(m._buffers, k, t, t, t.detach().clone())
+              for m in module.modules() for k, t in m._buffers.items() if t is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for owner, k, t, data, value in saved:
+                owner[k] = t
+                if t is not data:  # a Parameter: .float() gave it new data, its own storage is `data`
+                    t.data = data
+                data.copy_(value)
+
+
+def _check_built(module: nn.Module, name: str, built: list, source: str, case_of, ref_cfg: Config, layer: int):
+    """check() of a module: a half-precision one judged in float32."""
     halves = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
                      if p.is_floating_point() and p.dtype != torch.float32})
     if halves:  # GPT-2's math is what is judged, at the fp32 bar: in bf16 itself every stage is ~1e-2 off

@@ -269,6 +269,12 @@ def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
     ffn = [x for x in lin if shape(x[1]) == sorted((d, hidden))]
     rest = [n for n, m in lin if (n, m) not in fused + square + ffn] + strange
     where = f"{prefix} ({type(block).__name__})"
+    widths = {w for n, m in lin if n in rest for w in shape(m) if w != d}
+    if len(norms) == 2 and not strange and len(rest) == 2 and len(widths) == 1 and not ffn:
+        width = widths.pop()  # an FFN of another width than the reference's n_inner (4 x n_embd by habit)
+        raise CheckError(f"{where}'s FFN ({', '.join(rest)}) is {width} wide ({width / d:.4g}x n_embd); the "
+                         f"reference's is n_inner = {hidden} ({hidden / d:.4g}x): no weights of it fit; build c_fc "
+                         f"as nn.Linear(n_embd, n_inner) from the checkpoint's config")
     if len(norms) != 2 or rest:
         raise CheckError(f"{where} has LayerNorms {[n for n, _ in norms]} and other layers {rest}; a GPT-2 block has "
                          f"two LayerNorms of width {d} and linear layers of shapes [{d}, {3 * d}] or 3 x [{d}, {d}], "

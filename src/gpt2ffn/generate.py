@@ -6,6 +6,7 @@ own positions and its own blocks of the paged KV cache, so each gets the tokens 
 
 from dataclasses import replace
 
+import numpy as np
 import torch
 
 from .errors import Gpt2ffnError
@@ -15,6 +16,32 @@ from .serving.engine import Engine, Request
 from .serving.sampling import Sampling, pick  # noqa: F401  (as above)
 from .serving.text import TextStream, cut_at_stop  # noqa: F401  (as above)
 from .serving.tp import make_engine
+
+
+def token_lists(prompts) -> list:
+    """The prompts as lists of int token ids: a list of id lists (or a 2-D integer tensor, HF's input_ids). A
+    flat list of ids (one prompt not wrapped in a list) or a float id is refused by name."""
+    if isinstance(prompts, torch.Tensor):
+        if prompts.dim() != 2 or prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool:
+            raise Gpt2ffnError(f"prompts as a tensor must be 2-D integer ids (batch, tokens), as HF's input_ids; "
+                               f"got {prompts.dtype} of shape {tuple(prompts.shape)}")
+        return prompts.tolist()
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise Gpt2ffnError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}"
+                           + (" (text: encode it with the tokenizer first)" if isinstance(prompts, str) else ""))
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor) and p.dim() == 1:
+            p = p.tolist()
+        if not isinstance(p, (list, tuple)):
+            hint = ": one prompt is [ids], a list of one list" if isinstance(p, (int, np.integer)) else ""
+            raise Gpt2ffnError(f"prompts must be a list of token-id lists; prompts[{i}] is {repr(p)[:40]} "
+                               f"({type(p).__name__}){hint}")
+        bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise Gpt2ffnError(f"token ids must be ints; prompts[{i}] holds {bad!r} ({type(bad).__name__})")
+        out.append([int(t) for t in p])
+    return out
 
 
 def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False) -> Engine:
@@ -39,7 +66,8 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
     The prompts run through the serving engine (continuous batching), the one batching path of gpt2ffn;
     each gets the tokens it would get alone. A seeded Sampling gives prompt i the seed s.seed + i (as the
     server's n choices take theirs), so a repeated prompt draws different samples, each the one it draws alone
-    with that seed. With decode, stop strings end a sequence."""
+    with that seed. With decode, stop strings end a sequence. prompts: a list of token-id lists (token_lists)."""
+    prompts = token_lists(prompts)
     engine = engine_for(model, prompts, s, decode, batch_invariant)
     requests = [Request(list(p), s if s.seed is None or not i else replace(s, seed=s.seed + i))
                 for i, p in enumerate(prompts)]
@@ -63,6 +91,7 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
 
 def generate(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False) -> list:
     """The new token ids of each prompt, up to EOS, the token completing a stop string, or max_new_tokens."""
+    prompts = token_lists(prompts)
     out = [[] for _ in prompts]
     for step in stream(model, prompts, s, decode, batch_invariant):
         for b, t in enumerate(step):

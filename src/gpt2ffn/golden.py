@@ -148,11 +148,16 @@ def load_reference(source: str):
     if not path.is_dir():
         raise Gpt2ffnError(f"model {source!r} is neither a checkpoint directory nor random:<preset>[:seed]")
     cfg = Config.from_pretrained(path)
+    bars = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()  # HF's "Loading weights" bar: not on the CLI's one line
     try:
         model = transformers.GPT2LMHeadModel.from_pretrained(path, attn_implementation="eager",
                                                              dtype=torch.float32).eval()
     except Exception as e:
         raise CheckpointError(f"HF transformers could not load {path}: {str(e).splitlines()[0]}") from None
+    finally:
+        if bars:
+            transformers.utils.logging.enable_progress_bar()
     if not torch.equal(model.lm_head.weight, model.transformer.wte.weight):  # the golden sets' logits are ln_f @ wte^T
         raise ConfigError(f"{path / 'config.json'} sets tie_word_embeddings=false and its lm_head.weight differs "
                           "from wte: GPT-2 ties the LM head to wte, as the golden sets' logits (ln_f @ wte^T) and "
@@ -892,10 +897,18 @@ class Candidate:
         if npy.is_file() and raw.is_file():
             return None, f"both {npy.name} and {raw.name}: keep one"
         if npy.is_file():
+            with open(npy, "rb") as f:
+                magic = f.read(6)
+            if magic != b"\x93NUMPY":  # np.load would take it for a pickle and advise allow_pickle=True
+                return None, f"{npy.name} is not an .npy file (no NumPy header): write it with np.save"
             try:
                 return np.load(npy, allow_pickle=False), None
+            except ValueError as e:
+                if "allow_pickle" in str(e):  # an object array: numpy says to allow pickles
+                    return None, f"{npy.name} holds Python objects (dtype object), not numbers: save a float32 array"
+                return None, f"unreadable .npy {npy.name}: {e}"
             except Exception as e:
-                return None, f"unreadable .npy: {e}"
+                return None, f"unreadable .npy {npy.name}: {e}"
         if not raw.is_file():
             return None, None
         size, n = raw.stat().st_size, expected.size

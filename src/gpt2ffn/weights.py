@@ -17,7 +17,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from .config import Config
-from .errors import CheckpointError, ShapeError
+from .errors import CheckpointError, Gpt2ffnError, ShapeError
 
 PREFIX = "transformer."
 FFN_TENSORS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
@@ -257,6 +257,9 @@ def save_ffn(ffn, path, layer: int = 0):
         path.parent.mkdir(parents=True, exist_ok=True)
         save_file(tensors, str(path), metadata={"format": "pt"})
         return path
+    if path.exists() and not path.is_dir():
+        raise Gpt2ffnError(f"{path} is a file: save_ffn writes a directory (model.safetensors and config.json), or "
+                           f"one file when the path ends in .safetensors")
     path.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
     hf = ffn.config.to_hf_dict()

@@ -86,6 +86,8 @@ def describe(p: dict, loaded: str, names: list, engine, dtype, max_batch: int, m
     where = " in its own process" if p.get("engine_process") else ""
     if p.get("api_servers", 1) > 1:
         where += f", {p['api_servers']} API processes"
+    if p.get("precision") in ("bf16", "int8", "int4"):  # the embeddings stay float32: say what the layers hold
+        dtype = f"{p['precision']} weights"
     lines = [f"gpt2ffn: {loaded}{served} loaded on {engine.device}{where} ({dtype}), ready (max batch {max_batch}, "
              f"max waiting {p['max_waiting']}, KV cache {cache.num_blocks * cache.block_size} positions, max model "
              f"len {max_len}, max n {p['max_n']}{', batch-invariant' if p['batch_invariant'] else ''}"
