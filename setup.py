@@ -31,7 +31,8 @@ if platform.machine().lower() in ("x86_64", "amd64"):
     headers = ("linear.h", "linear_impl.h", "qlinear_impl.h", "act_impl.h", "vec_avx512.h", "vec_avx2.h",
                "qvec_avx2.h")  # a changed header rebuilds the extension (setuptools looks at the sources only)
     ext_modules = [CppExtension("gpt2ffn._C", [src + f for f in files], depends=[src + h for h in headers],
-                                extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"], extra_link_args=["-fopenmp"])]
+                                extra_compile_args=["-O3", "-fopenmp", "-ffp-contract=off"],
+                                extra_link_args=["-fopenmp"])]
     cmdclass = {"build_ext": OptionalBuild.with_options(use_ninja=False)}
 
 setup(ext_modules=ext_modules, cmdclass=cmdclass)

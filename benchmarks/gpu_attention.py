@@ -3,8 +3,8 @@ the engine's SDPA path (the new keys written by index_put, then SDPA under a boo
 against kernels/decode_attention.py's Triton kernel (the write and each row's own keys in one kernel), and
 flash SDPA with no mask over the whole span (not the right answer for rows of different lengths: a
 bandwidth reference). Rows' lengths are drawn in [span/2, span]. Reports the kernel's relative error against
-the SDPA path (the tests marked cuda are what holds it to a bound), then times each with CUDA events around 50 calls, median of 7. One device call's part
-(benchmarks/gpu_round.sh attention).
+the SDPA path (the tests marked cuda are what holds it to a bound), then times each with CUDA events around
+50 calls, median of 7. One device call's part (benchmarks/gpu_round.sh attention).
 
     PYTHONPATH=src python benchmarks/gpu_attention.py --out $OUT/attention-cuda.json
 """

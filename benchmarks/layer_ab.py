@@ -88,7 +88,8 @@ def main():
         from gpt2ffn.bench import cpu_info
         args.out.write_text(json.dumps({
             "machine": {"cpu": cpu_info(), "threads": args.threads},
-            "trees": {n: {"path": str(src), "commit": commit(src), "isa": runs[n][0]["isa"]} for n, src in trees.items()},
+            "trees": {n: {"path": str(src), "commit": commit(src), "isa": runs[n][0]["isa"]}
+                      for n, src in trees.items()},
             "precision": args.precision, "rows": args.rows, "rounds": args.rounds,
             "repeats_per_process": args.repeats, "wall_s": time.perf_counter() - t0, "results": rows}, indent=1) + "\n")
         print(f"wrote {args.out}")

@@ -4,8 +4,8 @@ For each server and each client count, N concurrent clients send streamed comple
 temperature 0, `ignore_eos` so every request makes exactly max_tokens tokens, `cache_prompt: false` so
 llama-server redoes each prompt as gpt2ffn does) until M requests are done. Reported per point: completion
 tokens/s, requests/s, time to first token and latency p50/p99, errors and status codes, and how many answers
-differ from the same prompt's answer with nothing else running (measured first, one request at a time). The servers run one
-after the other (never together) and are started here on loopback, or given by --url.
+differ from the same prompt's answer with nothing else running (measured first, one request at a time). The
+servers run one after the other (never together) and are started here on loopback, or given by --url.
 
     python benchmarks/load_test.py --hf-dir DIR --llama-server /path/llama-server --gguf DIR/gpt2-f32.gguf \\
         --clients 1,8,32,64 --requests-per-client 4 --max-tokens 32
@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx
 
 VARIANTS = 16  # distinct prompts: each answer under load is checked against the same prompt's answer alone
-PROMPT = "Request {i}: the quick brown fox jumps over the lazy dog, and then it runs into the forest where"  # ~22 GPT-2 tokens
+# ~22 GPT-2 tokens
+PROMPT = "Request {i}: the quick brown fox jumps over the lazy dog, and then it runs into the forest where"
 
 
 # A connection per request: llama-server closes idle keep-alive connections, and a client reusing one gets

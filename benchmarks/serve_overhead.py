@@ -3,12 +3,12 @@ model small enough that the model costs little, so what is measured is the serve
 
 For each server (this tree, or others given by --src for an A/B, interleaved round by round) and each round:
 start `gpt2ffn serve --max-batch N`, warm it up with N short requests (so every slot of its KV cache has been
-written once: the first write of a slot faults its pages in, on the CPU), send N concurrent streamed completions (token-id prompts, temperature 0,
-ignore_eos, usage at the end) from a raw-socket client that only counts bytes and events (so the client,
-on the same cores, costs little), and read the server's threads' CPU time from /proc before and after. Then
-the same N requests through the engine in process (Engine.step until done, no HTTP; an engine made as the
-server makes it, but without the server's Prometheus metrics, whose cost counts as the server's), for the ratio
-issue 18 targets (serve at 256 streaming clients >= 0.7 of the in-process rate).
+written once: the first write of a slot faults its pages in, on the CPU), send N concurrent streamed completions
+(token-id prompts, temperature 0, ignore_eos, usage at the end) from a raw-socket client that only counts bytes
+and events (so the client, on the same cores, costs little), and read the server's threads' CPU time from /proc
+before and after. Then the same N requests through the engine in process (Engine.step until done, no HTTP; an
+engine made as the server makes it, but without the server's Prometheus metrics, whose cost counts as the
+server's), for the ratio issue 18 targets (serve at 256 streaming clients >= 0.7 of the in-process rate).
 
 Reported per server: completion tokens/s through HTTP and in process, their ratio, SSE events per token, and
 CPU microseconds per token of the event loop's thread (HTTP, JSON, the per-request plumbing) and of the engine's
@@ -242,12 +242,15 @@ def main():
                   f"{point['resident_mb']}", flush=True)
     med = {name: {k: statistics.median(pt[k] for pt in pts) for k in
                   ("tokens_per_s", "ratio", "events_per_token", "loop_us_per_token", "engine_us_per_token",
-                   "workers_us_per_token", "other_threads_us_per_token")} | {"in_process_tokens_per_s": statistics.median(
-                      pt["in_process"]["tokens_per_s"] for pt in pts)} for name, pts in runs.items()}
+                   "workers_us_per_token", "other_threads_us_per_token")}
+           | {"in_process_tokens_per_s": statistics.median(pt["in_process"]["tokens_per_s"] for pt in pts)}
+           for name, pts in runs.items()}
     detok = {name: detokenize(src, args.tokenizer) for name, src in trees.items()} if args.tokenizer else None
     for name, us in (detok or {}).items():
-        print(f"{name:12s} TextStream us/token at 64 / 256 / 1024 tokens: " + " / ".join(f"{v:.2f}" for v in us.values()))
-    result = {"machine": cpu_info()["cpu"], "detokenize_us_per_token": detok, "model": args.model, "device": args.device, "clients": args.clients,
+        print(f"{name:12s} TextStream us/token at 64 / 256 / 1024 tokens: "
+              + " / ".join(f"{v:.2f}" for v in us.values()))
+    result = {"machine": cpu_info()["cpu"], "detokenize_us_per_token": detok, "model": args.model,
+              "device": args.device, "clients": args.clients,
               "max_tokens": args.max_tokens, "threads": args.threads, "rounds": args.rounds,
               "stream_interval": args.stream_interval, "median": med,
               "runs": runs}

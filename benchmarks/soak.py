@@ -254,8 +254,9 @@ def main():
     (out / f"{args.name}.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, out / f"{args.name}.png")
     print(json.dumps({k: result[k] for k in ("cpu", "model", "total_requests", "by_kind", "five_xx", "unexpected",
-                                             "p50_s", "p99_s", "latency_by_kind_s", "rss_minute_2_mib", "rss_end_mib", "rss_growth_pct",
-                                             "server_metrics_after", "server_exit", "pass")}, indent=1))
+                                             "p50_s", "p99_s", "latency_by_kind_s", "rss_minute_2_mib", "rss_end_mib",
+                                             "rss_growth_pct", "server_metrics_after", "server_exit", "pass")},
+                     indent=1))
     for m in per_minute:
         print(f"minute {m['minute']:>2}: {m['requests']:>5} requests, p50 {m['p50_s']:.3f} s, p99 {m['p99_s']:.3f} s, "
               f"RSS {m['rss_mib']:.1f} MiB")

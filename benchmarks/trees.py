@@ -41,5 +41,6 @@ def commit(src: Path) -> str:
     """The tree's HEAD and whether it has uncommitted changes (what its numbers are of)."""
     git = ["git", "-C", str(src)]
     head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True).stdout
+    dirty = subprocess.run(git + ["status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                           text=True).stdout
     return head + (" + uncommitted changes" if dirty.strip() else "")

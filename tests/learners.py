@@ -301,8 +301,9 @@ MUTANTS = {
     "qkv_bias_missing": (BOOK, 'qkv_bias=cfg["qkv_bias"])', "qkv_bias=False)"),
     "gelu_exact": (BOOK, "return self.layers(x)", "return self.layers[2](F.gelu(self.layers[0](x)))"),
     "mask_off_by_one": (NANOGPT, "self.bias[:, :, :T, :T] == 0", "torch.ones(T, T).tril(diagonal=1) == 0"),
-    "heads_interleaved": (NANOGPT, "".join(f"        {t} = {t}.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)"
-                                           f"{'  # (B, nh, T, hs)' if t == 'k' else ''}\n" for t in "kqv"),
+    "heads_interleaved": (NANOGPT, "".join(f"        {t} = {t}.view(B, T, self.n_head, C // self.n_head)"
+                                           f".transpose(1, 2){'  # (B, nh, T, hs)' if t == 'k' else ''}\n"
+                                           for t in "kqv"),
                           "".join(f"        {t} = {t}.view(B, T, C // self.n_head, self.n_head).permute(0, 3, 1, 2)\n"
                                   for t in "kqv")),
     "positions_from_1": (BOOK, "torch.arange(seq_len, device=in_idx.device)",
@@ -328,7 +329,8 @@ MUTANTS = {
 def plant(key: str) -> str:
     source, old, new = MUTANTS[key]
     assert source.count(old) == 1, (key, source.count(old))
-    return source.replace(old, new).replace("import torch.nn as nn\n", "import torch.nn as nn\nimport torch.nn.functional as F\n", 1)
+    return source.replace(old, new).replace("import torch.nn as nn\n",
+                                            "import torch.nn as nn\nimport torch.nn.functional as F\n", 1)
 
 
 
@@ -547,10 +549,127 @@ MINGPT = {"mingpt/__init__.py": "", "mingpt/utils.py": MINGPT_UTILS, "mingpt/mod
 
 # A GPT-2 whose attention is torch's nn.MultiheadAttention (batch_first, a boolean mask of the future), as tutorials
 # write it: its in_proj_weight [3d, d] is GPT-2's c_attn in [out, in], out_proj its c_proj.
-MHA = 'import torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\nGPT_CONFIG = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12, "n_layers": 12}\n\nclass Block(nn.Module):\n    def __init__(self, cfg):\n        super().__init__()\n        d = cfg["emb_dim"]\n        self.ln1 = nn.LayerNorm(d)\n        self.mha = nn.MultiheadAttention(d, cfg["n_heads"], batch_first=True)\n        self.ln2 = nn.LayerNorm(d)\n        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))\n        self.register_buffer("mask", torch.triu(torch.ones(cfg["context_length"], cfg["context_length"], dtype=torch.bool), diagonal=1), persistent=False)\n    def forward(self, x):\n        T = x.size(1)\n        h = self.ln1(x)\n        a, _ = self.mha(h, h, h, attn_mask=self.mask[:T, :T], need_weights=False)\n        x = x + a\n        x = x + self.mlp(self.ln2(x))\n        return x\n\nclass GPTModel(nn.Module):\n    def __init__(self, cfg):\n        super().__init__()\n        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])\n        self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])\n        self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg["n_layers"])])\n        self.final_norm = nn.LayerNorm(cfg["emb_dim"])\n        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)\n    def forward(self, idx):\n        T = idx.shape[1]\n        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))\n        x = self.blocks(x)\n        return self.out_head(self.final_norm(x))\n'
+MHA = (
+    'import torch\n'
+    'import torch.nn as nn\n'
+    'import torch.nn.functional as F\n'
+    '\n'
+    'GPT_CONFIG = {"vocab_size": 50257, "context_length": 1024, "emb_dim": 768, "n_heads": 12, "n_layers": 12}\n'
+    '\n'
+    'class Block(nn.Module):\n'
+    '    def __init__(self, cfg):\n'
+    '        super().__init__()\n'
+    '        d = cfg["emb_dim"]\n'
+    '        self.ln1 = nn.LayerNorm(d)\n'
+    '        self.mha = nn.MultiheadAttention(d, cfg["n_heads"], batch_first=True)\n'
+    '        self.ln2 = nn.LayerNorm(d)\n'
+    '        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(approximate="tanh"), nn.Linear(4 * d, d))\n'
+    '        self.register_buffer("mask", torch.triu(torch.ones(cfg["context_length"], cfg["context_length"], '
+    'dtype=torch.bool), diagonal=1), persistent=False)\n'
+    '    def forward(self, x):\n'
+    '        T = x.size(1)\n'
+    '        h = self.ln1(x)\n'
+    '        a, _ = self.mha(h, h, h, attn_mask=self.mask[:T, :T], need_weights=False)\n'
+    '        x = x + a\n'
+    '        x = x + self.mlp(self.ln2(x))\n'
+    '        return x\n'
+    '\n'
+    'class GPTModel(nn.Module):\n'
+    '    def __init__(self, cfg):\n'
+    '        super().__init__()\n'
+    '        self.tok_emb = nn.Embedding(cfg["vocab_size"], cfg["emb_dim"])\n'
+    '        self.pos_emb = nn.Embedding(cfg["context_length"], cfg["emb_dim"])\n'
+    '        self.blocks = nn.Sequential(*[Block(cfg) for _ in range(cfg["n_layers"])])\n'
+    '        self.final_norm = nn.LayerNorm(cfg["emb_dim"])\n'
+    '        self.out_head = nn.Linear(cfg["emb_dim"], cfg["vocab_size"], bias=False)\n'
+    '    def forward(self, idx):\n'
+    '        T = idx.shape[1]\n'
+    '        x = self.tok_emb(idx) + self.pos_emb(torch.arange(T, device=idx.device))\n'
+    '        x = self.blocks(x)\n'
+    '        return self.out_head(self.final_norm(x))\n'
+)
 
 
 # A GPT-2 whose attention holds its weights as its own Parameters in Conv1D's layout (c_attn_w [C, 3C], c_attn_b,
 # x @ W + b), beside nn.Linear FFNs and a hand-written LayerNorm (gamma, beta), as a learner reading GPT-2's file
 # writes it.
-OWN_PARAMS = 'import math\nfrom dataclasses import dataclass\nimport torch\nimport torch.nn as nn\nimport torch.nn.functional as F\n\n@dataclass\nclass GPTConfig:\n    vocab_size: int = 50257\n    block_size: int = 1024\n    n_layer: int = 12\n    n_head: int = 12\n    n_embd: int = 768\n\nclass MyLayerNorm(nn.Module):\n    def __init__(self, d, eps=1e-5):\n        super().__init__()\n        self.eps = eps\n        self.gamma = nn.Parameter(torch.ones(d))\n        self.beta = nn.Parameter(torch.zeros(d))\n    def forward(self, x):\n        mean = x.mean(dim=-1, keepdim=True)\n        var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)\n        return self.gamma * (x - mean) / torch.sqrt(var + self.eps) + self.beta\n\nclass SelfAttention(nn.Module):\n    def __init__(self, cfg):\n        super().__init__()\n        self.n_head = cfg.n_head\n        C = cfg.n_embd\n        self.c_attn_w = nn.Parameter(torch.zeros(C, 3 * C)); self.c_attn_b = nn.Parameter(torch.zeros(3 * C))\n        self.c_proj_w = nn.Parameter(torch.zeros(C, C)); self.c_proj_b = nn.Parameter(torch.zeros(C))\n    def forward(self, x):\n        B, T, C = x.shape\n        q, k, v = (x @ self.c_attn_w + self.c_attn_b).split(C, dim=-1)\n        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)\n        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)\n        y = y.transpose(1, 2).contiguous().view(B, T, C)\n        return y @ self.c_proj_w + self.c_proj_b\n\nclass Block(nn.Module):\n    def __init__(self, cfg):\n        super().__init__()\n        self.norm1 = MyLayerNorm(cfg.n_embd)\n        self.attn = SelfAttention(cfg)\n        self.norm2 = MyLayerNorm(cfg.n_embd)\n        self.ffn = nn.Sequential(\n            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),\n            nn.GELU(approximate="tanh"),\n            nn.Linear(4 * cfg.n_embd, cfg.n_embd),\n        )\n    def forward(self, x):\n        x = x + self.attn(self.norm1(x))\n        x = x + self.ffn(self.norm2(x))\n        return x\n\nclass GPT(nn.Module):\n    def __init__(self, cfg):\n        super().__init__()\n        self.cfg = cfg\n        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)\n        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)\n        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])\n        self.norm = MyLayerNorm(cfg.n_embd)\n        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)\n        self.head.weight = self.tok_emb.weight  # tie by hand\n    def forward(self, idx, targets=None):\n        B, T = idx.shape\n        pos = torch.arange(T, device=idx.device)\n        x = self.tok_emb(idx) + self.pos_emb(pos)\n        for blk in self.blocks:\n            x = blk(x)\n        logits = self.head(self.norm(x))\n        loss = None\n        if targets is not None:\n            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))\n        return logits, loss\n'
+OWN_PARAMS = '''import math
+from dataclasses import dataclass
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50257
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+
+class MyLayerNorm(nn.Module):
+    def __init__(self, d, eps=1e-5):
+        super().__init__()
+        self.eps = eps
+        self.gamma = nn.Parameter(torch.ones(d))
+        self.beta = nn.Parameter(torch.zeros(d))
+    def forward(self, x):
+        mean = x.mean(dim=-1, keepdim=True)
+        var = ((x - mean) ** 2).mean(dim=-1, keepdim=True)
+        return self.gamma * (x - mean) / torch.sqrt(var + self.eps) + self.beta
+
+class SelfAttention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        C = cfg.n_embd
+        self.c_attn_w = nn.Parameter(torch.zeros(C, 3 * C)); self.c_attn_b = nn.Parameter(torch.zeros(3 * C))
+        self.c_proj_w = nn.Parameter(torch.zeros(C, C)); self.c_proj_b = nn.Parameter(torch.zeros(C))
+    def forward(self, x):
+        B, T, C = x.shape
+        q, k, v = (x @ self.c_attn_w + self.c_attn_b).split(C, dim=-1)
+        q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        y = y.transpose(1, 2).contiguous().view(B, T, C)
+        return y @ self.c_proj_w + self.c_proj_b
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.norm1 = MyLayerNorm(cfg.n_embd)
+        self.attn = SelfAttention(cfg)
+        self.norm2 = MyLayerNorm(cfg.n_embd)
+        self.ffn = nn.Sequential(
+            nn.Linear(cfg.n_embd, 4 * cfg.n_embd),
+            nn.GELU(approximate="tanh"),
+            nn.Linear(4 * cfg.n_embd, cfg.n_embd),
+        )
+    def forward(self, x):
+        x = x + self.attn(self.norm1(x))
+        x = x + self.ffn(self.norm2(x))
+        return x
+
+class GPT(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.pos_emb = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.blocks = nn.ModuleList([Block(cfg) for _ in range(cfg.n_layer)])
+        self.norm = MyLayerNorm(cfg.n_embd)
+        self.head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
+        self.head.weight = self.tok_emb.weight  # tie by hand
+    def forward(self, idx, targets=None):
+        B, T = idx.shape
+        pos = torch.arange(T, device=idx.device)
+        x = self.tok_emb(idx) + self.pos_emb(pos)
+        for blk in self.blocks:
+            x = blk(x)
+        logits = self.head(self.norm(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.view(-1))
+        return logits, loss
+'''

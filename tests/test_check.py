@@ -447,7 +447,8 @@ def test_tanh_where_the_config_says_exact(tmp_path, capsys):
     (SEED_002 + "\nffn = FeedForward({'emb_dim': 500})\n", "ffn",
      "first linear layer layers.0 maps 500 -> 2000; GPT-2 here (random:tiny:3) has n_embd=64, c_fc maps 64 -> 256; "
      "500 fits no GPT-2 width (768, 1024, 1280, 1600)"),
-    (SEED_002.replace("4 * cfg", "8 * cfg"), "FeedForward", "hidden width is 512 (8x n_embd), wider than the reference's 256"),
+    (SEED_002.replace("4 * cfg", "8 * cfg"), "FeedForward",
+     "hidden width is 512 (8x n_embd), wider than the reference's 256"),
     ("""
         class Wants(nn.Module):
             def __init__(self, cfg):
@@ -649,7 +650,8 @@ def gpt2(inputs, wte, wpe, blocks, ln_f, n_head):  # [n_seq] -> [n_seq, n_vocab]
 @pytest.mark.parametrize("config, code, message", [
     ("tiny", 0, "built as FeedForward(cfg), cfg = {\"vocab_size\": 512"),
     # a partial --config changes only what it names, over the reference's config
-    ('{"emb_dim": 64}', 0, 'built as FeedForward(cfg), cfg = {"vocab_size": 512, "context_length": 128, "emb_dim": 64,'),
+    ('{"emb_dim": 64}', 0,
+     'built as FeedForward(cfg), cfg = {"vocab_size": 512, "context_length": 128, "emb_dim": 64,'),
     ('{"drop_rate": 0.0}', 0, '"emb_dim": 64, "n_heads": 4, "n_layers": 2, "drop_rate": 0.0,'),
     ("{oops", 2, "--config '{oops' is not a JSON object or file"),
     ("[1, 2]", 2, "--config '[1, 2]' holds a list, expected a JSON object"),
@@ -664,7 +666,8 @@ def test_config_option(config, code, message, golden, tmp_path, capsys):
 def test_non_finite_output_is_named(golden, tmp_path, capsys):
     path = learner_file(tmp_path, named_layers("return self.c_proj(torch.log(self.c_fc(x)))  # NaN for x < 0"))
     code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden], capsys)
-    assert code == 1 and re.fullmatch(r"FAIL \(after activation\): \d+ NaN/Inf values", out.strip().splitlines()[-1]), out
+    assert code == 1 and re.fullmatch(r"FAIL \(after activation\): \d+ NaN/Inf values",
+                                      out.strip().splitlines()[-1]), out
 
 
 def test_load_object_errors(tmp_path):
@@ -697,7 +700,8 @@ def test_diagnose_names_the_residual_stream_input_and_dropout():
     noise = expected + 1e-3 * rng.normal(size=expected.shape)
     d = diagnose("ffn", noise, expected, known, 1e-4)
     assert d.key is None and d.text.startswith("matches no known mistake; worst element [0, ")
-    assert FFNCase("s", 0, "tanh", w, x, resid, {"ffn": expected}).diagnose("ffn", fed_resid, 1e-4).key == "residual_input"
+    assert (FFNCase("s", 0, "tanh", w, x, resid, {"ffn": expected}).diagnose("ffn", fed_resid, 1e-4).key
+            == "residual_input")
 
 
 # ---- doors an outside round found shut ------------------------------------------------------------------
@@ -870,8 +874,9 @@ def ffn_exact(x, w1, b1, w2, b2):
 """)
     got, out, err = run(["check", f"{path}:{target}", "--golden", small_golden], capsys)
     assert got == code and says in out, out + err
-    assert "on this set (c_fc's outputs reach |x| = 0." in out and "(exact GELU (erf) where the config says tanh GELU; " \
-        in out and "c_proj.bias drawn N(0, 0.1) (the set's is 0)" in out and ", scaled " in out, out
+    assert "on this set (c_fc's outputs reach |x| = 0." in out \
+        and "(exact GELU (erf) where the config says tanh GELU; " in out \
+        and "c_proj.bias drawn N(0, 0.1) (the set's is 0)" in out and ", scaled " in out, out
     rows = [line for line in out.splitlines() if line.startswith(("after", "output"))]
     unscaled = [line for line in rows if ", scaled" not in line]
     assert unscaled and not any("  FAIL" in line for line in unscaled)  # the negative control: the set alone passes

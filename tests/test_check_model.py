@@ -58,9 +58,10 @@ FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "at
          "no_resid_attn": "attn_resid", "no_resid_mlp": "block",
          "positions_not_added": "embeddings", "attn_c_proj_not_transposed": "attn_resid",
          "dropout": "attn_out", "qkv_bias_missing": "q", "gelu_exact": "gelu", "mask_off_by_one": "attn_probs",
-         "heads_interleaved": "attn_probs", "q_k_swapped": "attn_probs", "ln_std_eps_biased": "ln_1", "positions_from_1": "embeddings", "logits_without_ln_f": "logits",
-         "mask_zero_fill": "attn_probs", "ln_no_sqrt": "ln_1", "resid_normed": "attn_resid", "qkv_per_head": "attn_probs",
-         "mask_excludes_self": "attn_probs", "gelu_after_c_proj": "gelu"}
+         "heads_interleaved": "attn_probs", "q_k_swapped": "attn_probs", "ln_std_eps_biased": "ln_1",
+         "positions_from_1": "embeddings", "logits_without_ln_f": "logits",
+         "mask_zero_fill": "attn_probs", "ln_no_sqrt": "ln_1", "resid_normed": "attn_resid",
+         "qkv_per_head": "attn_probs", "mask_excludes_self": "attn_probs", "gelu_after_c_proj": "gelu"}
 
 
 @pytest.mark.parametrize("key", MUTANTS)
@@ -140,7 +141,8 @@ class GPTConfig:
      "its file has no config class"),
     # A plain class (not a dataclass) whose fields name the width d_model.
     (NANOGPT_MLP.replace("@dataclass\nclass GPTConfig:", "class ModelArgs:").replace("n_embd: int", "d_model: int")
-     .replace("config.n_embd", "config.d_model"), "built as MLP(ModelArgs(block_size=128, d_model=64, dropout=0.1, bias=True))"),
+     .replace("config.n_embd", "config.d_model"),
+     "built as MLP(ModelArgs(block_size=128, d_model=64, dropout=0.1, bias=True))"),
 ])
 def test_nanogpt_style_ffn_classes_build_and_pass(source, built, tmp_path, capsys):
     path = tmp_path / "mlp.py"
@@ -324,7 +326,8 @@ class BookLayerNorm(nn.Module):  # the book's LayerNorm(emb_dim)
 class FeedFoward(nn.Module):  # Karpathy's lecture (ng-video-lecture's gpt.py), ReLU and all
     def __init__(self, n_embd):
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.ReLU(), nn.Linear(4 * n_embd, n_embd), nn.Dropout(0.2))
+        self.net = nn.Sequential(nn.Linear(n_embd, 4 * n_embd), nn.ReLU(), nn.Linear(4 * n_embd, n_embd),
+                                 nn.Dropout(0.2))
 
     def forward(self, x):
         return self.net(x)

@@ -9,7 +9,8 @@ from gpt2ffn.cli import main
 
 
 def test_demo_via_console_script():
-    out = subprocess.run([sys.executable, "-m", "gpt2ffn.cli", "demo"], capture_output=True, text=True, check=True).stdout
+    out = subprocess.run([sys.executable, "-m", "gpt2ffn.cli", "demo"], capture_output=True, text=True,
+                         check=True).stdout
     assert "Input shape:  torch.Size([2, 3, 768])" in out
     assert "Output shape: torch.Size([2, 3, 768])" in out
     assert "✓ Shape preservation test passed!" in out

@@ -162,7 +162,8 @@ def test_rows_of_a_step_are_each_row_alone_whatever_the_threads(precision, kv):
         for n in (1, 2):
             torch.set_num_threads(n)
             out[n] = plan.run(ids, pos, slots, cache.k, cache.v)
-            alone = torch.cat([plan.run(ids[i:i + 1], pos[i:i + 1], slots[i:i + 1], cache.k, cache.v) for i in range(3)])
+            alone = torch.cat([plan.run(ids[i:i + 1], pos[i:i + 1], slots[i:i + 1], cache.k, cache.v)
+                               for i in range(3)])
             assert torch.equal(out[n], alone)
         assert torch.equal(out[1], out[2])
     finally:
@@ -287,7 +288,8 @@ def test_prefetch_is_timed_cached_and_can_be_forced(tmp_path, monkeypatch):
     try:
         m = model_at("int8")
         fmts = {mod.packed.format for mod in m.modules() if getattr(mod, "packed", None) is not None}
-        entry = next(v for k, v in json.loads((tmp_path / "routes.json").read_text()).items() if k.endswith("|prefetch"))
+        entry = next(v for k, v in json.loads((tmp_path / "routes.json").read_text()).items()
+                     if k.endswith("|prefetch"))
         assert set(entry["ms"]) == {str(d) for d in kp.PREFETCH}
         assert {kp._C.set_prefetch(f) for f in fmts} == {int(min(entry["ms"], key=entry["ms"].get))}
         monkeypatch.setenv("GPT2FFN_PREFETCH", "4096")

@@ -17,7 +17,8 @@ IDS = "5,17,42,7,99,3,250,11"
 @pytest.fixture(scope="module")
 def tiny_golden(tmp_path_factory):
     out = tmp_path_factory.mktemp("golden_tiny")
-    assert main(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(out), "--layers", "all", "--quiet"]) == 0
+    assert main(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(out), "--layers", "all",
+                 "--quiet"]) == 0
     return out
 
 
@@ -69,7 +70,8 @@ def test_verify_round_trip_every_layer(tiny_golden, capsys):
 
 
 def test_verify_round_trip_gpt2_block0(tmp_path, capsys):
-    assert main(["extract", "--model", "random:gpt2", "--ids", "464,2068,7586,21831", "--out", str(tmp_path), "--quiet"]) == 0
+    assert main(["extract", "--model", "random:gpt2", "--ids", "464,2068,7586,21831", "--out", str(tmp_path),
+                 "--quiet"]) == 0
     capsys.readouterr()
     code, out, _ = run(["verify", "--golden", str(tmp_path), "--json"], capsys)
     report = json.loads(out)
@@ -139,7 +141,8 @@ def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
     assert rows["h1_block"]["status"] == "PASS"
     # numpy's own words for a file that is no .npy advise allow_pickle=True: not what a user should do
     assert rows["ln_f"]["note"] == "ln_f.npy is not an .npy file (no NumPy header): write it with np.save"
-    assert rows["h1_gelu"]["note"] == "h1_gelu.npy holds Python objects (dtype object), not numbers: save a float32 array"
+    assert rows["h1_gelu"]["note"] == ("h1_gelu.npy holds Python objects (dtype object), not numbers: save a "
+                                       "float32 array")
     assert rows["h1_c_fc"]["note"].startswith("unreadable .npy h1_c_fc.npy: ")
     assert not any("allow_pickle" in r.get("note", "") for r in rows.values())
     assert json.loads(out)["first_failure"]["name"] == "h0_c_fc"
@@ -212,7 +215,8 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     assert rows["h0_ln_2"]["note"] == ("h0_ln_2.bin holds 4096 bytes, expected 2048 (float32, 512 values, shape "
                                        "(1, 8, 64)) (8 bytes a value: float64? write float32)")
     assert rows["h0_c_fc"]["note"].endswith("(2 bytes a value: float16 or bfloat16? write float32)")
-    assert rows["h0_gelu"]["note"] == "h0_gelu.bin holds 8196 bytes, expected 8192 (float32, 2048 values, shape (1, 8, 256))"
+    assert rows["h0_gelu"]["note"] == ("h0_gelu.bin holds 8196 bytes, expected 8192 (float32, 2048 values, shape "
+                                       "(1, 8, 256))")
     assert rows["h1_ffn"]["note"] == "both h1_ffn.npy and h1_ffn.bin: keep one"
     assert rows["ln_f"]["status"] == "MISSING" and rows["ln_f"]["note"] == "no ln_f.npy or .bin"
     assert rows["h0_ffn"]["status"] == "FAIL" and "worst element [0, 3, 7]" in rows["h0_ffn"]["note"]
@@ -223,10 +227,12 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st)], capsys)
     assert code == 0 and " 0 failed" in out
     import torch
-    save_torch({"h0_ffn": torch.from_numpy(g.load("h0_ffn")).bfloat16(), "h0_gelu": torch.from_numpy(g.load("h0_gelu"))}, st)
+    save_torch({"h0_ffn": torch.from_numpy(g.load("h0_ffn")).bfloat16(),
+                "h0_gelu": torch.from_numpy(g.load("h0_gelu"))}, st)
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st), "--json"], capsys)
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
-    assert code == 1 and rows["h0_gelu"]["status"] == "PASS" and rows["logits"]["note"] == "no logits in engine.safetensors"
+    assert code == 1 and rows["h0_gelu"]["status"] == "PASS" \
+        and rows["logits"]["note"] == "no logits in engine.safetensors"
     assert rows["h0_ffn"]["note"] == "dtype bfloat16, expected float32"
     save_file({"block0.ffn": g.load("h0_ffn")}, st)
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st)], capsys)
@@ -277,9 +283,11 @@ def test_negative_variants_all_fail_and_are_named(tiny_golden, capsys):
     assert all(r["status"] == "PASS" and r["max_abs"] > 1e-4 and r["note"].endswith("; named") for r in rows)
     labels = {r["name"] for r in rows}
     assert {"exact GELU (erf) where the config says tanh GELU", "cubic coefficient 0.055715 instead of 0.044715",
-            "sqrt(2)/pi instead of sqrt(2/pi)", "sqrt(2/pi) left out", "hidden width 128 (2x n_embd) instead of 256 (4x)",
+            "sqrt(2)/pi instead of sqrt(2/pi)", "sqrt(2/pi) left out",
+            "hidden width 128 (2x n_embd) instead of 256 (4x)",
             "c_fc weight not transposed ([in, out] data read as [out, in])", "c_proj bias missing", "c_fc bias missing",
-            "GELU left out", "ReLU instead of GELU", "x**2 instead of x**3 inside the tanh", "FFN fed the residual stream instead of ln_2's output"} <= labels
+            "GELU left out", "ReLU instead of GELU", "x**2 instead of x**3 inside the tanh",
+            "FFN fed the residual stream instead of ln_2's output"} <= labels
 
 
 def test_candidate_ffn_failures_are_diagnosed(tiny_golden, tmp_path, capsys):
@@ -329,8 +337,8 @@ def test_our_failing_ffn_is_diagnosed(tiny_golden, monkeypatch, capsys):
     monkeypatch.setattr(kernels, "ffn", lambda x2, w1, b1, w2, b2, approximate: real(x2, w1, b1, w2, b2, "none"))
     code, out, _ = run(["verify", "--golden", str(tiny_golden)], capsys)
     assert code == 1
-    assert re.search(r"first failing checkpoint: 06 \(FFN \(c_fc, GELU, c_proj\)\), layer 0, h0_ffn: max abs \d\.\d+e-04 "
-                     r"> 0\.0001", out), out
+    assert re.search(r"first failing checkpoint: 06 \(FFN \(c_fc, GELU, c_proj\)\), layer 0, h0_ffn: "
+                     r"max abs \d\.\d+e-04 > 0\.0001", out), out
     assert "> 0.0001; exact GELU (erf) where the config says tanh GELU (within " in out
 
 
@@ -369,7 +377,8 @@ def test_errors(tiny_golden, tmp_path, capsys):
     assert code == 2 and "--ids is empty" in err and "prompt" not in err
     code, _, err = run(["extract", "--model", "random:nope", "--ids", "1", "--out", str(tmp_path / "o")], capsys)
     assert code == 2 and "unknown config name 'nope'" in err
-    code, _, err = run(["extract", "--model", "random:tiny", "--ids", "1", "--layers", "5", "--out", str(tmp_path / "o")], capsys)
+    code, _, err = run(["extract", "--model", "random:tiny", "--ids", "1", "--layers", "5", "--out",
+                        str(tmp_path / "o")], capsys)
     assert code == 2 and "--layers [5] out of range" in err
 
 
@@ -390,9 +399,11 @@ def model_dir_with_tokenizer(tmp_path_factory):
 
 def test_extract_with_prompt_and_local_dir(model_dir_with_tokenizer, tmp_path, capsys):
     d = model_dir_with_tokenizer
-    assert main(["extract", "--model", str(d), "--prompt", "the quick fox", "--out", str(tmp_path / "g"), "--quiet"]) == 0
+    assert main(["extract", "--model", str(d), "--prompt", "the quick fox", "--out", str(tmp_path / "g"),
+                 "--quiet"]) == 0
     m = json.loads((tmp_path / "g" / "manifest.json").read_text())
-    assert m["prompt"] == "the quick fox" and m["model"]["files"]["model.safetensors"] == golden.sha256(d / "model.safetensors")
+    assert m["prompt"] == "the quick fox" \
+        and m["model"]["files"]["model.safetensors"] == golden.sha256(d / "model.safetensors")
     from gpt2ffn.tokenizer import load_tokenizer
     assert m["token_ids"] == load_tokenizer(d).encode("the quick fox")
     # vocab.json + merges.txt give the same ids as tokenizer.json.

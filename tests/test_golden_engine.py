@@ -116,7 +116,8 @@ def test_the_golden_set_holds_a_whole_engine(gold, tmp_path, capsys):
     from them alone passes every activation, seed 001's aliases are not asked for, and --strict passes too."""
     m = json.loads((gold / "manifest.json").read_text())
     assert {"wte", "wpe", "ln_f_weight", "ln_f_bias"} <= set(m["tensors"])
-    assert {"files", "linear", "embeddings", "layer_norm", "attention", "ffn", "block", "logits"} <= set(m["conventions"])
+    assert {"files", "linear", "embeddings", "layer_norm", "attention", "ffn", "block", "logits"} \
+        <= set(m["conventions"])
     assert "biased variance" in m["conventions"]["layer_norm"] and "little-endian" in m["conventions"]["files"]
     code, report = verify(gold, engine(gold, tmp_path / "ok"), capsys, "--strict")
     assert code == 0 and report["passed"] and not report["notes"], report["first_failure"]

@@ -195,7 +195,8 @@ def test_generate_takes_hf_arguments(hf, hf_dir):
     ids = ids_of(1, 5, seed=6)
     eos = int(hf.generate(ids, max_new_tokens=1, pad_token_id=0)[0, -1])  # the first token greedy picks, as EOS
     for kw in [dict(max_length=12), dict(max_new_tokens=6, min_new_tokens=3, eos_token_id=eos),
-               dict(max_new_tokens=6, min_length=8, eos_token_id=eos), dict(max_new_tokens=4, num_beams=1, use_cache=True),
+               dict(max_new_tokens=6, min_length=8, eos_token_id=eos),
+               dict(max_new_tokens=4, num_beams=1, use_cache=True),
                dict(generation_config=GenerationConfig(max_new_tokens=5, repetition_penalty=1.3)),
                dict(generation_config=GenerationConfig(max_new_tokens=9), max_new_tokens=3)]:  # an argument wins
         want = hf.generate(ids, **kw, pad_token_id=0)

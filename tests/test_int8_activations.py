@@ -155,7 +155,8 @@ def test_builds_agree_bit_for_bit(group, act, bias, M):
             finally:
                 _C.set_isa(old)
         first = next(iter(outs.values()))
-        assert all(torch.equal(first, y) for y in outs.values()), (precision, {k: bool(torch.equal(first, y)) for k, y in outs.items()})
+        assert all(torch.equal(first, y) for y in outs.values()), \
+            (precision, {k: bool(torch.equal(first, y)) for k, y in outs.items()})
 
 
 def test_int4_largest_sums_are_exact(isa):

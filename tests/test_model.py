@@ -90,7 +90,8 @@ def test_context_overflow_is_an_error():
             ours(ids_of(9, cfg.vocab_size), cache)
         with pytest.raises(Gpt2ffnError, match="129 tokens exceed the context of n_positions=128"):
             ours(ids_of(129, cfg.vocab_size))
-    with pytest.raises(Gpt2ffnError, match=r"prompt \(100 tokens\) \+ max_new_tokens \(50\) exceeds the context of 128"):
+    with pytest.raises(Gpt2ffnError,
+                       match=r"prompt \(100 tokens\) \+ max_new_tokens \(50\) exceeds the context of 128"):
         generate(ours, [[1] * 100], Sampling(max_new_tokens=50))
 
 
@@ -290,7 +291,8 @@ def test_real_gpt2_generate(real_gpt2):
     hf = GPT2LMHeadModel.from_pretrained(real_gpt2).eval()
     ids = tok.encode("The quick brown fox")
     with torch.no_grad():
-        expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False, pad_token_id=50256)[0, len(ids):]
+        expected = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                               pad_token_id=50256)[0, len(ids):]
     got = generate(model, [ids], Sampling(max_new_tokens=32, eos_token_id=50256))[0]
     assert got == expected.tolist()[:len(got)]
 

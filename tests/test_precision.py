@@ -99,7 +99,8 @@ def test_long_k_prefill_in_blocks_is_batch_invariant(precision):
     the output between blocks; each row alone (summed in one pass) must get the same bits. int8 / int4 on fp32
     activations, which the float kernels run."""
     g = torch.Generator().manual_seed(8)
-    w, b, x = torch.randn(2112, 128, generator=g) / 40, torch.randn(128, generator=g), torch.randn(40, 2112, generator=g)
+    w, b, x = (torch.randn(2112, 128, generator=g) / 40, torch.randn(128, generator=g),
+               torch.randn(40, 2112, generator=g))
     p = kp.Packed(w, b, precision)
     y = kp.linear(x, p, None, p.bias, "native", "tanh")
     for r in (0, 17, 39):

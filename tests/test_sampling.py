@@ -187,7 +187,8 @@ def test_a_draw_never_picks_a_dropped_token_even_at_the_ends_of_u():
     """u = 1 takes the last token of non-zero weight, the smallest u the first; tokens at -inf (dropped by
     top-k/top-p, or outside the vocabulary's likely part) are never drawn, wherever they sit."""
     inf = float("-inf")
-    z = torch.tensor([[inf, 0.0, inf, -1.0, inf, inf], [0.0, inf, inf, inf, inf, inf], [-3.0, inf, 0.0, inf, -2.0, inf]])
+    z = torch.tensor([[inf, 0.0, inf, -1.0, inf, inf], [0.0, inf, inf, inf, inf, inf],
+                      [-3.0, inf, 0.0, inf, -2.0, inf]])
     last = torch.tensor([3, 0, 4])
     first = torch.tensor([1, 0, 0])
     assert torch.equal(draw(z, torch.ones(3, dtype=torch.float64)), last)

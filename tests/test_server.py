@@ -207,7 +207,8 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": "hi", "frequency_penalty": -2.5}, 400, "frequency_penalty", "greater than"),
     ({"model": "tiny-gpt2", "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty", "greater than 0"),
     ({"model": "tiny-gpt2", "prompt": "hi", "top_k": -2}, 400, "top_k", "greater than or equal to -1"),
-    ({"model": "tiny-gpt2", "prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens", "exceeds max_tokens"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "min_tokens": 20, "max_tokens": 5}, 400, "min_tokens",
+     "exceeds max_tokens"),
     ({"model": "tiny-gpt2", "prompt": "hi", "ignore_eos": "x"}, 400, "ignore_eos", "boolean"),
     ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias", "not a token id"),
     ({"model": "tiny-gpt2", "prompt": "hi", "logit_bias": {"5000": 1}}, 400, "logit_bias", "not a token id"),
@@ -217,7 +218,8 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": [[1, 2], []]}, 400, "prompt", "must not be empty"),
     ({"model": "tiny-gpt2", "prompt": []}, 400, "prompt", "must not be an empty list"),
     ({"model": "tiny-gpt2", "prompt": [1.5]}, 400, "prompt", ""),
-    ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens", "exceeds the model's context of 128"),
+    ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens",
+     "exceeds the model's context of 128"),
     ({"model": "tiny-gpt2", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
     ({"prompt": "hi"}, 400, "model", "Field required"),
@@ -282,7 +284,8 @@ def test_a_body_that_cannot_be_parsed_says_why(server, content, said):
 
 
 def test_oversized_body_is_413(server):
-    r = httpx.post(server.url + "/v1/completions", content=b"x" * (2 << 20), headers={"Content-Type": "application/json"})
+    r = httpx.post(server.url + "/v1/completions", content=b"x" * (2 << 20),
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
 
 
@@ -293,7 +296,8 @@ def test_a_chunked_body_is_held_to_the_same_limit(server):
         for i in range(0, total, size):
             yield b"x" * min(size, total - i)
 
-    r = httpx.post(server.url + "/v1/completions", content=chunks(64 << 20), headers={"Content-Type": "application/json"})
+    r = httpx.post(server.url + "/v1/completions", content=chunks(64 << 20),
+                   headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
     body = json.dumps({"model": server.model, "prompt": "dog", "max_tokens": 3}).encode()
     r = httpx.post(server.url + "/v1/completions", content=(body[i:i + 7] for i in range(0, len(body), 7)),
@@ -839,7 +843,8 @@ def test_max_model_len_refuses_past_it(secure, secure_client):
         secure_client.completions.create(model=secure.model, prompt=ids, max_tokens=25)
     err = e.value.body
     assert e.value.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "max_tokens"
-    assert err["message"] == "prompt (40 tokens) + max_tokens (25) = 65 exceeds this server's --max-model-len of 64 tokens"
+    assert err["message"] == ("prompt (40 tokens) + max_tokens (25) = 65 exceeds this server's --max-model-len of "
+                              "64 tokens")
     assert secure_client.models.list().data[0].model_extra["max_model_len"] == 64
 
 
@@ -990,7 +995,8 @@ def test_loopback_and_authorized():
     (["--api-key", "two words"], "--api-key: a key must be non-empty"),
     (["--ssl-keyfile", "key.pem"], "--ssl-keyfile needs --ssl-certfile"),
     (["--ssl-certfile", "/nonexistent.pem"], "--ssl-certfile '/nonexistent.pem' / --ssl-keyfile None: cannot load"),
-    (["--served-model-name", "gpt2", "gpt2"], "--served-model-name takes distinct, non-empty names, got ['gpt2', 'gpt2']"),
+    (["--served-model-name", "gpt2", "gpt2"],
+     "--served-model-name takes distinct, non-empty names, got ['gpt2', 'gpt2']"),
     (["--served-model-name", " "], "--served-model-name takes distinct, non-empty names"),
     (["--shutdown-timeout", "-1"], "--shutdown-timeout must be >= 0 seconds, got -1.0"),
     (["--model", "random:foo"], "unknown config name 'foo'"),  # before "listening on ..." is printed
@@ -1102,7 +1108,8 @@ def test_bad_input_is_a_400_in_openai_shape_never_a_500(server, client):
         for method, path, status in [("get", "/nope", 404), ("get", "/v1/completions", 405)]:
             r = getattr(h, method)(path)
             assert r.status_code == status and set(r.json()["error"]) == {"message", "type", "param", "code"}
-        r = h.post("/v1/completions", content=b'{"model": "x", "prompt": ', headers={"content-type": "application/json"})
+        r = h.post("/v1/completions", content=b'{"model": "x", "prompt": ',
+                   headers={"content-type": "application/json"})
         assert r.status_code == 400 and r.json()["error"]["param"] is None
         assert r.json()["error"]["message"].startswith("the request body is not valid JSON (at byte ")
         r = h.post("/v1/completions", content=b"model=x")  # curl -d without -H 'Content-Type: application/json'
@@ -1301,6 +1308,8 @@ def test_an_engine_process_that_dies_ends_its_streams_with_an_error_and_the_serv
         assert health.status_code == 503 and "the engine process exited" in health.json()["error"]["message"]
         r = httpx.post(s.url + "/v1/completions", json={"model": s.model, "prompt": "x", "max_tokens": 2})
         assert r.status_code == 503 and "the engine process exited" in r.json()["error"]["message"]
+        metrics = httpx.get(s.url + "/metrics")  # a failed scrape (was an empty 200: every count missing)
+        assert metrics.status_code == 503 and "the engine process exited" in metrics.json()["error"]["message"]
     finally:
         s.stop()
 

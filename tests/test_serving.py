@@ -101,7 +101,8 @@ def test_abort_frees_blocks_and_limits(model):
     events = eng.step()
     assert sorted(e.finish_reason for e in events) == ["abort"] * 4
     assert eng.counts() == (0, 0, 0) and not eng.has_work()
-    with pytest.raises(Gpt2ffnError, match=r"prompt \(120 tokens\) \+ max_new_tokens \(20\) exceeds the context of 128"):
+    with pytest.raises(Gpt2ffnError,
+                       match=r"prompt \(120 tokens\) \+ max_new_tokens \(20\) exceeds the context of 128"):
         eng.add(Request([1] * 120, Sampling(max_new_tokens=20)))
 
 
@@ -167,7 +168,8 @@ def test_a_quantized_model_is_served_from_an_fp16_cache():
     eng = Engine(m, max_batch=4)
     assert m.kv_dtype == torch.float16 and eng.cache.k[0].dtype == torch.float16
     cfg = m.kv_config
-    half, full = (engine_mod.default_kv_tokens(cfg, 4096, dtype, fraction=1e-4) for dtype in (torch.float16, torch.float32))
+    half, full = (engine_mod.default_kv_tokens(cfg, 4096, dtype, fraction=1e-4)
+                  for dtype in (torch.float16, torch.float32))
     assert full > cfg.n_positions and 1.9 < half / full < 2.1  # a share of free memory (which moves a little)
     ps = prompts(6, seed=11)
     s = Sampling(max_new_tokens=10)

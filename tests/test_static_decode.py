@@ -69,7 +69,8 @@ def test_buckets():
 
 def test_greedy_and_seeded_tokens_equal_the_paged_path(model):
     ps = prompts(12)
-    greedy = [Sampling(max_new_tokens=int(n)) for n in torch.randint(1, 30, (12,), generator=torch.Generator().manual_seed(1))]
+    greedy = [Sampling(max_new_tokens=int(n))
+              for n in torch.randint(1, 30, (12,), generator=torch.Generator().manual_seed(1))]
     seeded = [Sampling(max_new_tokens=20, temperature=0.9, top_k=40, top_p=0.9, seed=i, presence_penalty=0.3)
               for i in range(12)]
     for samplings in (greedy, seeded):
@@ -333,7 +334,8 @@ def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype, monkeypatch):
     V, n = model.config.vocab_size, model.config.n_positions                 # the small checkpoint: 96, 32
     g = torch.Generator().manual_seed(5)
     ps = [torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(40)]
-    s = [Sampling(max_new_tokens=n - 9)] * 20 + [Sampling(max_new_tokens=n - 9, temperature=1.0, seed=i) for i in range(20)]
+    s = [Sampling(max_new_tokens=n - 9)] * 20 + [Sampling(max_new_tokens=n - 9, temperature=1.0, seed=i)
+                                                 for i in range(20)]
     graphs = Engine(model, max_batch=40, max_len=n)
     assert graphs.static is not None and graphs.graph_capture[0] == graphs.graph_capture[1] > 0
     lazy = Engine(model, max_batch=40, max_len=n, graph_seconds=0)
@@ -354,7 +356,8 @@ def test_cuda_graphs_replay_the_eager_steps(hf_dir, dtype, monkeypatch):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("dtype,cache_dtype,D", [(torch.float32, torch.float32, 64), (torch.bfloat16, torch.bfloat16, 64),
+@pytest.mark.parametrize("dtype,cache_dtype,D", [(torch.float32, torch.float32, 64),
+                                                  (torch.bfloat16, torch.bfloat16, 64),
                                                   (torch.float32, torch.float16, 48)])
 @pytest.mark.parametrize("block", ["default", "wide"])
 def test_decode_attention_kernel_writes_and_attends(dtype, cache_dtype, D, block):
@@ -416,7 +419,8 @@ def test_decode_attention_kernel_gives_the_sdpa_steps_tokens(hf_dir, monkeypatch
     V, n = model.config.vocab_size, model.config.n_positions
     g = torch.Generator().manual_seed(7)
     ps = [torch.randint(0, V, (int(torch.randint(1, 9, (1,), generator=g)),), generator=g).tolist() for _ in range(24)]
-    s = [Sampling(max_new_tokens=n - 9)] * 12 + [Sampling(max_new_tokens=n - 9, temperature=1.0, seed=i) for i in range(12)]
+    s = [Sampling(max_new_tokens=n - 9)] * 12 + [Sampling(max_new_tokens=n - 9, temperature=1.0, seed=i)
+                                                 for i in range(12)]
     fused = Engine(model, max_batch=24, max_len=n)
     assert fused.static.attends
     got = [r.output for r in fused.run([Request(p, x) for p, x in zip(ps, s)])]

@@ -27,7 +27,8 @@ def hf_block_out(model, layer, x):
 
 def openai_layout(model, directory):
     """Rewrite a model the way openai-community/gpt2's own file is: no prefix, attn.bias buffers, no lm_head."""
-    sd = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    sd = {k.removeprefix("transformer."): v.contiguous() for k, v in model.state_dict().items()
+          if k != "lm_head.weight"}
     n = model.config.n_positions
     for layer in range(model.config.n_layer):
         sd[f"h.{layer}.attn.bias"] = torch.tril(torch.ones(n, n)).view(1, 1, n, n)
@@ -195,7 +196,8 @@ def test_two_x_expansion_checkpoint_raises(tmp_path):
 
 
 def test_bad_shard_index(tmp_path):
-    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"h.0.mlp.c_fc.weight": "a.safetensors"}}))
+    (tmp_path / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"h.0.mlp.c_fc.weight": "a.safetensors"}}))
     with pytest.raises(CheckpointError, match="names shard files that do not exist: a.safetensors"):
         FeedForward.from_pretrained(tmp_path)
     (tmp_path / "model.safetensors.index.json").write_text("[]")

@@ -2,7 +2,8 @@
 
 Run under the peer venv with gpt2ffn's source on the path (it needs only torch, numpy, safetensors):
 
-    PYTHONPATH=/work/main/src /work/peers-build/venv/bin/python benchmarks/peers/prepare.py --out /work/peers-build/models
+    PYTHONPATH=/work/main/src /work/peers-build/venv/bin/python benchmarks/peers/prepare.py \\
+        --out /work/peers-build/models
 
 DIR/hf            GPT2LMHeadModel (GPT-2 124M config, gpt2ffn's random_weights_ seed 0), tokenizer, n_ctx
 DIR/ct2-float32   ct2-transformers-converter --quantization float32
@@ -136,8 +137,8 @@ def main():
     np.save(out / "seq.npy", seq)
     model = save_hf(hf, args.preset)
     distinct = check_not_degenerate(model, seq[:PROMPT].tolist())
-    (out / "prepare.json").write_text(json.dumps({"model": f"random:{args.preset}:0", "seq_len": SEQ_LEN, "prompt": PROMPT,
-                                                  "greedy_distinct_tokens": distinct}, indent=2))
+    (out / "prepare.json").write_text(json.dumps({"model": f"random:{args.preset}:0", "seq_len": SEQ_LEN,
+                                                  "prompt": PROMPT, "greedy_distinct_tokens": distinct}, indent=2))
     del model
 
     def todo(path):

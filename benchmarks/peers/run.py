@@ -229,15 +229,16 @@ def main():
 
     print(f"{report['machine']['cpu']}, 2 threads, {args.rounds} rounds, {args.prompt_tokens}-token prompt, "
           f"{args.new_tokens} greedy tokens; read bandwidth {gbs:.1f} GB/s\n")
-    print("| engine | precision | prefill ms | decode tok/s | x floor | RSS delta MB | decode MB | mean KLD | top-1 % | "
-          "max abs dlogit | greedy agree |")
+    print("| engine | precision | prefill ms | decode tok/s | x floor | RSS delta MB | decode MB | mean KLD | "
+          "top-1 % | max abs dlogit | greedy agree |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         greedy = (f"{r['greedy_equal']}/{r['greedy_len']}" + (f" (from {r['greedy_first_divergence']})"
                   if r["greedy_first_divergence"] is not None else "")) if "greedy_equal" in r else "-"
         print(f"| {r['engine']} | {r['precision']} | {fmt(r.get('prefill_ms'), '.1f')} | "
               f"{fmt(r.get('decode_tok_s'), '.1f')} | {fmt(r.get('x_floor'), '.2f')} | "
-              f"{fmt(r.get('rss_delta_mb'), '.0f')} | {fmt(r.get('decode_bytes') and r['decode_bytes'] / 1e6, '.0f')} | "
+              f"{fmt(r.get('rss_delta_mb'), '.0f')} | "
+              f"{fmt(r.get('decode_bytes') and r['decode_bytes'] / 1e6, '.0f')} | "
               f"{fmt(r.get('mean_kld'), '.2e')} | {fmt(r.get('top1_pct'), '.2f')} | "
               f"{fmt(r.get('max_abs_dlogit'), '.3g')} | {greedy} |")
     for r in rows:

@@ -34,8 +34,8 @@ from .weights import Checkpoint, save_ffn  # noqa: E402
 __version__ = "0.1.0"
 
 __all__ = [
-    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf", "quantize", "PRECISIONS",
-    "GPT2", "generate", "check",
+    "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf", "quantize",
+    "PRECISIONS", "GPT2", "generate", "check",
     "Gpt2ffnError", "ConfigError", "ShapeError", "InputError", "CheckpointError", "PackedOnlyError",
     "TOLERANCES", "GOLDEN_ATOL", "tolerance",
 ]

@@ -263,7 +263,8 @@ def bench_backward(dims, tokens, repeats, device="cpu", log=print) -> list:
                 rows.append({"d": d, "tokens": T, "impl": name, "ms": ms, "saved_bytes": nbytes})
             base = {r["impl"]: r for r in rows if r["d"] == d and r["tokens"] == T}
             lines = [f"d={d}, tokens={T} (forward + backward)",
-                     f"  {'implementation':<28}{'ms':>10}{'saved MiB':>11}{'ours saved / theirs':>21}{'ours time / theirs':>20}"]
+                     f"  {'implementation':<28}{'ms':>10}{'saved MiB':>11}{'ours saved / theirs':>21}"
+                     f"{'ours time / theirs':>20}"]
             for name, r in base.items():
                 r["ours_saved_ratio"] = base[OURS]["saved_bytes"] / r["saved_bytes"]
                 r["ours_time_ratio"] = base[OURS]["ms"] / r["ms"]
@@ -307,7 +308,8 @@ def plot(rows, path):
         for impl, dt in dict.fromkeys((r["impl"], r.get("dtype", "fp32")) for r in rows):
             pts = [(r["tokens"], r["gflops"]) for r in rows
                    if r["d"] == d and r["impl"] == impl and r.get("dtype", "fp32") == dt]
-            style = dict(linewidth=3, color="black") if impl == OURS else dict(linestyle="--") if "floor" in impl else {}
+            style = (dict(linewidth=3, color="black") if impl == OURS else dict(linestyle="--") if "floor" in impl
+                     else {})
             if dt != "fp32":
                 style = {**style, "alpha": 0.6}
             ax.plot(*zip(*pts), marker="o", label=impl + ("" if dt == "fp32" else f" ({dt})"), **style)
@@ -390,7 +392,8 @@ def summarize(result) -> str:
         peers = {k: r for k, r in shape.items() if k in PEERS and r["correct"]}
         best = min(peers, key=lambda k: peers[k]["ms"])
         hf = shape.get("HF GPT2MLP")
-        lines.append(f"| {d}, {T}{'' if dt == 'fp32' else ', ' + dt} | {floor:.3f} | {ours['ms']:.3f} | {ours['ms'] / floor:.2f} | {best} | "
+        lines.append(f"| {d}, {T}{'' if dt == 'fp32' else ', ' + dt} | {floor:.3f} | {ours['ms']:.3f} | "
+                     f"{ours['ms'] / floor:.2f} | {best} | "
                      f"{peers[best]['ms']:.3f} | {peers[best]['ms'] / ours['ms']:.2f}x | "
                      f"{hf['ms'] / ours['ms']:.2f}x |" if hf else "")
     return "\n".join(lines)
@@ -425,9 +428,10 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
     (sdpa, KV cache, fp32), the same random weights (`weights`: random:<preset>[:seed], default the 124M
     shape; gpt2-medium / -large / -xl for the others; a smaller context cuts the prompt and the new tokens to
-    half of it each at most), greedy, interleaved rounds in one process. fp32's tokens are checked equal to HF's first. Each precision's floor: the bytes a decode step
-    must read (its packed weights, lm_head included) over the DRAM read bandwidth measured in the same run.
-    The per-step overhead: a decode step of a 1-layer model with tiny widths, where weights cost nothing.
+    half of it each at most), greedy, interleaved rounds in one process. fp32's tokens are checked equal to HF's
+    first. Each precision's floor: the bytes a decode step must read (its packed weights, lm_head included) over
+    the DRAM read bandwidth measured in the same run. The per-step overhead: a decode step of a 1-layer model
+    with tiny widths, where weights cost nothing.
     On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16) and batch (default 1, 32, 256), HF also
     with its static cache."""
     if device != "cpu":
@@ -447,9 +451,11 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     out = {"model": name, "prompt_tokens": prompt_tokens, "new_tokens": new_tokens, "engines": {}}
     runs = {}
     with torch.no_grad():
-        hf_ids = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:].tolist()
+        hf_ids = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                             pad_token_id=0)[0, prompt_tokens:].tolist()
         runs["HF transformers fp32"] = (lambda: hf(ids, use_cache=True),
-                                        lambda: hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0))
+                                        lambda: hf.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                                            pad_token_id=0))
         nbytes = {}
         for precision in precisions:
             model = GPT2(cfg).eval()
@@ -471,7 +477,8 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     out["dram_read_gb_s"] = dram
     log(f"{name} (random weights), {prompt_tokens} prompt + {new_tokens} new tokens, greedy; "
         f"DRAM read {dram:.1f} GB/s")
-    log(f"  {'engine':<22}{'prefill ms':>11}{'decode tok/s':>14}{'floor tok/s':>13}{'x floor':>9}{'step overhead us':>18}")
+    log(f"  {'engine':<22}{'prefill ms':>11}{'decode tok/s':>14}{'floor tok/s':>13}{'x floor':>9}"
+        f"{'step overhead us':>18}")
     for name in runs:
         e = out["engines"].setdefault(name, {})
         e["prefill_ms"], e["generate_ms"] = prefill[name], gen[name]
@@ -535,7 +542,8 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
                 rows = ids.tolist()
                 runs[key] = lambda engine=engine, rows=rows: engine.run([Request(list(r), s) for r in rows])
                 if B == 1:
-                    want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, pad_token_id=0)[0, prompt_tokens:]
+                    want = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False,
+                                       pad_token_id=0)[0, prompt_tokens:]
                     got = runs[key]()[0].output
                     e["greedy_same_as_hf"] = sum(a == b for a, b in zip(got, want.tolist())) / new_tokens
                 runs[f"HF transformers {p} batch {B}"] = lambda m=hf, ids=ids: m.generate(
@@ -551,7 +559,8 @@ def bench_model_cuda(precisions, prompt_tokens, new_tokens, repeats, log, device
         e = out["engines"].setdefault(key, {})
         B = int(key.rsplit(" ", 1)[1])
         e["generate_ms"], e["tokens_per_s"] = t, B * new_tokens / t * 1e3
-        extra = f"  ({e['graphs_captured']}/{e['graph_shapes']} graphs in {e['capture_s']:.1f} s)" if "capture_s" in e else ""
+        extra = (f"  ({e['graphs_captured']}/{e['graph_shapes']} graphs in {e['capture_s']:.1f} s)"
+                 if "capture_s" in e else "")
         log(f"  {key:<48}{t:>10.1f} ms{e['tokens_per_s']:>12.1f} tok/s (prompt + new, end to end){extra}")
     from .kernels import decode_attention
     out["decode_attention"] = decode_attention.choices()  # the kernel's configuration per shape, where chosen
@@ -625,8 +634,9 @@ def bench_kernels(layers: int = 12, repeats: int = 15, log=print) -> dict:
         lambda: rel_err(torch.from_numpy(xs[shapes[0][0]].numpy() @ wn[0]) + bs[0], want0))
     if torch.backends.mkldnn.is_available():
         wp = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in wts]
-        add("fp32 oneDNN prepacked", [lambda x=xs[K], w=w, b=b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
-                                      for (K, _), w, b in zip(shapes, wp, bs)], fp32_bytes,
+        add("fp32 oneDNN prepacked",
+            [lambda x=xs[K], w=w, b=b: torch.ops.mkldnn._linear_pointwise(x, w, b, "none", [], "")
+             for (K, _), w, b in zip(shapes, wp, bs)], fp32_bytes,
             lambda: rel_err(torch.ops.mkldnn._linear_pointwise(xs[shapes[0][0]], wp[0], bs[0], "none", [], ""), want0))
         w16 = [w.bfloat16() for w in wts]
         wp16 = [torch.ops.mkldnn._reorder_linear_weight(w, 1) for w in w16]
@@ -719,7 +729,8 @@ def bench_accuracy(spec: str = "random:gpt2", precisions=("fp32", "bf16", "int8"
            "reference_greedy_distinct_tokens": len(set(ref_greedy)), "precisions": {}}
     log(f"accuracy vs fp32 on {spec}: {positions} positions; greedy {new_tokens} tokens after {prompt_tokens} "
         f"(reference path has {len(set(ref_greedy))} distinct tokens)")
-    log(f"  {'precision':<10}{'mean KLD':>12}{'max KLD':>12}{'top-1 %':>9}{'max |dlogit|':>14}{'greedy same':>13}{'first diff':>11}")
+    log(f"  {'precision':<10}{'mean KLD':>12}{'max KLD':>12}{'top-1 %':>9}{'max |dlogit|':>14}{'greedy same':>13}"
+        f"{'first diff':>11}")
     del ref_model
     for precision in precisions:
         try:

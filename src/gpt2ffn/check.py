@@ -560,9 +560,10 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
     if not isinstance(out, torch.Tensor):
         raise CheckError(f"{name} returned a {type(out).__name__}; an FFN returns a tensor (B, T, n_embd)")
     if info is not None and out.dtype != x.dtype:
-        info.append(f"note: {name} returns {str(out.dtype).removeprefix('torch.')} for {str(x.dtype).removeprefix('torch.')} "
-                    f"input (its weights' dtype); GPT-2 keeps the residual stream in its weights' dtype, so a "
-                    f"block adding this output would change it: judged in float32 all the same")
+        info.append(f"note: {name} returns {str(out.dtype).removeprefix('torch.')} for "
+                    f"{str(x.dtype).removeprefix('torch.')} input (its weights' dtype); GPT-2 keeps the residual "
+                    f"stream in its weights' dtype, so a block adding this output would change it: judged in float32 "
+                    f"all the same")
     seen["ffn"] = out.detach().float().numpy()
     return seen
 

@@ -72,7 +72,8 @@ NORM_HINTS = {"ln_1": r"(ln_?1|norm_?1|attn_norm|input_layernorm)$", "ln_2": r"(
               r"post_attention_layernorm)$"}
 LINEAR_HINTS = {"q": r"(^|\.)(w_?q|q|q_proj|query|w_query)$", "k": r"(^|\.)(w_?k|k|k_proj|key|w_key)$",
                 "v": r"(^|\.)(w_?v|v|v_proj|value|w_value)$", "attn.c_proj": r"(c_proj|out_proj|o_proj|w_?o|proj|out)$",
-                "mlp.c_fc": r"(c_fc|fc1?|up(_proj)?|w1|layers\.0)$", "mlp.c_proj": r"(c_proj|fc2|down(_proj)?|w2|proj|layers\.2)$"}
+                "mlp.c_fc": r"(c_fc|fc1?|up(_proj)?|w1|layers\.0)$",
+                "mlp.c_proj": r"(c_proj|fc2|down(_proj)?|w2|proj|layers\.2)$"}
 WEIGHT_NAMES, BIAS_NAMES = ("weight", "scale", "gamma", "g", "w"), ("bias", "shift", "beta", "b")
 
 
@@ -740,7 +741,8 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     verdict = f"FAIL (first divergence: {where}, checkpoint {CHECKPOINT[stage]}): {diagnosis.text}"
     return ModelReport(name, info, rows, verdict, diagnosis, {"layer": L, "stage": stage,
                                                               "checkpoint": CHECKPOINT[stage],
-                                                              "what": CHECKPOINTS.get(CHECKPOINT[stage], LABELS[stage])})
+                                                              "what": CHECKPOINTS.get(CHECKPOINT[stage],
+                                                                                      LABELS[stage])})
 
 
 def _load_all(s: Structure, model: nn.Module, ref: Reference, cfg: Config) -> tuple:
@@ -863,7 +865,8 @@ def check_model_function(fn, name: str, names: list, source: str = DEFAULT_MODEL
         where = "the whole model diverges though each shorter run agrees: ln_f or the logits after the last block"
         block = None
     elif first == 0:
-        where, block = "before any block: the embeddings (wte[ids] + wpe[positions]), ln_f or the logits (x @ wte.T)", None
+        where, block = ("before any block: the embeddings (wte[ids] + wpe[positions]), ln_f or the logits "
+                        "(x @ wte.T)"), None
     else:
         before = "the embeddings agree" if first == 1 else f"the {first - 1} blocks before it agree"
         where, block = f"block {first - 1} ({before})", first - 1

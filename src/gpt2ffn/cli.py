@@ -191,8 +191,8 @@ def cmd_verify(args):
     if cand is not None:
         names, hint = g.unmatched(gold, cand)
         if names:
-            notes.append(f"not judged: {len(names)} candidate tensor{'s match' if len(names) > 1 else ' matches'} no golden "
-                         f"name: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} ({hint})")
+            notes.append(f"not judged: {len(names)} candidate tensor{'s match' if len(names) > 1 else ' matches'} "
+                         f"no golden name: {', '.join(names[:6])}{', ...' if len(names) > 6 else ''} ({hint})")
         if cand.keys is None and not cand.names() and (inner := sorted(cand.path.glob("*.safetensors"))):
             notes.append(f"{cand.path} holds {inner[0].name}: pass the file itself, --candidate {inner[0]}")
         if cand.keys is None and cand.names():  # files the judge reads beside files it does not
@@ -328,7 +328,8 @@ def cmd_generate(args):
                             activations=_activations(args.activations), kv_dtype=_dtype(args.kv_cache_dtype),
                             need_tokenizer=args.ids is None)
     if tok is None and args.stop:
-        raise UsageError("gpt2ffn generate: --stop needs the checkpoint's tokenizer (tokenizer.json, or vocab.json + merges.txt)")
+        raise UsageError("gpt2ffn generate: --stop needs the checkpoint's tokenizer (tokenizer.json, or vocab.json + "
+                         "merges.txt)")
     if any(not st for st in args.stop):
         raise UsageError("gpt2ffn generate: --stop takes non-empty strings (an empty one would stop at once)")
     decode = tok.decode if tok is not None else None
@@ -441,7 +442,8 @@ def build_parser() -> Parser:
     p.add_argument("x", nargs="*", type=float, help="points to evaluate, e.g. -2 0.5 3 -1e-3")
     # argparse takes -1e-3 or -inf for an option (its negative numbers are -2 and -.5 only): any float is a point
     p._negative_number_matcher = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-inf(inity)?$", re.I)
-    p.add_argument("--plot", metavar="FILE", type=_plot_file, help="write a PNG: tanh GELU, exact GELU, ReLU, and exact - tanh")
+    p.add_argument("--plot", metavar="FILE", type=_plot_file,
+                   help="write a PNG: tanh GELU, exact GELU, ReLU, and exact - tanh")
     p.set_defaults(func=cmd_gelu)
     p = sub.add_parser("extract", help="write golden tensors from HF GPT-2 (forward hooks) with a manifest")
     p.add_argument("--model", required=True, help="HF checkpoint directory, or random:<preset>[:seed] "
@@ -469,8 +471,8 @@ def build_parser() -> Parser:
     p.add_argument("--repeat", type=_at_least(1), default=1, help="also check that N runs are bit-identical")
     p.add_argument("--strict", action="store_true", help="a missing candidate file counts as a failure")
     p.add_argument("--json", action="store_true", help="machine-readable output")
-    p.add_argument("--plot", metavar="FILE", type=_plot_file, help="also write a PNG: max abs diff per checkpoint and layer, "
-                   "tolerance as a line, failing bars marked")
+    p.add_argument("--plot", metavar="FILE", type=_plot_file, help="also write a PNG: max abs diff per checkpoint and "
+                   "layer, tolerance as a line, failing bars marked")
     p.set_defaults(func=cmd_verify)
 
     p = sub.add_parser("check", help="judge your own FFN, GELU or whole GPT-2 (FILE.py:NAME) and say what is wrong")

@@ -162,7 +162,8 @@ def variants(x, weights: dict, approximate: str = "tanh", resid=None, width=None
         if hidden % d == 0 else f"use hidden width {hidden}",
         forward(x, w1[:, :half], b1[:half], w2[:half], b2, act))
     if width is not None and width < hidden and width != half:
-        add("hidden_width", f"hidden width {width}{times(width)} instead of {hidden}{times(hidden).replace(' n_embd', '')}",
+        add("hidden_width",
+            f"hidden width {width}{times(width)} instead of {hidden}{times(hidden).replace(' n_embd', '')}",
             f"use hidden width {hidden}" + (f": nn.Linear(emb_dim, {hidden // d} * emb_dim), not a fixed number"
                                             if hidden % d == 0 else ""),
             forward(x, w1[:, :width], b1[:width], w2[:width], b2, act))
@@ -361,7 +362,8 @@ MISTAKES = {
                 "before the softmax set the scores of keys after the query to -inf: "
                 "att.masked_fill(torch.tril(torch.ones(T, T)) == 0, float('-inf'))"),
     "inverted_mask": ("causal mask inverted: each position attends to itself and later tokens, not earlier ones",
-                      "mask the keys AFTER the query (the upper triangle, torch.triu(..., diagonal=1)), keep the lower"),
+                      "mask the keys AFTER the query (the upper triangle, torch.triu(..., diagonal=1)), "
+                      "keep the lower"),
     "softmax_axis": ("softmax over the wrong axis (dim=-2, the queries) instead of the keys (dim=-1)",
                      "torch.softmax(att, dim=-1): each query's weights over the keys sum to 1"),
     "ln_unbiased": ("LayerNorm with unbiased variance (divides by n - 1)",
@@ -468,7 +470,8 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
                                                                          else right)
         att = heads(q) @ heads(k).transpose(-1, -2) * scale                    # (1, H, T, T)
         i = torch.arange(T)
-        mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None], "mask_excludes_self": i[None, :] >= i[:, None],
+        mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None],
+                "mask_excludes_self": i[None, :] >= i[:, None],
                 "mask_off_by_one": i[None, :] > i[:, None] + 1}.get(mistake, i[None, :] > i[:, None])
         if mask is not None and mistake != "mask_after_softmax":
             att = att.masked_fill(mask, 0.0 if mistake == "mask_zero_fill" else float("-inf"))
@@ -481,7 +484,8 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
         ctx = (p @ heads(v)).reshape(1, T, d) if mistake == "heads_not_merged" else \
             (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
         wp = w["attn.c_proj.weight"].T if mistake == "attn_c_proj_not_transposed" else w["attn.c_proj.weight"]
-        return {"c_attn": c_attn, "q": q, "k": k, "v": v, "q_heads": heads(q), "k_heads": heads(k), "v_heads": heads(v), "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
+        return {"c_attn": c_attn, "q": q, "k": k, "v": v, "q_heads": heads(q), "k_heads": heads(k),
+                "v_heads": heads(v), "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
 
     def mlp(h):
         c_fc = h @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]

@@ -109,7 +109,8 @@ def conventions(cfg: Config) -> dict:
                      f"h*{dh} .. h*{dh}+{dh - 1} (q by head: (1, H, T, d/H)); scores = q k^T * {scale}; scores of keys "
                      "after the query are -inf, so their probabilities are exactly 0; softmax over the keys; "
                      "the heads' outputs are concatenated in head order back to (1, T, d), then attn.c_proj",
-        "ffn": f"c_fc (d -> {cfg.hidden}; n_inner, or 4 d when it is null), then {gelu}, then c_proj ({cfg.hidden} -> d)",
+        "ffn": f"c_fc (d -> {cfg.hidden}; n_inner, or 4 d when it is null), then {gelu}, then c_proj "
+               f"({cfg.hidden} -> d)",
         "block": "pre-norm: x = x + attn(ln_1(x)); x = x + ffn(ln_2(x))",
         "logits": "ln_f after the last block; logits = ln_f(x) @ wte^T at every position (the LM head is wte)",
     }
@@ -318,8 +319,8 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
         "layers": layers,
         "checkpoints": CHECKPOINTS,
         "tolerance": {"atol": GOLDEN_ATOL, "scaled": GOLDEN_SCALED,
-                      "note": "seed 001: max |diff| <= 1e-4, fp32; for the stages in scaled (the residual stream, logits): "
-                              "max(1e-4, scaled * max|expected|)"},
+                      "note": "seed 001: max |diff| <= 1e-4, fp32; for the stages in scaled (the residual stream, "
+                              "logits): max(1e-4, scaled * max|expected|)"},
         "tensors": entries,
         "versions": {"python": platform.python_version(), "torch": torch.__version__,
                      "transformers": transformers.__version__, "numpy": np.__version__,
@@ -340,7 +341,8 @@ class Golden:
         self.dir = Path(directory)
         file = self.dir / "manifest.json"
         if not file.is_file():
-            raise Gpt2ffnError(f"{self.dir} is not a golden directory: no manifest.json (make one with gpt2ffn extract)")
+            raise Gpt2ffnError(f"{self.dir} is not a golden directory: no manifest.json "
+                               "(make one with gpt2ffn extract)")
         try:
             m = json.loads(file.read_text())
             if m.get("format") != FORMAT:
@@ -548,7 +550,8 @@ def same_as(golden: "Golden", name: str, actual, atol: float) -> str | None:
     if name == "logits" and a.size == V and "logits" in golden:  # one row of logits: which position's it is
         full = golden.load("logits").reshape(-1, V)
         for r in range(len(full) - 1):
-            if np.abs(a.reshape(V) - full[r]).max() <= max(atol, GOLDEN_SCALED["logits"] * float(np.abs(full[r]).max())):
+            if (np.abs(a.reshape(V) - full[r]).max()
+                    <= max(atol, GOLDEN_SCALED["logits"] * float(np.abs(full[r]).max()))):
                 return (f"these are position {r}'s logits; a file of one row ({V} values) is judged as the last "
                         f"position's, {len(full) - 1}: write the logits of the last token (or all {len(full)} rows)")
     for other in golden.activations():
@@ -667,7 +670,8 @@ def stage_mistake(golden: Golden, entry: dict, got, atol: float, near=False, clo
         logits = golden.load(last).astype(np.float64) @ golden.load("wte").T.astype(np.float64)
         offer("logits_without_ln_f", logits[:, -(got.size // cfg.vocab_size):])
         if "ln_f" in golden:
-            wrong = golden.load("ln_f").astype(np.float64) @ golden.load("wte").reshape(cfg.n_embd, -1).astype(np.float64)
+            wrong = (golden.load("ln_f").astype(np.float64)
+                     @ golden.load("wte").reshape(cfg.n_embd, -1).astype(np.float64))
             offer("lm_head_as_d_by_vocab", wrong[:, -(got.size // cfg.vocab_size):])
     table = {**MISTAKES, **MODEL_MISTAKES}
     hits = sorted(f[:2] for f in found if near or f[0] <= f[2] and f[0] < closer)
@@ -871,7 +875,8 @@ class Candidate:
                 raise Gpt2ffnError(f"candidate {self.path} is not a readable .safetensors file: {e}") from None
         elif not self.path.is_dir():
             raise Gpt2ffnError(f"candidate {self.path} does not exist" if not self.path.exists() else
-                               f"candidate {self.path} is neither a directory of .npy/.bin files nor a .safetensors file")
+                               f"candidate {self.path} is neither a directory of .npy/.bin files nor a "
+                               ".safetensors file")
 
     def names(self) -> set:
         """What the candidate holds, by name, for telling a user what matched nothing."""

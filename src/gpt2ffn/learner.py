@@ -223,7 +223,8 @@ def _call(cls, args: list, how: str, cfg_label: str, cfg=None, kwargs=None):
         who = super_missing(e)
         if who:
             raise CheckError(super_message(who, e)) from None
-        hint = f": it reads a key {cfg_label} does not have ({', '.join(cfg)})" if isinstance(e, KeyError) and cfg else ""
+        hint = (f": it reads a key {cfg_label} does not have ({', '.join(cfg)})" if isinstance(e, KeyError) and cfg
+                else "")
         raise CheckError(f"{how} raised {type(e).__name__}: {e}{hint}".splitlines()[0]) from None
 
 
@@ -234,7 +235,8 @@ def _default_config(cls, default, values: Config, raw: dict | None) -> tuple:
     try:
         C = default()
     except Exception as e:
-        raise CheckError(f"{cls.__name__}.get_default_config() raised {type(e).__name__}: {e}".splitlines()[0]) from None
+        raise CheckError((f"{cls.__name__}.get_default_config() raised "
+                          f"{type(e).__name__}: {e}").splitlines()[0]) from None
     given = {**gpt2_values(values), **(raw or {})}
     fields = list(vars(C)) if hasattr(C, "__dict__") else []
     kw = {n: given[n] for n in fields if n in given}

@@ -435,7 +435,8 @@ class GPT2(TrainChecked):
         span = None
         if mask is None and tables is not None:  # keys up to the furthest new position, not a whole big block
             span = min(tables.shape[1] * cache.block_size, int(positions.max()) + 1)
-            mask = (torch.arange(span, device=ids.device)[None, None, :] <= positions[:, :, None])[:, None]  # (B, 1, T, S)
+            mask = (torch.arange(span, device=ids.device)[None, None, :]
+                    <= positions[:, :, None])[:, None]  # (B, 1, T, S)
         cache.bind(tables, positions, slots, span, keys)
         x = self.transformer.drop(self.transformer.wte(ids) + self.transformer.wpe(positions))
         if (ids.shape[1] == 1 and isinstance(logits_for, str) and logits_for == "last" and not self.training
@@ -508,7 +509,8 @@ class GPT2(TrainChecked):
     def num_parameters(self, only_trainable: bool = False, exclude_embeddings: bool = False) -> int:
         """As HF's: the tied wte / lm_head counted once; exclude_embeddings leaves wte and wpe out."""
         skip = {id(self.transformer.wte.weight), id(self.transformer.wpe.weight)} if exclude_embeddings else set()
-        return sum(p.numel() for p in self.parameters() if id(p) not in skip and (p.requires_grad or not only_trainable))
+        return sum(p.numel() for p in self.parameters()
+                   if id(p) not in skip and (p.requires_grad or not only_trainable))
 
     def get_input_embeddings(self) -> nn.Embedding:
         return self.transformer.wte

@@ -14,8 +14,8 @@
 //   I4A8 uint8    [nsuper][K/8][64][4]       byte i of lane n: q[8j + i] | q[8j + 4 + i] << 4 (q in [0, 15])
 //   scale fp16    [nsuper][K/group][64]      as I8 / I4
 //
-// Float formats: each output element is summed in one fixed order (fp32 FMAs over k in order, chunk by chunk), whatever the
-// number of rows M or the tiling: results are bitwise independent of the batch (batch-invariant) and
+// Float formats: each output element is summed in one fixed order (fp32 FMAs over k in order, chunk by chunk),
+// whatever the number of rows M or the tiling: results are bitwise independent of the batch (batch-invariant) and
 // deterministic. Integer formats: x is quantized per row and group to int8 (xq = round(x / d), d = max|x| / 127),
 // each group's products summed exactly in int32, then y += float(sum) * (d * scale) group by group in order:
 // batch-invariant too.

@@ -53,7 +53,8 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
     const int64_t k1 = k0 + C < K ? k0 + C : K;
     if (next0 != next1) {  // this tile's share of the next block's lines into L2, a piece each chunk
       const int64_t c = (k0 - kb0) / C, lines = (next1 - next0) / 64;
-      for (int64_t l = lines * c / nchunks; l < lines * (c + 1) / nchunks; l++) _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
+      for (int64_t l = lines * c / nchunks; l < lines * (c + 1) / nchunks; l++)
+        _mm_prefetch(next0 + l * 64, _MM_HINT_T1);
     }
     if (ahead) {  // the next chunk's rows of the tile's lanes into L2
       const int64_t r0 = FMT == I4 ? k1 / 2 : k1, r1 = FMT == I4 ? (k1 + C) / 2 : k1 + C;
@@ -65,7 +66,8 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
       for (int j = 0; j < NB; j++) part[m][j] = vzero();
     if constexpr (FMT == I4) {
       for (int64_t k = k0; k < k1; k += 2) {
-        if constexpr (PF) prefetch_row(static_cast<const uint8_t*>(a.w) + (sb * rows + k / 2) * SUPER + j0 * 16, NB * 16, pf);
+        if constexpr (PF)
+          prefetch_row(static_cast<const uint8_t*>(a.w) + (sb * rows + k / 2) * SUPER + j0 * 16, NB * 16, pf);
         V lo[NB], hi[NB];
         for (int j = 0; j < NB; j++)
           vload_s4(static_cast<const uint8_t*>(a.w) + (sb * rows + k / 2) * SUPER + (j0 + j) * 16, lo[j], hi[j]);
@@ -77,7 +79,8 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
     } else {
       for (int64_t k = k0; k < k1; k++) {
         if constexpr (PF)
-          prefetch_row(static_cast<const uint8_t*>(a.w) + ((sb * rows + k) * SUPER + j0 * 16) * esize, NB * 16 * esize, pf);
+          prefetch_row(static_cast<const uint8_t*>(a.w) + ((sb * rows + k) * SUPER + j0 * 16) * esize, NB * 16 * esize,
+                       pf);
         V w[NB];
         for (int j = 0; j < NB; j++) {
           const int64_t off = (sb * rows + k) * SUPER + (j0 + j) * 16;
@@ -166,7 +169,10 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
         // the next block's lines for rows m .. m + mr - 1
         const char* n0 = next + nbytes * m / a.M / 64 * 64;
         auto n1 = [&](int64_t mr) { return next + nbytes * (m + mr) / a.M / 64 * 64; };
-        if (few && r >= 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, ahead, kb0, kb1); m += 2; }
+        if (few && r >= 2) {
+          stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, ahead, kb0, kb1);
+          m += 2;
+        }
         else if (VREGS < 32 && FMT != I4 && r >= 6) {
           for (int j = 0; j < 4; j++)
             tile<FMT, 6, 1>(a, x, y, sb, j, ahead, kb0, kb1, j ? nullptr : n0, j ? nullptr : n1(6));
@@ -189,8 +195,16 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
           tile<FMT, 3, 2>(a, x, y, sb, 2, ahead, kb0, kb1);
           m += 3;
         }
-        else if (r == 2) { stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0) : tile<FMT, 2, 4>(a, x, y, sb, 0, false, kb0, kb1, n0, n1(2)); m += 2; }
-        else { stream ? tile<FMT, 1, 4, true>(a, x, y, sb, 0) : tile<FMT, 1, 4>(a, x, y, sb, 0, false, kb0, kb1, n0, n1(1)); m += 1; }
+        else if (r == 2) {
+          stream ? tile<FMT, 2, 4, true>(a, x, y, sb, 0)
+                 : tile<FMT, 2, 4>(a, x, y, sb, 0, false, kb0, kb1, n0, n1(2));
+          m += 2;
+        }
+        else {
+          stream ? tile<FMT, 1, 4, true>(a, x, y, sb, 0)
+                 : tile<FMT, 1, 4>(a, x, y, sb, 0, false, kb0, kb1, n0, n1(1));
+          m += 1;
+        }
       }
     }
 }

@@ -94,8 +94,8 @@ static const Isa kAvx512Amx{"avx512amx", avx512::linear_range, avx512::attend, a
 static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::attend_causal, avx512::qlinear_range,
                         avx512::quantize_rows, &kRows512, avx512::int8_dot, 1};
 // AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
-static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx512::attend_causal, avx2::qlinear_range,
-                               avx2::quantize_rows, &kRows512, avx2::int8_dot, 8};
+static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx512::attend_causal,
+                               avx2::qlinear_range, avx2::quantize_rows, &kRows512, avx2::int8_dot, 8};
 static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avx2::attend_causal, avxvnni::qlinear_range,
                          avxvnni::quantize_rows, &kRows256, avxvnni::int8_dot, 8};
 static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::attend_causal, avx2::qlinear_range,
@@ -175,12 +175,15 @@ static LinearArgs layer_args(int64_t K, const torch::Tensor& w, const c10::optio
   TORCH_CHECK(!int4 || K % 2 == 0, "int4 needs an even K, got ", K);
   const int64_t rows = int4 ? K / 2 : K;
   const int64_t esize = format == F32 ? 4 : format == BF16 ? 2 : 1;
-  TORCH_CHECK(K > 0 && w.nbytes() % (rows * 64 * esize) == 0, "w holds ", w.nbytes(), " bytes, not whole super-blocks of K=", K);
+  TORCH_CHECK(K > 0 && w.nbytes() % (rows * 64 * esize) == 0, "w holds ", w.nbytes(),
+              " bytes, not whole super-blocks of K=", K);
   nsuper = w.nbytes() / (rows * 64 * esize);
-  TORCH_CHECK(N <= nsuper * 64 && N > nsuper * 64 - 64, "w has ", nsuper, " super-blocks of 64, which does not fit N=", N);
+  TORCH_CHECK(N <= nsuper * 64 && N > nsuper * 64 - 64, "w has ", nsuper,
+              " super-blocks of 64, which does not fit N=", N);
   LinearArgs a{};
   if (format >= I8) {
-    TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->scalar_type() == at::kHalf, "scale must be float16");
+    TORCH_CHECK(scale.has_value() && scale->is_contiguous() && scale->scalar_type() == at::kHalf,
+                "scale must be float16");
     const int64_t step = format == I4A8 ? 8 : format == I8A8 ? 4 : int4 ? 2 : 1;  // k per weight word
     TORCH_CHECK(group > 0 && K % group == 0 && group % step == 0, "group ", group, " must divide K=", K,
                 step > 1 ? " and be a multiple of " + std::to_string(step) : std::string());
@@ -251,7 +254,8 @@ std::vector<torch::Tensor> quantize_activations(const torch::Tensor& x, int64_t 
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.device().is_cpu() && x.stride(1) == 1,
               "x must be a 2-D float32 CPU tensor with unit stride along K, got ", x.sizes(), " ", x.scalar_type());
   const int64_t M = x.size(0), K = x.size(1);
-  TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, "group ", group, " must be a multiple of 4 dividing K=", K);
+  TORCH_CHECK(group > 0 && group % 4 == 0 && K % group == 0, "group ", group,
+              " must be a multiple of 4 dividing K=", K);
   const int64_t ng = K / group, xr = isa->xr;
   LinearArgs a{};
   a.x = x.data_ptr<float>(), a.ldx = x.stride(0), a.M = M, a.K = K, a.group = group;
@@ -273,7 +277,8 @@ struct Lin {
   c10::optional<torch::Tensor> bias;
   int64_t format = F32, N = 0, group = 0;
   torch::Tensor operator()(const torch::Tensor& x, const std::string& act = "") const {
-    return linear(x, w, scale.numel() ? c10::optional<torch::Tensor>(scale) : c10::nullopt, bias, format, N, group, act);
+    const auto s = scale.numel() ? c10::optional<torch::Tensor>(scale) : c10::nullopt;
+    return linear(x, w, s, bias, format, N, group, act);
   }
 };
 
@@ -328,7 +333,8 @@ torch::Tensor packed_rows(const torch::Tensor& ids_in, const torch::Tensor& w, c
       switch (format) {
         case F32: v = reinterpret_cast<const float*>(wb)[(s * K + k) * 64 + j]; break;
         case BF16: {
-          const uint32_t bits = static_cast<uint32_t>(reinterpret_cast<const uint16_t*>(wb)[(s * K + k) * 64 + j]) << 16;
+          const uint16_t top = reinterpret_cast<const uint16_t*>(wb)[(s * K + k) * 64 + j];  // bf16: fp32's top half
+          const uint32_t bits = static_cast<uint32_t>(top) << 16;
           std::memcpy(&v, &bits, 4);
           break;
         }
@@ -410,7 +416,8 @@ class StepPlan {
                                      && wte.scalar_type() == at::kFloat), "wte must be (", N, ", ", d_, ") float32");
     TORCH_CHECK(lnf_w.numel() == d_ && lnf_b.numel() == d_ && lnf_w.is_contiguous() && lnf_b.is_contiguous(),
                 "ln_f must have ", d_, " weights and biases");
-    lnf_w_ = lnf_w, lnf_b_ = lnf_b, lnf_eps_ = eps, head_ = Lin{w, scale, bias, format, N, group}, wpe_ = wpe, wte_ = wte;
+    lnf_w_ = lnf_w, lnf_b_ = lnf_b, lnf_eps_ = eps, wpe_ = wpe, wte_ = wte;
+    head_ = Lin{w, scale, bias, format, N, group};
     head_layer_ = step_layer(head_, d_, "");
   }
   void watch(const std::vector<torch::Tensor>& ts) {
@@ -500,7 +507,8 @@ class StepPlan {
     TORCH_CHECK(positions.numel() == B && slots.numel() == B, "positions and slots must have one entry per id");
     const int64_t* pos = positions.data_ptr<int64_t>();
     const int64_t* slot = slots.data_ptr<int64_t>();
-    for (int64_t b = 0; b < B; b++) TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "position ", pos[b], " outside [0, ", P, ")");
+    for (int64_t b = 0; b < B; b++)
+      TORCH_CHECK(pos[b] >= 0 && pos[b] < P, "position ", pos[b], " outside [0, ", P, ")");
     const auto& k0 = ks[0];
     TORCH_CHECK(k0.dim() == 4 && k0.size(1) * k0.size(3) == d && k0.size(3) % 16 == 0,
                 "k and v caches must be (slots, H, S, hd) with H * hd = ", d, " and hd % 16 == 0, got ", k0.sizes());
@@ -750,9 +758,10 @@ torch::Tensor causal_attention(const torch::Tensor& q, const torch::Tensor& k, c
 }
 
 // The FFN in one call: c_proj(act(c_fc(x))), each a packed layer as StepPlan.add_block takes them (2 entries each).
-torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws, const std::vector<torch::Tensor>& scales,
-                  const std::vector<torch::Tensor>& biases, const std::vector<int64_t>& formats,
-                  const std::vector<int64_t>& ns, const std::vector<int64_t>& groups, const std::string& act) {
+torch::Tensor ffn(const torch::Tensor& x, const std::vector<torch::Tensor>& ws,
+                  const std::vector<torch::Tensor>& scales, const std::vector<torch::Tensor>& biases,
+                  const std::vector<int64_t>& formats, const std::vector<int64_t>& ns,
+                  const std::vector<int64_t>& groups, const std::string& act) {
   TORCH_CHECK(ws.size() == 2 && scales.size() == 2 && biases.size() == 2 && formats.size() == 2 && ns.size() == 2
               && groups.size() == 2, "ffn takes 2 linear layers");
   const Lin fc{ws[0], scales[0], biases[0], formats[0], ns[0], groups[0]};
@@ -851,8 +860,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("prefill", &gpt2ffn::StepPlan::prefill, py::call_guard<py::gil_scoped_release>())
       .def("prefill_many", &gpt2ffn::StepPlan::prefill_many, py::call_guard<py::gil_scoped_release>());
   m.def("top_p_", &gpt2ffn::top_p_, "nucleus filtering of (R, V) logits less their max in place, "
-        "given (R,) top_p: the dropped set to -inf; False where the CPU has no AVX2", py::call_guard<py::gil_scoped_release>());
-  m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with VNNI), avx512novnni, avxvnni, avx2 or none");
+        "given (R,) top_p: the dropped set to -inf; False where the CPU has no AVX2",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("isa", &gpt2ffn::isa, "the build the kernels run on: avx512amx (AVX-512 VNNI and AMX-INT8), avx512 (with "
+        "VNNI), avx512novnni, avxvnni, avx2 or none");
   m.def("set_prefetch", &gpt2ffn::set_prefetch, "decode's prefetch distance in bytes for a format (0: none); "
         "returns the previous; a negative distance only reads it", py::arg("format"), py::arg("bytes") = -1);
   m.def("int8_dot", &gpt2ffn::int8_dot, "the instruction the current build's integer dot products run on");

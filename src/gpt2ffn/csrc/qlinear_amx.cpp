@@ -98,7 +98,8 @@ constexpr int64_t SUPER = 64, MT = 16;  // lanes per super-block; rows per tile
 constexpr int64_t PF_ROWS = 32;
 void signed_weights(const LinearArgs& a, int64_t sb, int j, int64_t g0, int64_t g1, int8_t* out) {
   const int64_t K = a.K, R = K / 4, G = a.group;
-  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), low = _mm512_set1_epi8(15), eight = _mm512_set1_epi8(8);
+  const __m512i flip = _mm512_set1_epi8(static_cast<char>(0x80)), low = _mm512_set1_epi8(15);
+  const __m512i eight = _mm512_set1_epi8(8);
   int8_t* o = out + j * R * 64;
   if (a.format == I8A8) {  // [K/4][64][4] bytes q + 128
     const uint8_t* w = static_cast<const uint8_t*>(a.w) + sb * R * SUPER * 4 + j * 64;

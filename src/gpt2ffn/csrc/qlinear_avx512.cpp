@@ -10,7 +10,9 @@ constexpr int32_t I8_OFFSET = 128;  // the stored bytes are q + 128, which vpdpb
 constexpr const char* INT8_DOT = "vpdpbusd (AVX-512 VNNI)";
 constexpr int QMR = 4, QNB = 2, QNB1 = 4;
 static inline W wload_i8(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
-static inline VI dot_i8(VI acc, const W& w, int32_t x4) { return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))}; }
+static inline VI dot_i8(VI acc, const W& w, int32_t x4) {
+  return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
+}
 static inline void wload_i4(const uint8_t* p, W& lo, W& hi) {
   const __m512i b = _mm512_loadu_si512(p), m = _mm512_set1_epi8(15);
   lo = {_mm512_and_si512(b, m)};
@@ -25,7 +27,8 @@ static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float&
   __m512 m = _mm512_setzero_ps();
   for (int64_t i = 0; i < G; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(x + i)));
   d = _mm512_reduce_max_ps(m) / 127.0f;
-  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f), hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
+  const __m512 id = _mm512_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m512 hi = _mm512_set1_ps(127.0f), lo = _mm512_set1_ps(-127.0f);
   __m512i s = _mm512_setzero_si512();
   for (int64_t i = 0; i < G; i += 16) {
     const __m512 r = _mm512_roundscale_ps(_mm512_mul_ps(_mm512_loadu_ps(x + i), id),
@@ -42,10 +45,14 @@ static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float&
 template <class T, class Op, class Perm>
 static inline T reduce16(T (&a)[16], Op op, Perm perm) {
   alignas(64) static const int32_t idx[4][2][16] = {
-      {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23}, {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
-      {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27}, {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
-      {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29}, {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
-      {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30}, {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
+      {{0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23},
+       {8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31}},
+      {{0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27},
+       {4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31}},
+      {{0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29},
+       {2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31}},
+      {{0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30},
+       {1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31}}};
   for (int level = 0, n = 16; level < 4; level++, n /= 2) {
     const __m512i lo = _mm512_load_si512(idx[level][0]), hi = _mm512_load_si512(idx[level][1]);
     for (int i = 0; i < n / 2; i++) a[i] = op(perm(a[2 * i], lo, a[2 * i + 1]), perm(a[2 * i], hi, a[2 * i + 1]));
@@ -82,8 +89,9 @@ static inline void quantize_16x32(const float* x, int8_t* q, float* d, int32_t* 
     }
     s[g] = _mm512_add_epi32(v[0], v[1]);
   }
-  _mm512_storeu_si512(sum, reduce16(s, [](__m512i u, __m512i v) { return _mm512_add_epi32(u, v); },
-                                    [](__m512i u, __m512i i, __m512i v) { return _mm512_permutex2var_epi32(u, i, v); }));
+  auto add = [](__m512i u, __m512i v) { return _mm512_add_epi32(u, v); };
+  auto permute = [](__m512i u, __m512i i, __m512i v) { return _mm512_permutex2var_epi32(u, i, v); };
+  _mm512_storeu_si512(sum, reduce16(s, add, permute));
 }
 }  // namespace avx512
 }  // namespace gpt2ffn

@@ -76,7 +76,8 @@ static inline void quantize_group16(const float* x, int8_t* q, int64_t G, float&
   __m128 t = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
   t = _mm_max_ps(t, _mm_movehl_ps(t, t));
   d = _mm_cvtss_f32(_mm_max_ss(t, _mm_shuffle_ps(t, t, 1))) / 127.0f;
-  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
+  const __m256 id = _mm256_set1_ps(d != 0.0f ? 1.0f / d : 0.0f);
+  const __m256 hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
   __m256i s = _mm256_setzero_si256();
   for (int64_t i = 0; i < G; i += 16) {
     __m256i v[2];
@@ -189,13 +190,14 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
             const __m256i b = load32(wp);
             const __m256i lo = _mm256_and_si256(b, mask), hi = _mm256_and_si256(_mm256_srli_epi16(b, 4), mask);
             for (int m = 0; m < MR; m++) {
-              const uint8_t* xm = xw + 4 * m;
-              const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm)));
-              const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm + 4 * XR)));
+              const int32_t* xm = reinterpret_cast<const int32_t*>(xw + 4 * m);
+              const __m256i pl = _mm256_maddubs_epi16(lo, _mm256_set1_epi32(xm[0]));
+              const __m256i ph = _mm256_maddubs_epi16(hi, _mm256_set1_epi32(xm[XR]));
               p16[m] = _mm256_add_epi16(p16[m], _mm256_add_epi16(pl, ph));
             }
           }
-          for (int m = 0; m < MR; m++) part[m] = _mm256_add_epi32(part[m], _mm256_madd_epi16(p16[m], _mm256_set1_epi16(1)));
+          for (int m = 0; m < MR; m++)
+            part[m] = _mm256_add_epi32(part[m], _mm256_madd_epi16(p16[m], _mm256_set1_epi16(1)));
         }
 #endif
       } else {
@@ -209,7 +211,8 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
         }
       }
       // acc += float(sum_k q_k x_k) * (d * scale), as qtile
-      const __m256 s = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
+      const __m256 s =
+          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
       for (int m = 0; m < MR; m++)
         _mm256_store_ps(acc[v][m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m]),
                                                    _mm256_mul_ps(s, _mm256_set1_ps(a.xscale[(m0 + m) * ng + g])),

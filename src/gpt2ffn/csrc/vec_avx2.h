@@ -54,7 +54,8 @@ static inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a.lo); _mm256_sto
 // rounded to the nearest even fp16, as torch's float -> half copy
 static inline void vstore_f16(uint16_t* p, V a) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.lo, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8), _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p + 8),
+                   _mm256_cvtps_ph(a.hi, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 static inline float vsum(V a) {
   const __m256 s = _mm256_add_ps(a.lo, a.hi);

@@ -11,7 +11,9 @@ struct V { __m512 v; };
 static inline V vzero() { return {_mm512_setzero_ps()}; }
 static inline V vset1(float x) { return {_mm512_set1_ps(x)}; }
 static inline V vload(const float* p) { return {_mm512_loadu_ps(p)}; }
-static inline V vload_f16(const uint16_t* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
+static inline V vload_f16(const uint16_t* p) {
+  return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))};
+}
 static inline V vload_bf16(const uint16_t* p) {
   const __m512i h = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   return {_mm512_castsi512_ps(_mm512_slli_epi32(h, 16))};
@@ -36,12 +38,14 @@ static inline V vmin(V a, V b) { return {_mm512_min_ps(a.v, b.v)}; }
 static inline V vround(V a) { return {_mm512_roundscale_ps(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC)}; }
 // 2^n for whole n in [-126, 127], built as the float's exponent field
 static inline V vexp2i(V n) {
-  return {_mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127)), 23))};
+  const __m512i e = _mm512_add_epi32(_mm512_cvtps_epi32(n.v), _mm512_set1_epi32(127));
+  return {_mm512_castsi512_ps(_mm512_slli_epi32(e, 23))};
 }
 static inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a.v); }
 // rounded to the nearest even fp16, as torch's float -> half copy
 static inline void vstore_f16(uint16_t* p, V a) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p),
+                      _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
 static inline float vsum(V a) { return _mm512_reduce_add_ps(a.v); }
 static inline float vhmax(V a) { return _mm512_reduce_max_ps(a.v); }

@@ -1,11 +1,11 @@
 """One-token decode attention over a slot cache, as one Triton kernel (CUDA), capturable in a CUDA graph.
 
 For each row b and head h: write the new key and value into the row's cache slot (b, or slots[b]) at position
-p_b, then attend the query to keys 0..p_b of that slot (online softmax in fp32, the new key from registers), and write the output
-as (B, 1, H*D), the layout c_proj reads. Each program reads only its row's p_b + 1 keys, not a padded span,
-and nothing builds a mask: SDPA with a boolean mask over the padded span read every position of the span and
-ran cutlass's 64x64 memory-efficient tile for one query row (issue 18: 102 us a layer at batch 256 on an
-H200, 3x the bytes' time).
+p_b, then attend the query to keys 0..p_b of that slot (online softmax in fp32, the new key from registers), and
+write the output as (B, 1, H*D), the layout c_proj reads. Each program reads only its row's p_b + 1 keys, not a
+padded span, and nothing builds a mask: SDPA with a boolean mask over the padded span read every position of the
+span and ran cutlass's 64x64 memory-efficient tile for one query row (issue 18: 102 us a layer at batch 256 on
+an H200, 3x the bytes' time).
 
 `available(device)` says whether it runs there (CUDA, Triton importable, and one small call compiled and right on
 the device); elsewhere callers use SDPA.

@@ -205,17 +205,17 @@ class EngineProcess:
         if not self.gone:
             self.send(("count", code))
 
-    async def exposition(self) -> bytes:
-        """The engine's Prometheus metrics (its registry's text), b"" if it is gone or does not answer in 5 s."""
+    async def exposition(self) -> bytes | None:
+        """The engine's Prometheus metrics (its registry's text); None if it is gone or does not answer in 5 s."""
         if self.gone:
-            return b""
+            return None
         n = next(self.ids)
         self.waiters["metrics", n] = waiter = asyncio.get_running_loop().create_future()
         self.send(("metrics", n))
         try:
             return await asyncio.wait_for(waiter, 5)
         except asyncio.TimeoutError:
-            return b""
+            return None
         finally:
             self.waiters.pop(("metrics", n), None)
 
@@ -298,7 +298,7 @@ class EngineProcess:
                 r.sink(Token(r, -1, text=why, finish_reason="error"))
         for key, waiter in self.waiters.items():
             if not waiter.done():
-                waiter.set_result(b"" if key[0] == "metrics" else ("gone", why))
+                waiter.set_result(None if key[0] == "metrics" else ("gone", why))
 
 
 REFUSALS = {"QueueFull": QueueFull, "Gpt2ffnError": Gpt2ffnError, "gone": EngineGone}  # else a bug: RuntimeError

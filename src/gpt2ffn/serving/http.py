@@ -130,7 +130,11 @@ async def metrics(svc: ServiceDep):
         svc.metrics.counts(svc.engine)
     text = svc.metrics.render()
     if isinstance(svc.engine, EngineProcess):  # the engine's part, from its process
-        text += await svc.engine.exposition()
+        part = await svc.engine.exposition()
+        if part is None:  # a scrape that fails, as /health does: the counts would be missing, not zero
+            return error(503, svc.engine.gone or "the engine process did not answer for its metrics in 5 s",
+                         kind="server_error")
+        text += part
     return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
 
@@ -142,7 +146,8 @@ async def models(svc: ServiceDep):
 
 
 def card(svc: Service, name: str) -> dict:
-    return {"id": name, "object": "model", "created": svc.loaded_at, "owned_by": "gpt2ffn", "max_model_len": svc.max_len}
+    return {"id": name, "object": "model", "created": svc.loaded_at, "owned_by": "gpt2ffn",
+            "max_model_len": svc.max_len}
 
 
 @router.get("/v1/models/{model:path}", response_model=ModelCard, responses=ERRORS)
@@ -571,7 +576,8 @@ async def invalid(request: Request, exc: RequestValidationError):
         message = f"must be {SHAPES[where[-1]]}"
     if first.get("type") == "json_invalid":  # its loc is the byte offset, not a field
         at, where = where, []
-        message = f"the request body is not valid JSON (at byte {at[0]})" if at else "the request body is not valid JSON"
+        message = (f"the request body is not valid JSON (at byte {at[0]})" if at
+                   else "the request body is not valid JSON")
     elif not where and "json" not in request.headers.get("content-type", ""):
         message = (f"the request body must be a JSON object sent with Content-Type: application/json (curl: -H "
                    f"'Content-Type: application/json'); got {request.headers.get('content-type') or 'none'}")

@@ -304,7 +304,8 @@ def adjust_batch(x, requests):
                      torch.tensor([b for _, _, b in bias], device=dev), accumulate=True)
     held = [(i, t) for i, r in enumerate(requests) if len(r.output) < r.params.min_tokens for t in r.params.held]
     if held:
-        x[torch.tensor([i for i, _ in held], device=dev), torch.tensor([t for _, t in held], device=dev)] = float("-inf")
+        x[torch.tensor([i for i, _ in held], device=dev),
+          torch.tensor([t for _, t in held], device=dev)] = float("-inf")
 
 
 def logprobs_of(logits, tokens, top: int):

@@ -307,7 +307,8 @@ class Choices:
         self.want_lp = bool(body.logprobs) if chat else body.logprobs is not None
         no_tok = svc.tok is None
         self.want_ids = no_tok if body.return_token_ids is None else body.return_token_ids
-        self.lp_ids = not chat and (no_tok if body.return_tokens_as_token_ids is None else body.return_tokens_as_token_ids)
+        self.lp_ids = not chat and (no_tok if body.return_tokens_as_token_ids is None
+                                    else body.return_tokens_as_token_ids)
         self.prompts = [prompts[c // self.per_prompt] for c in range(n)]
         self.sent_ids = [0] * n                    # generated ids a stream's chunks have carried
         self.id_chunks = [False] * n               # whether a chunk of choice c has gone out (with return_token_ids)
