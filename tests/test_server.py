@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -242,6 +243,7 @@ def test_curl(server):
     ({"model": "tiny-gpt2", "prompt": [1] * 128, "max_tokens": 4}, 400, "prompt", "exceeds the model's context"),
     ({"model": "tiny-gpt2", "prompt": [1] * 128}, 400, "prompt", "leaves no room for a new token"),
     ("", 400, None, "the request body is empty: send a JSON object"),
+    ('{"model": "tiny-gpt2", "prompt": "hi", "temperature": NaN}', 400, "temperature", "finite number"),
 ])
 def test_bad_input_gets_openai_errors(server, body, status, param, text):
     content = body if isinstance(body, str) else json.dumps(body)
@@ -363,6 +365,13 @@ def test_full_queue_is_503_with_retry_after(slow_server):
         t.join()
     assert codes.count(503) == 3 and codes.count(200) == 3  # 1 running + 2 waiting; the rest refused at once
     assert all(h == "1" for c, h in zip(codes, headers) if c == 503)
+    # More sequences at once than it holds (3) is a 400 naming the field to lower: n, or the prompt list.
+    for body, param in (({"prompt": "x", "n": 4}, "n"), ({"prompt": ["x"] * 4}, "prompt")):
+        r = httpx.post(slow_server.url + "/v1/completions", json={"model": slow_server.model, "max_tokens": 1, **body})
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == param, err
+        assert err["message"] == ("4 sequences at once exceed what this server holds: 1 running (max batch) + 2 "
+                                  "waiting (max waiting)")
 
 
 def test_disconnect_stops_generation(slow_server):
@@ -1207,6 +1216,12 @@ def test_defaults_fit_the_context_and_chat_takes_content_parts(server, client):
     r = httpx.post(server.url + "/v1/chat/completions", json={"model": m, "max_tokens": 0,
                                                               "messages": [{"role": "user", "content": "hi"}]})
     assert r.status_code == 400 and r.json()["error"]["message"] == "max_tokens must be at least 1"
+    r = httpx.post(server.url + "/v1/chat/completions", json={"model": m, "max_tokens": 4, "messages": [
+        {"role": "user", "content": "the quick brown fox " * 40}]})  # a chat's prompt is its messages: named so
+    err = r.json()["error"]
+    assert r.status_code == 400 and err["code"] == "context_length_exceeded" and err["param"] == "messages", err
+    assert re.fullmatch(r"messages \(\d+ tokens once templated\) \+ max_tokens \(4\) = \d+ exceeds the model's "
+                        r"context of 128 tokens", err["message"]), err
 
 
 def test_chat_logprobs_in_openais_shape(server, client):
@@ -1284,15 +1299,19 @@ def load_model_cuda(model_dir):
 def engine_pid(s) -> int:
     """The pid of a server's engine process (serve --engine-process on)."""
     children = [int(c) for f in os.scandir(f"/proc/{s.proc.pid}/task")
-                for c in open(f"{f.path}/children").read().split()]
+                for c in open(f"{f.path}/children").read().split()
+                if b"gpt2ffn.serving.core" in open(f"/proc/{c}/cmdline", "rb").read()]
     assert len(children) == 1, children
     return children[0]
 
 
-def test_an_engine_process_that_dies_ends_its_streams_with_an_error_and_the_server_says_so():
-    """The engine's process killed mid-stream: the stream ends with an error event naming it, /health is a 503
-    saying why, a new request a 503 (never a hang)."""
-    s = Server("random:gpt2", "--max-batch", "2", "--engine-process", "on")
+@pytest.mark.parametrize("api_servers", ["1", "2"])
+def test_an_engine_process_that_dies_ends_its_streams_with_an_error_and_the_server_with_1(api_servers):
+    """The engine's process killed mid-stream: the stream ends with an error event naming it, and the server, which
+    could only answer 503 from then on, says why on stderr and ends with exit code 1 (every API process), so that a
+    supervisor starts it again (it served 503s, unsaid, until stopped). Requests that come in the meantime get a
+    503 naming it (test_what_a_gone_engine_answers)."""
+    s = Server("random:gpt2", "--max-batch", "2", "--engine-process", "on", "--api-servers", api_servers)
     try:
         lines = []
         with httpx.stream("POST", s.url + "/v1/completions", timeout=60,
@@ -1302,16 +1321,53 @@ def test_an_engine_process_that_dies_ends_its_streams_with_an_error_and_the_serv
                     os.kill(engine_pid(s), signal.SIGKILL)
                 if line:
                     lines.append(line)
-        error = json.loads(lines[-1].removeprefix("data: "))["error"]
-        assert error["message"] == "generation failed: the engine process exited (code -9)", error
-        health = httpx.get(s.url + "/health")
-        assert health.status_code == 503 and "the engine process exited" in health.json()["error"]["message"]
-        r = httpx.post(s.url + "/v1/completions", json={"model": s.model, "prompt": "x", "max_tokens": 2})
-        assert r.status_code == 503 and "the engine process exited" in r.json()["error"]["message"]
-        metrics = httpx.get(s.url + "/metrics")  # a failed scrape (was an empty 200: every count missing)
-        assert metrics.status_code == 503 and "the engine process exited" in metrics.json()["error"]["message"]
+        error = json.loads(lines[-1].removeprefix("data: "))["error"]  # (code -9) where that process started it
+        assert error["message"].startswith("generation failed: the engine process exited"), error
+        children = [int(c) for f in os.scandir(f"/proc/{s.proc.pid}/task")
+                    for c in open(f"{f.path}/children").read().split()]
+        assert s.proc.wait(30) == 1
+        err = s.proc.stderr.read()
+        assert err.count("gpt2ffn: the engine process exited (code -9); the server ends (exit 1)") == 1, err
+        assert "Traceback" not in err and "API process" not in err, err
+        assert not any(os.path.exists(f"/proc/{c}") and open(f"/proc/{c}/stat").read().split()[2] != "Z"
+                       for c in children)
     finally:
         s.stop()
+
+
+def test_what_a_gone_engine_answers():
+    """Once the engine's channel has ended: a new request is refused (EngineGone: the route's 503) and /metrics has
+    no engine part to add (None: the route's 503, a failed scrape, where it was an empty 200); the server is told
+    once (died), and a stop it asked for tells it nothing."""
+    import asyncio
+    from multiprocessing.connection import Connection
+
+    from gpt2ffn.serving.core import EngineGone, EngineProcess
+    from gpt2ffn.serving.engine import Request
+    from gpt2ffn.serving.sampling import Sampling
+
+    told = []
+
+    async def run(stop: bool):
+        mine, theirs = socket.socketpair()
+        engine = EngineProcess(Connection(mine.detach()))
+        engine.died = told.append
+        engine.loop = asyncio.get_running_loop()
+        engine.loop.add_reader(engine.conn.fileno(), engine.readable)
+        theirs.close()
+        if stop:
+            engine.stop()
+            assert engine.gone
+            return
+        await asyncio.sleep(0.05)
+        assert engine.gone == "the engine process exited"
+        assert await engine.exposition() is None
+        with pytest.raises(EngineGone, match="the engine process exited"):
+            await engine.submit(Request([1, 2], Sampling()))
+    asyncio.run(run(stop=False))
+    assert told == ["the engine process exited"]
+    asyncio.run(run(stop=True))
+    assert told == ["the engine process exited"]
 
 
 def test_a_killed_server_takes_its_engine_process_with_it():
@@ -1382,9 +1438,10 @@ def test_api_servers_share_one_engine_its_limits_and_its_metrics():
                 assert c.post(s.url + "/v1/completions", json={**body, "max_tokens": 2}).status_code == 200
         text = httpx.get(s.url + "/metrics").text
         assert 'gpt2ffn_requests_total{code="200"} 12.0' in text and 'gpt2ffn_requests_total{code="503"} 3.0' in text
-        s.proc.send_signal(signal.SIGTERM)
-        assert s.proc.wait(60) == 0
-        assert "exited" not in s.proc.stderr.read()  # the second API process ended as asked: nothing to report
+        s.proc.send_signal(signal.SIGINT)  # Ctrl-C: passed on to the second API process, no traceback from it
+        assert s.proc.wait(60) == 130
+        err = s.proc.stderr.read()
+        assert "exited" not in err and "Traceback" not in err, err  # it ended as asked: nothing to report
         deadline = time.time() + 10
         while time.time() < deadline and any(os.path.exists(f"/proc/{c}") for c in children):
             time.sleep(0.1)
@@ -1399,6 +1456,10 @@ def test_api_servers_need_the_engine_in_its_own_process(capsys):
         capsys.readouterr().err
     assert main(["serve", "--model", "random:tiny", "--api-servers", "0"]) == 2
     assert capsys.readouterr().err == "error: --api-servers must be at least 1, got 0\n"
+    # With --tp the conflict is said first, not after "start it with torchrun" (and then this, under torchrun)
+    assert main(["serve", "--model", "random:tiny", "--api-servers", "2", "--tp", "2"]) == 2
+    assert capsys.readouterr().err == ("error: --api-servers 2 puts the engine in a process of its own: not with "
+                                       "--tp\n")
 
 
 def test_an_add_waiting_for_its_answer_when_the_engine_goes_is_refused_not_left_hanging():
@@ -1425,16 +1486,16 @@ def test_an_add_waiting_for_its_answer_when_the_engine_goes_is_refused_not_left_
 
 
 @pytest.mark.parametrize("engine, sig, want", [("on", signal.SIGTERM, 0), ("off", signal.SIGTERM, 0),
-                                               ("off", signal.SIGINT, 130)])
+                                               ("off", signal.SIGINT, 130), ("2", signal.SIGINT, 130)])
 def test_a_signal_while_the_model_loads_ends_the_server_at_once(engine, sig, want):
     """SIGTERM (Ctrl-C) before the model is in: nothing runs to drain, exit 0 (130) at once, no traceback. With the
     engine process it is ended (the loader thread and the shutdown read the one channel at once before: torn
     messages, exit 2); with the engine thread the loader was inside native code at the interpreter's teardown:
     "terminate called without an active exception", exit 134."""
     port = free_port()
+    flags = ["--api-servers", engine] if engine.isdigit() else ["--engine-process", engine]
     proc = subprocess.Popen([sys.executable, "-m", "gpt2ffn.cli", "serve", "--model", "random:gpt2-large", "--port",
-                             str(port), "--engine-process", engine], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+                             str(port), *flags], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 60
     while time.time() < deadline:  # listening (the port answers 503 while it loads)
         try:

@@ -86,7 +86,8 @@ def test_abort_frees_blocks_and_limits(model):
     eng.add(*reqs[:2])
     eng.step()
     eng.add(*reqs[2:])
-    with pytest.raises(QueueFull, match=r"2 running and 2 waiting \(limits: max batch 2, max waiting 2\)"):
+    with pytest.raises(QueueFull, match=r"2 running and 2 waiting; 1 more would exceed the 4 it holds: max batch 2 "
+                                        r"\+ max waiting 2"):
         eng.add(Request([1, 2], Sampling()))
     assert eng.counts()[:2] == (2, 2)
     with pytest.raises(Gpt2ffnError, match="5 sequences at once exceed what this server holds: 2 running"):

@@ -390,21 +390,23 @@ def _dtype(name):
 def cmd_serve(args):
     """OpenAI-compatible completions over HTTP."""
     try:
-        from .serving.http import serve
+        from .serving.http import processes, serve
     except ImportError:
         raise Gpt2ffnError("serving needs fastapi and uvicorn: pip install 'gpt2ffn[serve]'") from None
+    processes(args.engine_process, args.api_servers, args.tp)  # before torchrun is asked for: the flags conflict
     rank = _join(args.tp, args.command)
     key = os.environ.get("GPT2FFN_API_KEY")
-    serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant, args.precision,
-          args.chat_template, args.threads, args.device, _dtype(args.dtype), args.kv_cache_fraction, args.tp, rank,
-          api_keys=args.api_key or ([key] if key is not None else []), metrics_public=args.metrics_public,
-          ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile, limit_concurrency=args.limit_concurrency,
-          max_model_len=args.max_model_len, max_n=args.max_n, activations=_activations(args.activations),
-          kv_dtype=_dtype(args.kv_cache_dtype), graph_seconds=args.cuda_graph_seconds,
-          cuda_graphs=not args.no_cuda_graphs, skip_tokenizer=args.skip_tokenizer_init,
-          served_names=args.served_model_name or (), shutdown_timeout=args.shutdown_timeout,
-          stream_interval=args.stream_interval, engine_process=args.engine_process, api_servers=args.api_servers)
-    return _leave(args.tp)
+    code = serve(args.model, args.host, args.port, args.max_batch, args.max_waiting, args.batch_invariant,
+                 args.precision, args.chat_template, args.threads, args.device, _dtype(args.dtype),
+                 args.kv_cache_fraction, args.tp, rank, api_keys=args.api_key or ([key] if key is not None else []),
+                 metrics_public=args.metrics_public, ssl_certfile=args.ssl_certfile, ssl_keyfile=args.ssl_keyfile,
+                 limit_concurrency=args.limit_concurrency, max_model_len=args.max_model_len, max_n=args.max_n,
+                 activations=_activations(args.activations), kv_dtype=_dtype(args.kv_cache_dtype),
+                 graph_seconds=args.cuda_graph_seconds, cuda_graphs=not args.no_cuda_graphs,
+                 skip_tokenizer=args.skip_tokenizer_init, served_names=args.served_model_name or (),
+                 shutdown_timeout=args.shutdown_timeout, stream_interval=args.stream_interval,
+                 engine_process=args.engine_process, api_servers=args.api_servers)
+    return code or _leave(args.tp)
 
 
 def _activations(name):

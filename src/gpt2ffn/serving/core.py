@@ -39,7 +39,7 @@ from pathlib import Path
 
 from ..errors import Gpt2ffnError
 from ..loading import load
-from .engine import Loop, QueueFull, Request, Token, name_os_thread
+from .engine import Loop, QueueFull, Request, Token, TooMany, name_os_thread
 from .metrics import Metrics
 from .tp import make_engine
 
@@ -139,6 +139,8 @@ class EngineProcess:
         self.loop, self.gone, self.serving = None, None, None
         self.halted = False          # stopped before it was attached (a signal while the model loaded)
         self.patience = 30.0         # seconds stop() waits for the engine process to end before killing it
+        self.stopping = False        # stop() asked it to end: its channel's end is no death
+        self.died = None             # called with why on the loop when the engine process ends unasked
 
     def exited(self) -> str:
         code = self.proc.wait() if self.proc is not None else None
@@ -225,6 +227,7 @@ class EngineProcess:
         thread, or with --api-servers as long as the others may drain). Before the channel is attached (a signal
         while the model loads) nothing runs: the engine process this one started is ended at once, and the
         loader thread, which reads the channel until then, sees it end (load_or_exit then exits quietly)."""
+        self.stopping = True
         if self.loop is None:
             self.halted = True
             if self.proc is not None:
@@ -299,9 +302,12 @@ class EngineProcess:
         for key, waiter in self.waiters.items():
             if not waiter.done():
                 waiter.set_result(None if key[0] == "metrics" else ("gone", why))
+        if not self.stopping and self.died is not None:
+            self.died(why)
 
 
-REFUSALS = {"QueueFull": QueueFull, "Gpt2ffnError": Gpt2ffnError, "gone": EngineGone}  # else a bug: RuntimeError
+REFUSALS = {"QueueFull": QueueFull, "TooMany": TooMany, "Gpt2ffnError": Gpt2ffnError,  # else a bug: RuntimeError
+            "gone": EngineGone}
 
 
 class Counted:

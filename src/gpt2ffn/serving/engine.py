@@ -99,6 +99,10 @@ class QueueFull(Gpt2ffnError):
     """More requests are waiting than max_waiting allows."""
 
 
+class TooMany(Gpt2ffnError):
+    """More sequences at once than the server holds (max batch + max waiting): no retry could fit them."""
+
+
 @dataclass
 class Token:
     """One generated token of one request, as step() reports it."""
@@ -202,13 +206,14 @@ class Engine:
             if self.decode is not None:
                 r.text = TextStream(self.decode, r.params.stop)
         if len(requests) > self.max_batch + self.max_waiting:  # no retry could fit them
-            raise Gpt2ffnError(f"{len(requests)} sequences at once exceed what this server holds: {self.max_batch} "
+            raise TooMany(f"{len(requests)} sequences at once exceed what this server holds: {self.max_batch} "
                                f"running (max batch) + {self.max_waiting} waiting (max waiting)")
         with self.lock:
             # a request the next step admits to a free slot of the batch is not waiting for room
             if len(self.running) + len(self.waiting) + len(requests) > self.max_batch + self.max_waiting:
-                raise QueueFull(f"{len(self.running)} running and {len(self.waiting)} waiting (limits: max batch "
-                                f"{self.max_batch}, max waiting {self.max_waiting})")
+                raise QueueFull(f"{len(self.running)} running and {len(self.waiting)} waiting; {len(requests)} more "
+                                f"would exceed the {self.max_batch + self.max_waiting} it holds: max batch "
+                                f"{self.max_batch} + max waiting {self.max_waiting}")
             self.waiting.extend(requests)
 
     def abort(self, request: Request):

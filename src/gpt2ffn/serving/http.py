@@ -46,7 +46,7 @@ from ..model import check_spec, parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
 from .core import EngineGone, EngineProcess, check_max_len, child_env
-from .engine import SHUTTING_DOWN, QueueFull
+from .engine import SHUTTING_DOWN, QueueFull, TooMany
 from .engine import Request as EngineRequest
 from .protocol import (
     ChatCompletion,
@@ -222,7 +222,7 @@ async def chat(body: ChatRequest, request: Request, svc: ServiceDep):
             raise BadRequest(f"response_format {kind!r} is not supported: this server decodes without a grammar "
                              "(only 'text')", "response_format")
         samplings = svc.sampling(body, prompts, body.max_completion_tokens or body.max_tokens,
-                                 (body.top_logprobs or 0) if body.logprobs else None)
+                                 (body.top_logprobs or 0) if body.logprobs else None, source="messages")
     except BadRequest as e:
         return refuse(svc, e.status, str(e), param=e.param, code=e.code)
     return await respond(svc, request, body.stream, prompts, samplings, Choices(svc, body, prompts, samplings,
@@ -352,6 +352,8 @@ async def submit(svc: Service, request: Request, prompts: list, samplings: list)
                       headers={"Retry-After": "1"})
     except EngineGone as e:
         return refuse(svc, 503, str(e), kind="server_error")
+    except TooMany as e:  # n (or best_of) choices of each prompt: the field to lower
+        return refuse(svc, 400, str(e), param="n" if len(samplings) > len(prompts) else "prompt")
     except Gpt2ffnError as e:
         return refuse(svc, 400, str(e), param="prompt")
     svc.metrics.counts(svc.engine)
@@ -716,14 +718,7 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     device = resolve_device(device)  # a missing GPU is one line and exit 2 here, before anything starts
     if engine_process not in ("auto", "on", "off"):
         raise Gpt2ffnError(f"--engine-process must be auto, on or off, got {engine_process!r}")
-    if engine_process == "on" and tp > 1:
-        raise Gpt2ffnError("--engine-process on does not combine with --tp: rank 0's engine runs the process "
-                           "group's passes in torchrun's process")
-    if api_servers < 1:
-        raise Gpt2ffnError(f"--api-servers must be at least 1, got {api_servers}")
-    if api_servers > 1 and (engine_process == "off" or tp > 1):
-        raise Gpt2ffnError(f"--api-servers {api_servers} puts the engine in a process of its own: not with "
-                           f"{'--engine-process off' if engine_process == 'off' else '--tp'}")
+    processes(engine_process, api_servers, tp)
     own_process = engine_process == "on" or api_servers > 1 or (engine_process == "auto" and device.startswith("cuda")
                                                                 and tp == 1)
     if kv_fraction is not None and not 0 < kv_fraction <= 1:
@@ -804,6 +799,19 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         os._exit(130 if isinstance(ending, KeyboardInterrupt) else ending.code if isinstance(ending.code, int) else 0)
     if ending is not None:
         raise ending
+    return 1 if svc.died else 0
+
+
+def processes(engine_process: str, api_servers: int, tp: int):
+    """--engine-process and --api-servers against --tp (the CLI asks before it joins torchrun's group)."""
+    if engine_process == "on" and tp > 1:
+        raise Gpt2ffnError("--engine-process on does not combine with --tp: rank 0's engine runs the process "
+                           "group's passes in torchrun's process")
+    if api_servers < 1:
+        raise Gpt2ffnError(f"--api-servers must be at least 1, got {api_servers}")
+    if api_servers > 1 and (engine_process == "off" or tp > 1):
+        raise Gpt2ffnError(f"--api-servers {api_servers} puts the engine in a process of its own: not with "
+                           f"{'--engine-process off' if engine_process == 'off' else '--tp'}")
 
 
 def run_front(svc: Service, sock, host="127.0.0.1", port=8000, api_keys=(), metrics_public=False, stream_interval=1,
@@ -862,7 +870,10 @@ def worker(sock_fd: int, channel_fd: int):
     threading.Thread(target=orphaned, name="gpt2ffn-parent", daemon=True).start()
     svc = Service(**service, engine=EngineProcess(Connection(channel_fd)), quiet=True)
     svc.engine.patience = front["shutdown_timeout"] + DRAIN_GRACE + 30  # as serve() gives the first process
-    run_front(svc, socket.socket(fileno=sock_fd), **front)
+    try:
+        run_front(svc, socket.socket(fileno=sock_fd), **front)
+    except KeyboardInterrupt:  # a third Ctrl-C passed on (uvicorn re-raises it): the first process says 130
+        sys.exit(130)
 
 
 # Shutdown (SIGTERM, Ctrl-C): in-flight requests get --shutdown-timeout seconds to finish; then what still runs
@@ -879,6 +890,19 @@ def draining_server():
         def __init__(self, config, svc, timeout: float, workers=()):
             super().__init__(config)
             self.svc, self.timeout, self.cutting, self.workers = svc, timeout, False, workers
+            if isinstance(svc.engine, EngineProcess):
+                svc.engine.died = self.engine_died
+
+        def engine_died(self, why: str):
+            # What was in flight has ended with an error naming why; a server that could only answer 503 from
+            # now on ends instead (exit 1), so that a supervisor sees it and starts it again. Each API process
+            # sees its channel end and ends the same way; the first says so.
+            if self.svc.ending:
+                return
+            self.svc.ending, self.svc.died = True, why
+            if not self.svc.quiet:
+                print(f"gpt2ffn: {why}; the server ends (exit 1)", file=sys.stderr, flush=True)
+            self.should_exit = True
 
         def cut(self, why: str):
             if self.svc.loop is not None:
@@ -888,9 +912,9 @@ def draining_server():
             # The second Ctrl-C ends every request at once (each stream gets its error event and closes, so the
             # drain ends now); a third one is uvicorn's forced exit, which closes connections unsent.
             self.svc.ending = True
-            for w in self.workers:  # the other API processes drain (or cut) as this one does
-                if w.poll() is None:
-                    w.send_signal(sig)
+            for w in self.workers:  # the other API processes drain (or cut) as this one does: the first signal
+                if w.poll() is None:  # reaches them as SIGTERM (a process still importing ends without a traceback)
+                    w.send_signal(signal.SIGTERM if not self.should_exit else sig)
             if self.should_exit and sig == signal.SIGINT and not self.cutting:
                 self.cutting = True
                 self.cut("a second interrupt")

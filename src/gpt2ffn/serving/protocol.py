@@ -33,7 +33,7 @@ class Body(BaseModel):
     fields as nullable; vLLM takes null), and text must be Unicode (no lone surrogate). Types are strict, as
     OpenAI's API checks them: "10" is not an integer, nor true a token id (an integer is a number, though)."""
 
-    model_config = ConfigDict(extra="forbid", strict=True)
+    model_config = ConfigDict(extra="forbid", strict=True, allow_inf_nan=False)  # JSON's NaN: "a finite number"
 
     @field_validator("*", mode="before")
     @classmethod

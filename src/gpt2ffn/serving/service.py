@@ -53,6 +53,7 @@ class Service:
         self.engine_process = engine_process = engine_process or engine is not None or api_servers > 1
         self.api_servers, self.channels = api_servers, []  # the channels of the other API processes (serve())
         self.ending = False  # a signal to end has come (serve() then expects its API processes to end)
+        self.died = None     # why the engine process ended unasked (the server then ends with exit 1)
         self.quiet = quiet  # an API process beside serve()'s own (--api-servers): the first one speaks
         self.names = []  # the names a request's "model" may be: served_names, else the loaded model's own name
         self.template = None
@@ -154,18 +155,20 @@ class Service:
         return out
 
     def sampling(self, body: SamplingFields, prompts: list, max_tokens: int | None, logprobs=None, echo=False,
-                 default: int | None = None) -> list:
+                 default: int | None = None, source: str = "prompt") -> list:
         """One Sampling per candidate (prompt-major, best_of or n per prompt); candidate j gets seed + j.
         max_tokens None (not sent): `default` (completions: OpenAI's 16), or what the context has room for
-        (chat, vLLM's), at most that room: a default never makes a request too long."""
+        (chat, vLLM's), at most that room: a default never makes a request too long. source: the field the
+        prompts came from, named where they are too long ("messages": a chat's, through its template)."""
         cfg = self.config
         longest = max(len(p) for p in prompts)
+        what = f"prompt ({longest} tokens)" if source == "prompt" else f"{source} ({longest} tokens once templated)"
         limit = (f"the model's context of {self.max_len} tokens" if self.max_len == cfg.n_positions else
                  f"this server's --max-model-len of {self.max_len} tokens")
         if max_tokens is None:
             room = self.max_len - longest
             if room < 1:
-                raise BadRequest(f"prompt ({longest} tokens) leaves no room for a new token in {limit}", "prompt",
+                raise BadRequest(f"{what} leaves no room for a new token in {limit}", source,
                                  code="context_length_exceeded")
             max_tokens = room if default is None else min(default, room)
         elif max_tokens > self.max_len:
@@ -208,9 +211,8 @@ class Service:
                 raise BadRequest(f"logit_bias: value {value} for token {key} is outside [-100, 100]", "logit_bias")
             bias[int(key)] = value
         if longest + max_tokens > self.max_len:  # the prompt alone too long: it is what to shorten
-            raise BadRequest(f"prompt ({longest} tokens) + max_tokens ({max_tokens}) = {longest + max_tokens} "
-                             f"exceeds {limit}", "prompt" if longest >= self.max_len else "max_tokens",
-                             code="context_length_exceeded")
+            raise BadRequest(f"{what} + max_tokens ({max_tokens}) = {longest + max_tokens} exceeds {limit}",
+                             source if longest >= self.max_len else "max_tokens", code="context_length_exceeded")
         # best_of: each token's log-prob ranks the candidates (the response shows them only if asked: want_lp)
         token_lp = 0 if best_of > body.n and logprobs is None else logprobs
         return [Sampling(max_new_tokens=max_tokens, temperature=body.temperature,
