@@ -1,5 +1,8 @@
 """Every fast path against the numpy reference: each path, token bucket, odd sizes, non-contiguous input."""
 
+import os
+import subprocess
+import sys
 import threading
 
 import numpy as np
@@ -178,3 +181,17 @@ def test_bench_quick_smoke(tmp_path, capsys, monkeypatch):
     assert all(r["correct"] is not False for r in result["forward"])
     assert (tmp_path / "bench-cpu.png").read_bytes()[:4] == b"\x89PNG"
     assert "| 96, 32 |" in capsys.readouterr().out
+
+
+def test_import_sets_a_short_openmp_spin_unless_told():
+    """gpt2ffn sets GOMP_SPINCOUNT=6000 on import (libgomp's 300,000 spins through a busy neighbour's time slice:
+    README, "A CPU shared with other work"): where unset and no OMP_WAIT_POLICY is given; a user's value wins."""
+    code = "import os, gpt2ffn; print(os.environ.get('GOMP_SPINCOUNT'))"
+
+    def spin(**env):
+        base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
+        return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
+                              check=True).stdout.strip()
+    assert spin() == "6000"
+    assert spin(GOMP_SPINCOUNT="100") == "100"
+    assert spin(OMP_WAIT_POLICY="active") == "None"
