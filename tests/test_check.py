@@ -978,6 +978,8 @@ def test_an_instance_comes_back_as_it_came(dtype, golden):
     weight still sees it). Negative control: the module does hold other weights while it is judged."""
     torch.manual_seed(0)
     module = Scaled().to(dtype).train()
+    module.c_proj.eval()  # a submodule's own mode comes back too
+    module.c_fc.weight.grad = torch.ones_like(module.c_fc.weight)  # and a gradient, in its dtype
     before = {k: v.clone() for k, v in module.state_dict().items()}
     weight, row = module.c_fc.weight, module.c_fc.weight[0]
     seen = []
@@ -985,6 +987,7 @@ def test_an_instance_comes_back_as_it_came(dtype, golden):
     report = check(module, golden=golden)
     assert not report.passed and "scale" not in report.verdict  # judged (x 3 fails), then given back
     assert any(not torch.equal(w.to(dtype), before["c_fc.weight"]) for w in seen)  # the reference's, while judged
-    assert module.training and module.c_fc.weight is weight and module.scale.dtype == dtype
+    assert module.training and not module.c_proj.training
+    assert module.c_fc.weight is weight and module.scale.dtype == dtype and module.c_fc.weight.grad.dtype == dtype
     assert all(torch.equal(v, before[k]) and v.dtype == dtype for k, v in module.state_dict().items())
     assert row.data_ptr() == module.c_fc.weight.data_ptr() and torch.equal(row, before["c_fc.weight"][0])

@@ -2,6 +2,7 @@
 
 import re
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import save_file
@@ -525,6 +526,8 @@ def test_from_pretrained_refuses_a_precision_on_half_weights(tmp_path):
     ("Hello", "got str (text: encode it with the tokenizer first)"),
     (torch.tensor([1, 2]), "2-D integer ids (batch, tokens), as HF's input_ids; got torch.int64 of shape (2,)"),
     (torch.ones(1, 2), "got torch.float32 of shape (1, 2)"),
+    ([np.array([1.0, 2.0])], "prompts[0] must be 1-D integer ids; got float64 of shape (2,)"),
+    ([[torch.tensor(True)]], "token ids must be ints; prompts[0] holds tensor(True)"),
 ])
 def test_generate_names_a_prompt_of_the_wrong_shape(prompts, says):
     """gpt2ffn.generate / stream take a list of token-id lists (or HF's 2-D input_ids): a flat list, a float id
@@ -537,5 +540,6 @@ def test_generate_names_a_prompt_of_the_wrong_shape(prompts, says):
             run(model, prompts, s)
     want = generate(model, [[1, 2, 3]], s)
     assert len(want[0]) == 3
-    for same in ([(1, 2, 3)], [torch.tensor([1, 2, 3])], torch.tensor([[1, 2, 3]])):
+    for same in ([(1, 2, 3)], [torch.tensor([1, 2, 3])], torch.tensor([[1, 2, 3]]), [np.array([1, 2, 3])],
+                 np.array([[1, 2, 3]]), [range(1, 4)], [[np.int64(1), torch.tensor(2), 3]]):
         assert generate(model, same, s) == want

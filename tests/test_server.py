@@ -366,7 +366,8 @@ def test_full_queue_is_503_with_retry_after(slow_server):
     assert codes.count(503) == 3 and codes.count(200) == 3  # 1 running + 2 waiting; the rest refused at once
     assert all(h == "1" for c, h in zip(codes, headers) if c == 503)
     # More sequences at once than it holds (3) is a 400 naming the field to lower: n, or the prompt list.
-    for body, param in (({"prompt": "x", "n": 4}, "n"), ({"prompt": ["x"] * 4}, "prompt")):
+    for body, param in (({"prompt": "x", "n": 4}, "n"), ({"prompt": ["x"] * 4}, "prompt"),
+                        ({"prompt": "x", "best_of": 4}, "best_of")):
         r = httpx.post(slow_server.url + "/v1/completions", json={"model": slow_server.model, "max_tokens": 1, **body})
         err = r.json()["error"]
         assert r.status_code == 400 and err["param"] == param, err
@@ -1409,7 +1410,7 @@ def test_engine_process_and_tp_are_refused_together():
 def test_api_servers_share_one_engine_its_limits_and_its_metrics():
     """--api-servers 2: two processes serve the port in front of one engine process. The engine's limits hold
     across both (one running + two waiting, the rest 503), every answer equals the same request alone, the
-    requests of both are counted in one /metrics, and SIGTERM ends all three processes with exit 0."""
+    requests of both are counted in one /metrics, and Ctrl-C ends all three processes (130, no traceback)."""
     s = Server("random:gpt2", "--max-batch", "1", "--max-waiting", "2", "--api-servers", "2")
     try:
         children = [int(c) for f in os.scandir(f"/proc/{s.proc.pid}/task")
@@ -1504,6 +1505,10 @@ def test_a_signal_while_the_model_loads_ends_the_server_at_once(engine, sig, wan
         except httpx.HTTPError:
             time.sleep(0.1)
     time.sleep(1)
+    if engine != "off":  # /metrics while it loads: a 503 saying so at once (the engine process reads no channel
+        t0 = time.time()  # yet: it was a 503 "did not answer for its metrics" after 5 s)
+        r = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert r.status_code == 503 and time.time() - t0 < 2 and "loading" in r.json()["error"]["message"], r.text
     proc.send_signal(sig)
     t0 = time.time()
     code = proc.wait(30)

@@ -11,6 +11,7 @@
 """
 
 import os
+import sys
 
 # gpt2ffn runs numpy (OpenBLAS) and torch (OpenMP) in one process. After each call OpenBLAS's workers
 # busy-wait for ~2^28 cycles and take the cores torch needs next: measured here, a torch.mm right after a
@@ -18,13 +19,13 @@ import os
 # before numpy loads; a value the user set wins.
 os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
 # libgomp's threads (torch's OpenMP team, which runs gpt2ffn's kernels) spin at each barrier, and between parallel
-# regions, up to GOMP_SPINCOUNT times before they sleep: 300,000 unless set, milliseconds. On a CPU shared with
+# regions, up to GOMP_SPINCOUNT times before they sleep: 300,000 unless set, a few ms. On a CPU shared with
 # another busy process, a thread then spins through its time slice while its partner waits for one: measured on
 # 2 cores beside one busy loop, GPT-2 medium int8 prefill 396 ms and decode 11 tok/s, against 184 ms and 29 tok/s
 # at 6,000 (alone: the same within the noise; README, "A CPU shared with other work"). libgomp reads it when torch
 # loads: it takes effect only if gpt2ffn is imported first (the CLI, its processes); a value or wait policy the user
 # set wins.
-if "OMP_WAIT_POLICY" not in os.environ:
+if "OMP_WAIT_POLICY" not in os.environ and "torch" not in sys.modules:
     os.environ.setdefault("GOMP_SPINCOUNT", "6000")
 
 from . import reference  # noqa: E402

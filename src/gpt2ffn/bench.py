@@ -482,7 +482,10 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     for name in runs:
         e = out["engines"].setdefault(name, {})
         e["prefill_ms"], e["generate_ms"] = prefill[name], gen[name]
-        e["decode_tokens_per_s"] = new_tokens / (gen[name] - prefill[name]) * 1e3
+        # decode = generate less prefill, each a median of its own runs: for a tiny model and few new tokens the
+        # difference can be within their noise, even below 0 (then none is said, not a negative rate)
+        decode = gen[name] - prefill[name]
+        e["decode_tokens_per_s"] = new_tokens / decode * 1e3 if decode > 0 else float("nan")
         precision = name.split()[-1]
         if name.startswith("gpt2ffn"):
             e["weight_mb"] = nbytes[precision] / 1e6

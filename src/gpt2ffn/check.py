@@ -213,11 +213,14 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
 def kept(module: nn.Module):
     """Give the module back as it came: check loads the reference's weights into its layers (and runs a
     half-precision one in float32), so every parameter and buffer is saved first and put back after, in place
-    (the same tensors and storage: tied weights stay tied, views of them stay valid)."""
+    (the same tensors and storage: tied weights stay tied, views of them stay valid), with their gradients and
+    every submodule's train/eval mode. The copies take as much memory as the module, on its device."""
     saved = [(m._parameters, k, t, t.data, t.detach().clone())
              for m in module.modules() for k, t in m._parameters.items() if t is not None]
     saved += [(m._buffers, k, t, t, t.detach().clone())
               for m in module.modules() for k, t in m._buffers.items() if t is not None]
+    grads = [(t, t.grad, t.grad.data) for _, _, t, data, _ in saved if t is not data and t.grad is not None]
+    modes = [(m, m.training) for m in module.modules()]  # each submodule's own (a Dropout left in eval())
     try:
         yield
     finally:
@@ -227,6 +230,11 @@ def kept(module: nn.Module):
                 if t is not data:  # a Parameter: .float() gave it new data, its own storage is `data`
                     t.data = data
                 data.copy_(value)
+            for t, grad, data in grads:  # .float() converts a gradient too
+                grad.data = data
+                t.grad = grad
+        for m, training in modes:
+            m.training = training
 
 
 def _check_built(module: nn.Module, name: str, built: list, source: str, case_of, ref_cfg: Config, layer: int):

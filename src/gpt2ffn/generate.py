@@ -4,6 +4,7 @@ Many prompts run through the serving engine's continuous batching (serving/engin
 own positions and its own blocks of the paged KV cache, so each gets the tokens it would get alone.
 """
 
+import operator
 from dataclasses import replace
 
 import numpy as np
@@ -19,28 +20,42 @@ from .serving.tp import make_engine
 
 
 def token_lists(prompts) -> list:
-    """The prompts as lists of int token ids: a list of id lists (or a 2-D integer tensor, HF's input_ids). A
-    flat list of ids (one prompt not wrapped in a list) or a float id is refused by name."""
-    if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or prompts.is_floating_point() or prompts.is_complex() or prompts.dtype == torch.bool:
+    """The prompts as lists of int token ids: a list (or tuple) of id sequences (lists, tuples, ranges, 1-D integer
+    tensors or arrays; ids as ints, numpy ints or 0-d integer tensors), or a 2-D integer tensor or array (HF's
+    input_ids). A flat list of ids (one prompt not wrapped in a list), text or a float id is refused by name."""
+    def integer(a) -> bool:
+        if isinstance(a, torch.Tensor):
+            return not (a.is_floating_point() or a.is_complex() or a.dtype == torch.bool)
+        return np.issubdtype(a.dtype, np.integer)
+
+    if isinstance(prompts, (torch.Tensor, np.ndarray)):
+        if prompts.ndim != 2 or not integer(prompts):
             raise Gpt2ffnError(f"prompts as a tensor must be 2-D integer ids (batch, tokens), as HF's input_ids; "
                                f"got {prompts.dtype} of shape {tuple(prompts.shape)}")
         return prompts.tolist()
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+    if not isinstance(prompts, (list, tuple)):
         raise Gpt2ffnError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}"
                            + (" (text: encode it with the tokenizer first)" if isinstance(prompts, str) else ""))
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor) and p.dim() == 1:
+        if isinstance(p, (torch.Tensor, np.ndarray)):
+            if p.ndim != 1 or not integer(p):
+                raise Gpt2ffnError(f"prompts[{i}] must be 1-D integer ids; got {p.dtype} of shape {tuple(p.shape)}")
             p = p.tolist()
-        if not isinstance(p, (list, tuple)):
+        if isinstance(p, (str, bytes)) or not isinstance(p, (list, tuple, range)):
             hint = ": one prompt is [ids], a list of one list" if isinstance(p, (int, np.integer)) else ""
             raise Gpt2ffnError(f"prompts must be a list of token-id lists; prompts[{i}] is {repr(p)[:40]} "
                                f"({type(p).__name__}){hint}")
-        bad = next((t for t in p if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
-        if bad is not None:
-            raise Gpt2ffnError(f"token ids must be ints; prompts[{i}] holds {bad!r} ({type(bad).__name__})")
-        out.append([int(t) for t in p])
+        ids = []
+        for t in p:
+            try:
+                if isinstance(t, (bool, np.bool_)) or (isinstance(t, torch.Tensor) and t.dtype == torch.bool):
+                    raise TypeError
+                ids.append(operator.index(t))
+            except TypeError:
+                raise Gpt2ffnError(f"token ids must be ints; prompts[{i}] holds {repr(t)[:40]} "
+                                   f"({type(t).__name__})") from None
+        out.append(ids)
     return out
 
 

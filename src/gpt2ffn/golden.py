@@ -902,11 +902,11 @@ class Candidate:
         if npy.is_file() and raw.is_file():
             return None, f"both {npy.name} and {raw.name}: keep one"
         if npy.is_file():
-            with open(npy, "rb") as f:
-                magic = f.read(6)
-            if magic != b"\x93NUMPY":  # np.load would take it for a pickle and advise allow_pickle=True
-                return None, f"{npy.name} is not an .npy file (no NumPy header): write it with np.save"
             try:
+                with open(npy, "rb") as f:
+                    magic = f.read(6)
+                if magic != b"\x93NUMPY":  # np.load would take it for a pickle and advise allow_pickle=True
+                    return None, f"{npy.name} is not an .npy file (no NumPy header): write it with np.save"
                 return np.load(npy, allow_pickle=False), None
             except ValueError as e:
                 if "allow_pickle" in str(e):  # an object array: numpy says to allow pickles

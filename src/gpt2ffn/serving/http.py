@@ -130,6 +130,8 @@ async def metrics(svc: ServiceDep):
         svc.metrics.counts(svc.engine)
     text = svc.metrics.render()
     if isinstance(svc.engine, EngineProcess):  # the engine's part, from its process
+        if not svc.ready.is_set() and not svc.engine.gone:  # it reads no channel while it loads
+            return loading()
         part = await svc.engine.exposition()
         if part is None:  # a scrape that fails, as /health does: the counts would be missing, not zero
             return error(503, svc.engine.gone or "the engine process did not answer for its metrics in 5 s",
@@ -333,7 +335,7 @@ class Answer:
                 self.svc.engine.abort(r)
 
 
-async def submit(svc: Service, request: Request, prompts: list, samplings: list):
+async def submit(svc: Service, request: Request, prompts: list, samplings: list, choices: str = "n"):
     """One engine request per choice, queued: an Answer, or an error response (503 beyond --max-waiting),
     before any byte of the answer is sent."""
     box, inbox = Mailbox(), request.app.state.inbox
@@ -352,8 +354,8 @@ async def submit(svc: Service, request: Request, prompts: list, samplings: list)
                       headers={"Retry-After": "1"})
     except EngineGone as e:
         return refuse(svc, 503, str(e), kind="server_error")
-    except TooMany as e:  # n (or best_of) choices of each prompt: the field to lower
-        return refuse(svc, 400, str(e), param="n" if len(samplings) > len(prompts) else "prompt")
+    except TooMany as e:  # choices of each prompt (n, or best_of where it is more): the field to lower
+        return refuse(svc, 400, str(e), param=choices if len(samplings) > len(prompts) else "prompt")
     except Gpt2ffnError as e:
         return refuse(svc, 400, str(e), param="prompt")
     svc.metrics.counts(svc.engine)
@@ -362,7 +364,7 @@ async def submit(svc: Service, request: Request, prompts: list, samplings: list)
 
 async def respond(svc: Service, request: Request, stream: bool, prompts: list, samplings: list, choices: Choices):
     """Queue the choices, then answer with the whole response or a stream of server-sent events."""
-    answer = await submit(svc, request, prompts, samplings)
+    answer = await submit(svc, request, prompts, samplings, "best_of" if choices.per_prompt > choices.keep else "n")
     if not isinstance(answer, Answer):
         return answer
     if stream:
@@ -797,9 +799,11 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(130 if isinstance(ending, KeyboardInterrupt) else ending.code if isinstance(ending.code, int) else 0)
+    if svc.died:  # the engine process ended unasked (a signal during the drain that followed changes nothing)
+        return 1
     if ending is not None:
         raise ending
-    return 1 if svc.died else 0
+    return 0
 
 
 def processes(engine_process: str, api_servers: int, tp: int):
@@ -874,6 +878,9 @@ def worker(sock_fd: int, channel_fd: int):
         run_front(svc, socket.socket(fileno=sock_fd), **front)
     except KeyboardInterrupt:  # a third Ctrl-C passed on (uvicorn re-raises it): the first process says 130
         sys.exit(130)
+    except SystemExit:  # SIGTERM's exit(0)
+        pass
+    sys.exit(1 if svc.died else 0)
 
 
 # Shutdown (SIGTERM, Ctrl-C): in-flight requests get --shutdown-timeout seconds to finish; then what still runs
