@@ -72,7 +72,6 @@ def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invar
                        graph_seconds=0)  # one call: CUDA graphs of the shapes it meets, captured on first use
 
 
-@torch.no_grad()
 def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False):
     """Yield the new token id per prompt (None: none this time), one token per prompt at most each time: after
     each engine step that made tokens, or several times for a step that made several per prompt (a burst of
@@ -82,7 +81,12 @@ def stream(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant
     each gets the tokens it would get alone. A seeded Sampling gives prompt i the seed s.seed + i (as the
     server's n choices take theirs), so a repeated prompt draws different samples, each the one it draws alone
     with that seed. With decode, stop strings end a sequence. prompts: a list of token-id lists (token_lists)."""
-    prompts = token_lists(prompts)
+    return _stream(model, token_lists(prompts), s, decode, batch_invariant)
+
+
+@torch.no_grad()
+def _stream(model: GPT2, prompts: list, s: Sampling, decode, batch_invariant: bool):
+    """stream() of prompts already lists of ints."""
     engine = engine_for(model, prompts, s, decode, batch_invariant)
     requests = [Request(list(p), s if s.seed is None or not i else replace(s, seed=s.seed + i))
                 for i, p in enumerate(prompts)]
@@ -108,7 +112,7 @@ def generate(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invaria
     """The new token ids of each prompt, up to EOS, the token completing a stop string, or max_new_tokens."""
     prompts = token_lists(prompts)
     out = [[] for _ in prompts]
-    for step in stream(model, prompts, s, decode, batch_invariant):
+    for step in _stream(model, prompts, s, decode, batch_invariant):
         for b, t in enumerate(step):
             if t is not None:
                 out[b].append(t)

@@ -335,7 +335,7 @@ class Answer:
                 self.svc.engine.abort(r)
 
 
-async def submit(svc: Service, request: Request, prompts: list, samplings: list, choices: str = "n"):
+async def submit(svc: Service, request: Request, prompts: list, samplings: list, choices: Choices):
     """One engine request per choice, queued: an Answer, or an error response (503 beyond --max-waiting),
     before any byte of the answer is sent."""
     box, inbox = Mailbox(), request.app.state.inbox
@@ -355,7 +355,8 @@ async def submit(svc: Service, request: Request, prompts: list, samplings: list,
     except EngineGone as e:
         return refuse(svc, 503, str(e), kind="server_error")
     except TooMany as e:  # choices of each prompt (n, or best_of where it is more): the field to lower
-        return refuse(svc, 400, str(e), param=choices if len(samplings) > len(prompts) else "prompt")
+        many = "best_of" if choices.per_prompt > choices.keep else "n" if choices.per_prompt > 1 else "prompt"
+        return refuse(svc, 400, str(e), param=many)
     except Gpt2ffnError as e:
         return refuse(svc, 400, str(e), param="prompt")
     svc.metrics.counts(svc.engine)
@@ -364,7 +365,7 @@ async def submit(svc: Service, request: Request, prompts: list, samplings: list,
 
 async def respond(svc: Service, request: Request, stream: bool, prompts: list, samplings: list, choices: Choices):
     """Queue the choices, then answer with the whole response or a stream of server-sent events."""
-    answer = await submit(svc, request, prompts, samplings, "best_of" if choices.per_prompt > choices.keep else "n")
+    answer = await submit(svc, request, prompts, samplings, choices)
     if not isinstance(answer, Answer):
         return answer
     if stream:
