@@ -50,7 +50,7 @@ for B in {decode!r}:
     ts = []
     with torch.inference_mode():
         model(torch.randint(0, model.config.vocab_size, (B, 32), generator=g), cache=cache, last_only=True)
-        for i in range({repeats} + 2):
+        for _ in range({repeats} + 2):
             t0 = time.perf_counter(); model(tok, cache=cache); ts.append(time.perf_counter() - t0)
     steps[B] = B / statistics.median(ts[2:])
 import gpt2ffn, gpt2ffn._C as C
@@ -64,16 +64,14 @@ def one(src: Path, args) -> dict:
     return run_in_tree(src, code, args.isa)
 
 
-def table(runs: dict, key: str, points: list, what: str, unit: str, against: Path) -> list:
-    """Each point's medians over rounds (runs[tree][round][key][point]) for both trees, their ratio and the median
-    of the per-round ratios, printed as a table and returned as rows."""
-    name = {"ms": "tokens", "decode_tok_s": "sequences"}[key]
+def table(runs: dict, key: str, name: str, points: list, what: str, unit: str, against: Path) -> list:
+    """Each point's medians over rounds (runs[tree][round][key][point]) for both trees, their ratio (this tree's
+    over the other's) and the median of the per-round ratios, printed as a table and returned as rows."""
     print(f"| {what} | {against} {unit} | this tree {unit} | ratio |\n|---:|---:|---:|---:|")
-    rows = []
+    suffix, rows = unit.replace("/", "_"), []
     for at in points:
         got = {n: [x[key][str(at)] for x in v] for n, v in runs.items()}
         med = {n: statistics.median(v) for n, v in got.items()}
-        suffix = unit.replace("/", "_")
         rows.append({name: at, f"this_{suffix}": med["this"], f"against_{suffix}": med["against"],
                      "ratio": med["this"] / med["against"],
                      "paired_ratio": statistics.median(t / a for t, a in zip(got["this"], got["against"])),
@@ -100,11 +98,11 @@ def main():
         print(f"round {r + 1}/{args.rounds}: " + ", ".join(
             f"{n} {[round(x['ms'][str(T)], 1) for T in args.tokens]}"
             for n, x in ((n, v[-1]) for n, v in runs.items())), file=sys.stderr)
-    rows = table(runs, "ms", args.tokens, "prompt tokens", "ms", args.against)
+    rows = table(runs, "ms", "tokens", args.tokens, "prompt tokens", "ms", args.against)
     steps = []
     if args.decode:
         print()
-        steps = table(runs, "decode_tok_s", args.decode, "decode, sequences", "tok/s", args.against)
+        steps = table(runs, "decode_tok_s", "sequences", args.decode, "decode, sequences", "tok/s", args.against)
     if args.out:
         from gpt2ffn.bench import cpu_info
         args.out.write_text(json.dumps({
