@@ -1,8 +1,11 @@
 // The AVX-512 VNNI prefill tile (csrc/qlinear_impl.h: qtile, int8 weights on int8 activations) as a
-// microbenchmark: one core, one GPT-2 layer's super-block (64 lanes x K inputs) read by every 4-row tile of 128
-// rows, G products per second per tile shape (MR rows x NB blocks of 16 lanes), with the float epilogue of each
-// group of 32 (cvt, scale, FMA) and without it. EMB: the activations' 4 bytes as vpdpbusd's embedded broadcast
-// ({1to16}, inline asm) instead of a vpbroadcastd the row's NB products share. Not part of the package or CI.
+// microbenchmark: one core, one GPT-2 layer's super-block (64 lanes x K inputs, 64 KiB at K = 1024: L2, not L1)
+// read by every tile of MR rows over 128 rows (the rows a whole number of tiles covers), G products per second
+// per tile shape (MR rows x NB blocks of 16 lanes). "epilogue": each group of 32's float scaling as the kernel
+// does it (fp16 scale, cvt, multiply, FMA); "no epilogue": one add in its place. Left out: the kernel's prefetch
+// of the next super-block and its bias / activation store. EMB: the activations' 4 bytes as vpdpbusd's embedded
+// broadcast ({1to16}, inline asm) instead of a vpbroadcastd the row's NB products share. Not part of the
+// package or CI.
 //
 //   g++ -O3 -march=native -ffp-contract=off -DKK=1024 -o /tmp/vnni_tile benchmarks/vnni_tile_timing.cpp
 //   g++ -O3 -march=native -ffp-contract=off -DKK=1024 -DEMB -o /tmp/vnni_tile_emb benchmarks/vnni_tile_timing.cpp
