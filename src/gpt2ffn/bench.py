@@ -168,6 +168,26 @@ def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1) -> dict:
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
+def self_timed_rounds(fns: dict, repeats: int) -> dict:
+    """rounds() for functions that time their own part and return its seconds (a decode loop after an untimed
+    prefill): median ms of each, in interleaved rounds, after one warm-up call each."""
+    for f in fns.values():
+        f()
+    times = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, f in fns.items():
+            times[k].append(f())
+    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def greedy_steps(step, logits, n: int) -> float:
+    """Seconds that n single-token greedy steps take after a prefill's last logits: step(token) -> logits."""
+    t0 = time.perf_counter()
+    for _ in range(n):
+        logits = step(int(logits.argmax()))
+    return time.perf_counter() - t0
+
+
 def bench_forward(dims, tokens, repeats, device="cpu", log=print, dtypes=("fp32",)) -> list:
     """The FFN's implementations per d, token count and dtype (fp32, bf16: bf16 on CUDA only), each checked
     against the numpy reference at that dtype's tolerance first. On CUDA each timing is CUDA events around 20
@@ -425,13 +445,15 @@ def fit(cfg, spec: str, prompt_tokens: int, new_tokens: int, what: str) -> tuple
 
 def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=5, log=print,
                 weights="random:gpt2", device="cpu", batches=None) -> dict:
-    """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel.generate
-    (sdpa, KV cache, fp32), the same random weights (`weights`: random:<preset>[:seed], default the 124M
-    shape; gpt2-medium / -large / -xl for the others; a smaller context cuts the prompt and the new tokens to
-    half of it each at most), greedy, interleaved rounds in one process. fp32's tokens are checked equal to HF's
-    first. Each precision's floor: the bytes a decode step must read (its packed weights, lm_head included) over
-    the DRAM read bandwidth measured in the same run. The per-step overhead: a decode step of a 1-layer model
-    with tiny widths, where weights cost nothing.
+    """Prefill ms and decode tokens/s of gpt2ffn's GPT2 at each precision, beside HF GPT2LMHeadModel (sdpa, KV
+    cache, fp32), the same random weights (`weights`: random:<preset>[:seed], default the 124M shape;
+    gpt2-medium / -large / -xl for the others; a smaller context cuts the prompt and the new tokens to half of it
+    each at most), greedy, interleaved rounds in one process. fp32's tokens are checked equal to HF's generate's
+    first. Decode is timed by itself: new_tokens single-token steps after an untimed prefill (not generate's
+    time less prefill's, two medians whose difference a tiny model's noise can swamp: it once came out <= 0).
+    Each precision's floor: the bytes a decode step must read (its packed weights, lm_head included) over the
+    DRAM read bandwidth measured in the same run. The per-step overhead: a decode step of a 1-layer model with
+    tiny widths, where weights cost nothing.
     On CUDA: gpt2ffn and HF both in plain torch per dtype (fp32, bf16) and batch (default 1, 32, 256), HF also
     with its static cache."""
     if device != "cpu":
@@ -453,9 +475,17 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
     with torch.no_grad():
         hf_ids = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False,
                              pad_token_id=0)[0, prompt_tokens:].tolist()
-        runs["HF transformers fp32"] = (lambda: hf(ids, use_cache=True),
-                                        lambda: hf.generate(ids, max_new_tokens=new_tokens, do_sample=False,
-                                                            pad_token_id=0))
+        def hf_decode():
+            o = hf(ids, use_cache=True)
+            # transformers 5.2x names the cache `cache` (its output and argument), earlier ones past_key_values
+            kw = "cache" if "cache" in o else "past_key_values"
+            cache = o[kw]  # updated in place by each step
+
+            def step(token):
+                return hf(torch.tensor([[token]]), use_cache=True, **{kw: cache}).logits[0, -1]
+            return greedy_steps(step, o.logits[0, -1], new_tokens)
+
+        runs["HF transformers fp32"] = (lambda: hf(ids, use_cache=True), hf_decode)
         nbytes = {}
         for precision in precisions:
             model = GPT2(cfg).eval()
@@ -467,11 +497,16 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
             if precision == "fp32" and not all(same):
                 raise Gpt2ffnError(f"gpt2ffn fp32 greedy tokens differ from HF's at position {same.index(False)}")
             nbytes[precision] = sum(m.packed.nbytes for m in packable(model))
+            def decode(m=model):
+                cache = KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens)
+                return greedy_steps(lambda token: m(torch.tensor([[token]]), cache, last_only=True)[0, -1],
+                                    m(ids, cache, last_only=True)[0, -1], new_tokens)
+
             runs[f"gpt2ffn {precision}"] = (
                 lambda m=model: m(ids, KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens), last_only=True),
-                lambda m=model: generate(m, [ids[0].tolist()], s))
+                decode)
         prefill = rounds({k: v[0] for k, v in runs.items()}, repeats)
-        gen = rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2))
+        steps = self_timed_rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2))
         overhead = step_overhead(precisions, repeats=max(repeats, 50))
     dram = read_bandwidth()
     out["dram_read_gb_s"] = dram
@@ -481,11 +516,8 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
         f"{'step overhead us':>18}")
     for name in runs:
         e = out["engines"].setdefault(name, {})
-        e["prefill_ms"], e["generate_ms"] = prefill[name], gen[name]
-        # decode = generate less prefill, each a median of its own runs: for a tiny model and few new tokens the
-        # difference can be within their noise, even below 0 (then none is said, not a negative rate)
-        decode = gen[name] - prefill[name]
-        e["decode_tokens_per_s"] = new_tokens / decode * 1e3 if decode > 0 else float("nan")
+        e["prefill_ms"], e["decode_ms"] = prefill[name], steps[name]
+        e["decode_tokens_per_s"] = new_tokens / steps[name] * 1e3
         precision = name.split()[-1]
         if name.startswith("gpt2ffn"):
             e["weight_mb"] = nbytes[precision] / 1e6
