@@ -1,0 +1,62 @@
+// The AVX-512 integer prefill as the package runs it (csrc/qlinear_avx512.cpp's qlinear_range, compiled in
+// here), on synthetic int8 weights and activations of one layer shape, 128 rows, one thread, the weights and
+// activations on 2 MiB pages as the package packs them: ms and G products/s, best of 30 calls. A kernel variant
+// is a copy of src/gpt2ffn/csrc edited and named by -I, built and timed in seconds, without Python. On 4 KiB
+// pages the same code read ~240 G/s where the layer reads ~300 (TLB misses), so the pages matter. A repeated
+// layer stays in L3 (32 MiB on a Zen 5), which the package's prefill, streaming a model from DRAM, does not.
+// Not part of the package or CI.
+//
+//   g++ -O3 -ffp-contract=off -fopenmp -Isrc/gpt2ffn/csrc -o /tmp/qh benchmarks/qlinear_harness.cpp
+//   taskset -c 1 /tmp/qh 1024 4096; taskset -c 1 /tmp/qh 1600 6400     # K N
+//
+// README ("AMD EPYC Zen 5") quotes it.
+#include <sys/mman.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "linear.h"
+namespace gpt2ffn {
+int64_t prefetch_bytes[6] = {0, 0, 0, 0, 0, 0};  // ops.cpp's; decode's prefetch, unused by a prefill
+}
+#include "qlinear_avx512.cpp"
+
+using namespace gpt2ffn;
+
+// n zeroed Ts on 2 MiB pages (transparent huge pages, as kernels/packed.py asks for the packed weights)
+template <class T>
+static T* huge(size_t n) {
+  const size_t page = size_t{2} << 20, bytes = (n * sizeof(T) + page - 1) / page * page;
+  void* p = std::aligned_alloc(page, bytes);
+  madvise(p, bytes, MADV_HUGEPAGE);
+  std::memset(p, 0, bytes);
+  return static_cast<T*>(p);
+}
+
+int main(int argc, char** argv) {
+  if (argc != 3) return std::fprintf(stderr, "usage: %s K N\n", argv[0]), 2;
+  const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]), M = 128, G = 32, ng = K / G, nsuper = N / 64;
+  uint8_t* w = huge<uint8_t>(K * N);  // int8's stored q + 128, any bytes
+  for (int64_t i = 0; i < K * N; i++) w[i] = std::rand() & 255;
+  int8_t* xq = huge<int8_t>(M * K);
+  for (int64_t i = 0; i < M * K; i++) xq[i] = std::rand() % 255 - 127;
+  std::vector<uint16_t> scale(ng * N, 0x3c00);  // fp16 1.0
+  std::vector<float> bias(N, 0.0f), y(M * N), xscale(M * ng, 0.01f);
+  std::vector<int32_t> xsum(M * ng, 3);
+  LinearArgs a{};
+  a.ldx = K, a.M = M, a.K = K, a.w = w, a.scale = scale.data(), a.group = G, a.bias = bias.data();
+  a.y = y.data(), a.ldy = N, a.format = I8A8, a.act = ACT_NONE, a.xq = xq, a.xscale = xscale.data();
+  a.xsum = xsum.data(), a.nsuper = nsuper;
+  double best = 1e9;
+  for (int r = 0; r < 30; r++) {
+    const auto t0 = std::chrono::steady_clock::now();
+    avx512::qlinear_range(a, 0, nsuper);
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  }
+  std::printf("K=%ld N=%ld: %.3f ms, %.0f G products/s\n", static_cast<long>(K), static_cast<long>(N), best * 1e3,
+              M * K * N / best / 1e9);
+}
