@@ -145,10 +145,11 @@ def cuda_event_ms(f, calls: int) -> float:
     return a.elapsed_time(b) / calls
 
 
-def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1) -> dict:
+def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1, self_timed: bool = False) -> dict:
     """Median ms of each function, timed in interleaved rounds (each round runs every function once, in
     order), so that load changes on a shared machine touch every entry alike. Two warm-up calls each.
-    calls > 1 (CUDA): each timing is CUDA events around that many back-to-back calls, divided."""
+    calls > 1 (CUDA): each timing is CUDA events around that many back-to-back calls, divided. self_timed
+    (CPU): each function times its own part and returns its seconds (a decode loop after an untimed prefill)."""
     cuda = str(device).startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for f in fns.values():
@@ -161,22 +162,13 @@ def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1) -> dict:
             if calls > 1 and cuda:
                 times[k].append(cuda_event_ms(f, calls) / 1e3)
                 continue
+            if self_timed:
+                times[k].append(f())
+                continue
             t0 = time.perf_counter()
             f()
             sync()
             times[k].append(time.perf_counter() - t0)
-    return {k: 1e3 * statistics.median(v) for k, v in times.items()}
-
-
-def self_timed_rounds(fns: dict, repeats: int) -> dict:
-    """rounds() for functions that time their own part and return its seconds (a decode loop after an untimed
-    prefill): median ms of each, in interleaved rounds, after one warm-up call each."""
-    for f in fns.values():
-        f()
-    times = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, f in fns.items():
-            times[k].append(f())
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
 
 
@@ -506,7 +498,7 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
                 lambda m=model: m(ids, KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens), last_only=True),
                 decode)
         prefill = rounds({k: v[0] for k, v in runs.items()}, repeats)
-        steps = self_timed_rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2))
+        steps = rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2), self_timed=True)
         overhead = step_overhead(precisions, repeats=max(repeats, 50))
     dram = read_bandwidth()
     out["dram_read_gb_s"] = dram
