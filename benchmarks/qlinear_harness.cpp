@@ -7,7 +7,7 @@
 // Not part of the package or CI.
 //
 //   g++ -O3 -ffp-contract=off -fopenmp -Isrc/gpt2ffn/csrc -o /tmp/qh benchmarks/qlinear_harness.cpp
-//   taskset -c 1 /tmp/qh 1024 4096; taskset -c 1 /tmp/qh 1600 6400     # K N
+//   taskset -c 1 /tmp/qh 1024 4096; taskset -c 1 /tmp/qh 1600 6400 [int4]     # K N [format: int8]
 //
 // README ("AMD EPYC Zen 5") quotes it.
 #include <sys/mman.h>
@@ -38,10 +38,12 @@ static T* huge(size_t n) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 3) return std::fprintf(stderr, "usage: %s K N\n", argv[0]), 2;
+  if (argc != 3 && argc != 4) return std::fprintf(stderr, "usage: %s K N [int8|int4]\n", argv[0]), 2;
+  const bool int4 = argc == 4 && std::strcmp(argv[3], "int4") == 0;
   const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]), M = 128, G = 32, ng = K / G, nsuper = N / 64;
-  uint8_t* w = huge<uint8_t>(K * N);  // int8's stored q + 128, any bytes
-  for (int64_t i = 0; i < K * N; i++) w[i] = std::rand() & 255;
+  const int64_t wbytes = int4 ? K * N / 2 : K * N;  // int8's stored q + 128 or int4's two nibbles: any bytes
+  uint8_t* w = huge<uint8_t>(wbytes);
+  for (int64_t i = 0; i < wbytes; i++) w[i] = std::rand() & 255;
   int8_t* xq = huge<int8_t>(M * K);
   for (int64_t i = 0; i < M * K; i++) xq[i] = std::rand() % 255 - 127;
   std::vector<uint16_t> scale(ng * N, 0x3c00);  // fp16 1.0
@@ -49,7 +51,7 @@ int main(int argc, char** argv) {
   std::vector<int32_t> xsum(M * ng, 3);
   LinearArgs a{};
   a.ldx = K, a.M = M, a.K = K, a.w = w, a.scale = scale.data(), a.group = G, a.bias = bias.data();
-  a.y = y.data(), a.ldy = N, a.format = I8A8, a.act = ACT_NONE, a.xq = xq, a.xscale = xscale.data();
+  a.y = y.data(), a.ldy = N, a.format = int4 ? I4A8 : I8A8, a.act = ACT_NONE, a.xq = xq, a.xscale = xscale.data();
   a.xsum = xsum.data(), a.nsuper = nsuper;
   double best = 1e9;
   for (int r = 0; r < 30; r++) {
@@ -57,6 +59,6 @@ int main(int argc, char** argv) {
     avx512::qlinear_range(a, 0, nsuper);
     best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
   }
-  std::printf("K=%ld N=%ld: %.3f ms, %.0f G products/s\n", static_cast<long>(K), static_cast<long>(N), best * 1e3,
+  std::printf("%s K=%ld N=%ld: %.3f ms, %.0f G products/s\n", int4 ? "int4" : "int8", static_cast<long>(K), static_cast<long>(N), best * 1e3,
               M * K * N / best / 1e9);
 }

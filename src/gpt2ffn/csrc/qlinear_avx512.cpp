@@ -8,7 +8,7 @@ struct VI { __m512i v; };
 struct W { __m512i v; };
 constexpr int32_t I8_OFFSET = 128;  // the stored bytes are q + 128, which vpdpbusd reads unsigned
 constexpr const char* INT8_DOT = "vpdpbusd (AVX-512 VNNI)";
-constexpr int QMR = 4, QNB = 2, QNB1 = 4;
+constexpr int QMR = 8, QNB = 2, QNB1 = 4;  // prefill's tiles: 8 rows (the rest: one of 4); decode's
 static inline W wload_i8(const uint8_t* p) { return {_mm512_loadu_si512(p)}; }
 static inline VI dot_i8(VI acc, const W& w, int32_t x4) {
   return {_mm512_dpbusd_epi32(acc.v, w.v, _mm512_set1_epi32(x4))};
