@@ -10,8 +10,8 @@ thread that spins waits for a partner the scheduler has set aside, for up to its
 these variables when torch is imported, so each setting runs in a process of its own (LABEL=VAR=VALUE,...: the
 label has no '='; `LABEL=` sets none), the settings interleaved round by round. Each process imports torch before
 gpt2ffn, so gpt2ffn's own GOMP_SPINCOUNT (6000, set on import when torch is not loaded yet) is not in the way.
-Each process times a prefill of --tokens tokens (median of 5) and --new-tokens greedy tokens (median of 3), first
-alone, then beside a Python busy loop.
+Each process times a prefill of --tokens tokens (median of 5) and --new-tokens single-token greedy steps after it
+(the steps alone, median of 3), first alone, then beside a Python busy loop.
 """
 
 import argparse
@@ -26,20 +26,23 @@ ONE = """
 import json, statistics, subprocess, sys, time
 import torch
 torch.set_num_threads({threads})
-from gpt2ffn.generate import Sampling, generate, load
+from gpt2ffn.bench import greedy_steps
+from gpt2ffn.generate import load
 from gpt2ffn.serving.kv_cache import KVCache
 model, _, _ = load({model!r}, precision={precision!r}, need_tokenizer=False)
 ids = torch.randint(0, model.config.vocab_size, (1, {tokens}), generator=torch.Generator().manual_seed(0))
-s = Sampling(max_new_tokens={new})
 def prefill():
     with torch.inference_mode():
         model(ids, cache=KVCache(model.config, 1, model.kv_dtype, max_len={tokens} + 1), last_only=True)
-def decode():
-    generate(model, [ids[0].tolist()], s)
-def ms(f, n):
+def decode():  # seconds of the steps alone (generate's time less prefill's came out <= 0 on a fast CPU)
+    cache = KVCache(model.config, 1, model.kv_dtype, max_len={tokens} + {new})
+    with torch.inference_mode():
+        return greedy_steps(lambda token: model(torch.tensor([[token]]), cache=cache, last_only=True)[0, -1],
+                            model(ids, cache=cache, last_only=True)[0, -1], {new})
+def ms(f, n, timed=False):
     ts = []
     for _ in range(n):
-        t0 = time.perf_counter(); f(); ts.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter(); t = f(); ts.append((t if timed else time.perf_counter() - t0) * 1e3)
     return statistics.median(ts)
 prefill(); decode()
 out = {{}}
@@ -47,11 +50,11 @@ for where in ("alone", "beside a busy process"):
     hog = subprocess.Popen([sys.executable, "-c", "while True: pass"]) if where != "alone" else None
     time.sleep(0.3)
     try:
-        p, g = ms(prefill, 5), ms(decode, 3)
+        p, g = ms(prefill, 5), ms(decode, 3, timed=True)
     finally:
         if hog is not None:
             hog.kill()
-    out[where] = {{"prefill_ms": p, "decode_tokens_per_s": {new} / (g - p) * 1e3}}
+    out[where] = {{"prefill_ms": p, "decode_tokens_per_s": {new} / g * 1e3}}
 print(json.dumps(out))
 """
 

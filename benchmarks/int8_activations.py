@@ -4,9 +4,9 @@ products, kernels/formats.py), and fp32 beside them: accuracy vs fp32 and speed,
 - accuracy: mean KLD, top-1 agreement over `--positions` positions of a seeded token sequence and greedy
   agreement over 64 tokens after a 128-token prompt, each against plain fp32 torch modules (as
   `gpt2ffn bench --accuracy`), on random:gpt2 (124M shape, seeded weights).
-- speed: 128-token prefill ms and decode tokens/s (64 greedy tokens after the prompt), every configuration
-  in interleaved rounds in one process, medians. GPT2FFN_ISA=avx2 runs the AVX2 (maddubs) build on a CPU that
-  has AVX-512.
+- speed: 128-token prefill ms and decode tokens/s (64 single-token greedy steps, timed by themselves after an
+  untimed prefill), every configuration in interleaved rounds in one process, medians. GPT2FFN_ISA=avx2 runs the
+  AVX2 (maddubs) build on a CPU that has AVX-512.
 
     flock -x /tmp/machine.lock env PYTHONPATH=src python benchmarks/int8_activations.py --out FILE.json
 """
@@ -19,8 +19,7 @@ from pathlib import Path
 import torch
 
 from gpt2ffn import _C
-from gpt2ffn.bench import distribution_metrics, greedy_ids, machine, rounds
-from gpt2ffn.generate import Sampling, generate
+from gpt2ffn.bench import distribution_metrics, greedy_ids, greedy_steps, machine, rounds
 from gpt2ffn.model import load_model
 from gpt2ffn.precision import quantize
 from gpt2ffn.serving.kv_cache import KVCache
@@ -50,22 +49,26 @@ def accuracy(spec, positions, prompt_tokens=128, new_tokens=64) -> dict:
 
 def speed(spec, repeats, prompt_tokens=128, new_tokens=64) -> dict:
     ids = torch.randint(0, 50257, (1, prompt_tokens), generator=torch.Generator().manual_seed(0))
-    s = Sampling(max_new_tokens=new_tokens)
-    prefill, gen, models = {}, {}, {}
+    prefill, steps, models = {}, {}, {}
     for precision, act in CONFIGS:
         name = f"{precision} weights, {act} activations"
         model = quantize(load_model(spec, precision=None), precision, activations=act)
         models[name] = model
         cfg = model.config
-        prefill[name] = lambda m=model, cfg=cfg: m(ids, KVCache(cfg, 1, max_len=prompt_tokens + new_tokens),
-                                                   last_only=True)
-        gen[name] = lambda m=model: generate(m, [ids[0].tolist()], s)
+        prefill[name] = lambda m=model, cfg=cfg: m(
+            ids, KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens), last_only=True)
+
+        def decode(m=model, cfg=cfg):  # seconds of the greedy steps alone (generate less prefill came out <= 0)
+            cache = KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens)
+            return greedy_steps(lambda token: m(torch.tensor([[token]]), cache, last_only=True)[0, -1],
+                                m(ids, cache, last_only=True)[0, -1], new_tokens)
+        steps[name] = decode
     with torch.no_grad():
         p = rounds(prefill, repeats)
-        g = rounds(gen, max(3, repeats // 2))
+        g = rounds(steps, max(3, repeats // 2), self_timed=True)
     out = {}
     for name, model in models.items():
-        out[name] = {"prefill_128_ms": p[name], "decode_tokens_per_s": new_tokens / (g[name] - p[name]) * 1e3,
+        out[name] = {"prefill_128_ms": p[name], "decode_tokens_per_s": new_tokens / g[name] * 1e3,
                      "routes": model.lm_head.packed.route}
         print(f"{name:<32} prefill {p[name]:7.1f} ms  decode {out[name]['decode_tokens_per_s']:6.1f} tok/s  "
               f"{out[name]['routes']}", flush=True)

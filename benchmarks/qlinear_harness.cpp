@@ -7,7 +7,7 @@
 // Not part of the package or CI.
 //
 //   g++ -O3 -ffp-contract=off -fopenmp -Isrc/gpt2ffn/csrc -o /tmp/qh benchmarks/qlinear_harness.cpp
-//   taskset -c 1 /tmp/qh 1024 4096; taskset -c 1 /tmp/qh 1600 6400 [int4]     # K N [format: int8]
+//   taskset -c 1 /tmp/qh 1024 4096; taskset -c 1 /tmp/qh 1600 6400 [int4 [48]]  # K N [format] [layers]
 //
 // README ("AMD EPYC Zen 5") quotes it.
 #include <sys/mman.h>
@@ -23,7 +23,16 @@
 namespace gpt2ffn {
 int64_t prefetch_bytes[6] = {0, 0, 0, 0, 0, 0};  // ops.cpp's; decode's prefetch, unused by a prefill
 }
+#if defined(AVX2)  // -DAVX2 or -DAVXVNNI: that 256-bit build (a stand-in on a CPU with more)
+#include "qlinear_avx2.cpp"
+#define BUILD avx2
+#elif defined(AVXVNNI)
+#include "qlinear_avxvnni.cpp"
+#define BUILD avxvnni
+#else
 #include "qlinear_avx512.cpp"
+#define BUILD avx512
+#endif
 
 using namespace gpt2ffn;
 
@@ -38,12 +47,13 @@ static T* huge(size_t n) {
 }
 
 int main(int argc, char** argv) {
-  if (argc != 3 && argc != 4) return std::fprintf(stderr, "usage: %s K N [int8|int4]\n", argv[0]), 2;
-  const bool int4 = argc == 4 && std::strcmp(argv[3], "int4") == 0;
+  if (argc < 3 || argc > 5) return std::fprintf(stderr, "usage: %s K N [int8|int4] [layers]\n", argv[0]), 2;
+  const bool int4 = argc >= 4 && std::strcmp(argv[3], "int4") == 0;
+  const int64_t layers = argc == 5 ? std::atoll(argv[4]) : 1;  // > 1: as many copies, run in turn (from DRAM)
   const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]), M = 128, G = 32, ng = K / G, nsuper = N / 64;
   const int64_t wbytes = int4 ? K * N / 2 : K * N;  // int8's stored q + 128 or int4's two nibbles: any bytes
-  uint8_t* w = huge<uint8_t>(wbytes);
-  for (int64_t i = 0; i < wbytes; i++) w[i] = std::rand() & 255;
+  uint8_t* w = huge<uint8_t>(wbytes * layers);
+  for (int64_t i = 0; i < wbytes * layers; i++) w[i] = std::rand() & 255;
   int8_t* xq = huge<int8_t>(M * K);
   for (int64_t i = 0; i < M * K; i++) xq[i] = std::rand() % 255 - 127;
   std::vector<uint16_t> scale(ng * N, 0x3c00);  // fp16 1.0
@@ -56,8 +66,11 @@ int main(int argc, char** argv) {
   double best = 1e9;
   for (int r = 0; r < 30; r++) {
     const auto t0 = std::chrono::steady_clock::now();
-    avx512::qlinear_range(a, 0, nsuper);
-    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    for (int64_t l = 0; l < layers; l++) {
+      a.w = w + l * wbytes;
+      BUILD::qlinear_range(a, 0, nsuper);
+    }
+    best = std::min(best, std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / layers);
   }
   std::printf("%s K=%ld N=%ld: %.3f ms, %.0f G products/s\n", int4 ? "int4" : "int8", static_cast<long>(K), static_cast<long>(N), best * 1e3,
               M * K * N / best / 1e9);
