@@ -285,10 +285,20 @@ def test_a_body_that_cannot_be_parsed_says_why(server, content, said):
     assert r.status_code == 400 and said in r.json()["error"]["message"], r.text
 
 
+def refused(server, code: int) -> float:
+    """gpt2ffn_requests_total{code=...} as /metrics says it now (0 before the first)."""
+    for line in httpx.get(server.url + "/metrics").text.splitlines():
+        if line.startswith(f'gpt2ffn_requests_total{{code="{code}"}} '):
+            return float(line.split()[-1])
+    return 0.0
+
+
 def test_oversized_body_is_413(server):
+    before = refused(server, 413)
     r = httpx.post(server.url + "/v1/completions", content=b"x" * (2 << 20),
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large"
+    assert refused(server, 413) == before + 1  # counted, as every refused request is
 
 
 def test_a_chunked_body_is_held_to_the_same_limit(server):
@@ -298,9 +308,11 @@ def test_a_chunked_body_is_held_to_the_same_limit(server):
         for i in range(0, total, size):
             yield b"x" * min(size, total - i)
 
+    before = refused(server, 413)
     r = httpx.post(server.url + "/v1/completions", content=chunks(64 << 20),
                    headers={"Content-Type": "application/json"})
     assert r.status_code == 413 and r.json()["error"]["code"] == "request_too_large", r.text
+    assert refused(server, 413) == before + 1
     body = json.dumps({"model": server.model, "prompt": "dog", "max_tokens": 3}).encode()
     r = httpx.post(server.url + "/v1/completions", content=(body[i:i + 7] for i in range(0, len(body), 7)),
                    headers={"Content-Type": "application/json"})

@@ -513,8 +513,9 @@ def replay(body: bytes, receive):
 class Gate:
     """Before a body is read: 401 without a valid API key (when the server has keys) on any path but the open
     ones, then 413 for a body over the limit (by its Content-Length, or, sent chunked, read here up to the
-    limit and handed on whole). Plain ASGI, so an answer's body passes through untouched
-    (Starlette's BaseHTTPMiddleware relays each streamed chunk through a memory stream and two task switches)."""
+    limit and handed on whole), each counted in gpt2ffn_requests_total. Plain ASGI, so an answer's body passes
+    through untouched (Starlette's BaseHTTPMiddleware relays each streamed chunk through a memory stream and two
+    task switches)."""
 
     def __init__(self, app):
         self.app = app
@@ -532,8 +533,9 @@ class Gate:
                     return  # the client left before its body was whole: no one to answer
                 body += message.get("body", b"")
                 if len(body) > limit:
-                    refused = error(413, f"request body (chunked) exceeds the limit of {limit} bytes",
-                                    code="request_too_large")
+                    refused = refuse(request.app.state.service, 413,
+                                     f"request body (chunked) exceeds the limit of {limit} bytes",
+                                     code="request_too_large")
                     break
                 if not message.get("more_body", False):
                     receive = replay(bytes(body), receive)
@@ -551,8 +553,8 @@ class Gate:
                           headers={"WWW-Authenticate": "Bearer"})
         length, limit = request.headers.get("content-length"), state.max_body
         if length is not None and (not length.isdigit() or int(length) > limit):
-            return error(413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
-                         code="request_too_large")
+            return refuse(state.service, 413, f"request body of {length} bytes exceeds the limit of {limit} bytes",
+                          code="request_too_large")
         return None
 
 
