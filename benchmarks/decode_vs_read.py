@@ -1,0 +1,81 @@
+"""How close a decode step comes to the machine's DRAM read rate, measured moments apart on a noisy host: pairs of
+(--tokens single-token greedy steps of one sequence, timed by themselves; one pass of benchmarks/read_rate.cpp, a
+2-thread read of as many bytes as the packed weights), each pair's ratio of the step's packed-weight GB/s to the
+read's. A ratio near 1 means the step streams its weights as fast as a plain read does: at equal bytes no engine
+can be much faster there. The host's bandwidth moves between pairs (38-86 GB/s seen on one Zen 5 VM); the ratio
+within a pair is what holds.
+
+    python benchmarks/decode_vs_read.py --model DIR --precision bf16 [--pairs 12] [--tokens 4] [--out FILE.json]
+
+read_rate.cpp is built with g++ (-march=native) into /tmp on first use. Not run by CI.
+"""
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from gpt2ffn.bench import greedy_steps, machine
+from gpt2ffn.generate import load
+from gpt2ffn.serving.kv_cache import KVCache
+
+ROOT = Path(__file__).resolve().parents[1]
+READ = Path("/tmp/read_rate")
+
+
+def reader() -> Path:
+    if not READ.exists():
+        subprocess.run(["g++", "-O3", "-march=native", "-fopenmp", "-o", str(READ),
+                        str(ROOT / "benchmarks" / "read_rate.cpp")], check=True)
+    return READ
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", required=True, help="an HF GPT-2 checkpoint directory (no tokenizer needed)")
+    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
+    ap.add_argument("--pairs", type=int, default=12)
+    ap.add_argument("--tokens", type=int, default=4, help="decode steps a pair")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    read = reader()
+    model, _, _ = load(args.model, precision=args.precision, need_tokenizer=False)
+    nbytes = sum(m.packed.nbytes for m in model.modules() if hasattr(m, "packed"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model.config, 1, model.kv_dtype, max_len=128 + args.pairs * args.tokens + 1)
+
+    def step(token):
+        return model(torch.tensor([[token]]), cache, last_only=True)[0, -1]
+
+    pairs = []
+    with torch.inference_mode():
+        logits = model(ids, cache, last_only=True)[0, -1]
+        greedy_steps(step, logits, 1)  # warm-up
+        for i in range(args.pairs):
+            seconds = greedy_steps(step, logits, args.tokens) / args.tokens
+            out = subprocess.run([str(read), str(nbytes / 1e9), "1"], capture_output=True, text=True, check=True)
+            read_gb_s = float(out.stdout.split()[0])
+            decode_gb_s = nbytes / seconds / 1e9
+            pairs.append({"decode_tok_s": 1 / seconds, "decode_gb_s": decode_gb_s, "read_gb_s": read_gb_s,
+                          "ratio": decode_gb_s / read_gb_s})
+            print(f"pair {i + 1}/{args.pairs}: decode {1 / seconds:6.1f} tok/s = {decode_gb_s:5.1f} GB/s of packed "
+                  f"weights, read {read_gb_s:5.1f} GB/s, ratio {decode_gb_s / read_gb_s:.2f}", flush=True)
+    ratio = statistics.median(p["ratio"] for p in pairs)
+    print(f"{args.model} {args.precision}: {nbytes / 1e9:.2f} GB packed; median ratio {ratio:.2f} over "
+          f"{args.pairs} pairs ({machine()['cpu']}, {args.threads} threads)")
+    if args.out:
+        args.out.write_text(json.dumps({"machine": machine(), "model": args.model, "precision": args.precision,
+                                        "packed_gb": nbytes / 1e9, "threads": args.threads,
+                                        "tokens_per_pair": args.tokens, "median_ratio": ratio, "pairs": pairs},
+                                       indent=1) + "\n")
+        print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+// The machine's DRAM read rate as a decode step meets it: 2 threads (OpenMP) each summing its half of a buffer
+// far larger than the L3 with 512-bit loads (AVX2's 256-bit where the CPU has no AVX-512), on 2 MiB pages; GB/s of
+// each pass, one line a pass. benchmarks/decode_vs_read.py runs it between decode steps. Not part of the package.
+//
+//   g++ -O3 -march=native -fopenmp -o /tmp/read_rate benchmarks/read_rate.cpp && /tmp/read_rate 3.1 5   # GB passes
+#include <immintrin.h>
+#include <omp.h>
+#include <sys/mman.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+
+#ifdef __AVX512F__
+using Vec = __m512;
+static inline Vec vload(const char* p) { return _mm512_load_ps(reinterpret_cast<const float*>(p)); }
+static inline Vec vadd(Vec a, Vec b) { return _mm512_add_ps(a, b); }
+static inline Vec vzero() { return _mm512_setzero_ps(); }
+static inline float vsum(Vec a) { return _mm512_reduce_add_ps(a); }
+constexpr size_t W = 64;
+#else
+using Vec = __m256;
+static inline Vec vload(const char* p) { return _mm256_load_ps(reinterpret_cast<const float*>(p)); }
+static inline Vec vadd(Vec a, Vec b) { return _mm256_add_ps(a, b); }
+static inline Vec vzero() { return _mm256_setzero_ps(); }
+static inline float vsum(Vec a) {
+  alignas(32) float f[8];
+  _mm256_store_ps(f, a);
+  return f[0] + f[1] + f[2] + f[3] + f[4] + f[5] + f[6] + f[7];
+}
+constexpr size_t W = 32;
+#endif
+
+int main(int argc, char** argv) {
+  const double gb = argc > 1 ? std::atof(argv[1]) : 3.1;
+  const int passes = argc > 2 ? std::atoi(argv[2]) : 5;
+  const size_t page = size_t{2} << 20, n = static_cast<size_t>(gb * 1e9) / (8 * W) * (8 * W);
+  char* p = static_cast<char*>(std::aligned_alloc(page, (n + page - 1) / page * page));
+  madvise(p, n, MADV_HUGEPAGE);
+  std::memset(p, 1, n);
+  for (int r = 0; r < passes; r++) {
+    const auto t0 = std::chrono::steady_clock::now();
+    float total = 0.0f;
+#pragma omp parallel num_threads(2) reduction(+ : total)
+    {
+      const size_t half = n / 2 / (4 * W) * (4 * W), a = half * omp_get_thread_num(),
+                   b = omp_get_thread_num() == 1 ? n / (4 * W) * (4 * W) : a + half;
+      Vec s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();  // 4 independent sums: the loads, not the adds
+      for (size_t i = a; i < b; i += 4 * W) {
+        s0 = vadd(s0, vload(p + i));
+        s1 = vadd(s1, vload(p + i + W));
+        s2 = vadd(s2, vload(p + i + 2 * W));
+        s3 = vadd(s3, vload(p + i + 3 * W));
+      }
+      total += vsum(vadd(vadd(s0, s1), vadd(s2, s3)));
+    }
+    const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    std::printf("%.1f GB/s%s\n", n / s / 1e9, total == 42.0f ? " " : "");  // (total kept, not printed)
+  }
+}
