@@ -1,13 +1,13 @@
-// The AVX-512 integer prefill as the package runs it (csrc/qlinear_avx512.cpp's qlinear_range, compiled in
-// here), on synthetic int8 weights and activations of one layer shape, 128 rows, one thread, the weights and
-// activations on 2 MiB pages as the package packs them: ms and G products/s, best of 30 calls. A kernel variant
-// is a copy of src/gpt2ffn/csrc edited and named by -I, built and timed in seconds, without Python. On 4 KiB
-// pages the same code read ~240 G/s where the layer reads ~300 (TLB misses), so the pages matter. A repeated
-// layer stays in L3 (32 MiB on a Zen 5), which the package's prefill, streaming a model from DRAM, does not.
-// Not part of the package or CI.
+// The integer prefill as the package runs it (csrc/qlinear_avx512.cpp's qlinear_range, compiled in here; -DAVX2
+// or -DAVXVNNI: that 256-bit build's instead), on synthetic int8 or int4 weights and int8 activations of one layer
+// shape, 128 rows, one thread, the weights and activations on 2 MiB pages as the package packs them: ms and G
+// products/s, best of 30 calls. A kernel variant is a copy of src/gpt2ffn/csrc edited and named by -I, built and
+// timed in seconds, without Python. On 4 KiB pages the same code read ~240 G/s where the layer read ~300 (TLB
+// misses), so the pages matter. One layer stays in L3 (32 MiB on a Zen 5); [layers] > 1 runs that many copies in
+// turn, so that the weights come from DRAM as a model's prefill reads them. Not part of the package or CI.
 //
 //   g++ -O3 -ffp-contract=off -fopenmp -Isrc/gpt2ffn/csrc -o /tmp/qh benchmarks/qlinear_harness.cpp
-//   taskset -c 1 /tmp/qh 1024 4096; taskset -c 1 /tmp/qh 1600 6400 [int4 [48]]  # K N [format] [layers]
+//   taskset -c 1 /tmp/qh 1024 4096; taskset -c 1 /tmp/qh 1600 6400 [int8|int4 [layers]]
 //
 // README ("AMD EPYC Zen 5") quotes it.
 #include <sys/mman.h>
@@ -50,6 +50,8 @@ int main(int argc, char** argv) {
   if (argc < 3 || argc > 5) return std::fprintf(stderr, "usage: %s K N [int8|int4] [layers]\n", argv[0]), 2;
   const bool int4 = argc >= 4 && std::strcmp(argv[3], "int4") == 0;
   const int64_t layers = argc == 5 ? std::atoll(argv[4]) : 1;  // > 1: as many copies, run in turn (from DRAM)
+  if ((argc >= 4 && !int4 && std::strcmp(argv[3], "int8") != 0) || layers < 1)
+    return std::fprintf(stderr, "format must be int8 or int4 and layers at least 1\n"), 2;
   const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]), M = 128, G = 32, ng = K / G, nsuper = N / 64;
   const int64_t wbytes = int4 ? K * N / 2 : K * N;  // int8's stored q + 128 or int4's two nibbles: any bytes
   uint8_t* w = huge<uint8_t>(wbytes * layers);

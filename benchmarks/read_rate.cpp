@@ -1,8 +1,9 @@
-// The machine's DRAM read rate as a decode step meets it: 2 threads (OpenMP) each summing its half of a buffer
-// far larger than the L3 with 512-bit loads (AVX2's 256-bit where the CPU has no AVX-512), on 2 MiB pages; GB/s of
-// each pass, one line a pass. benchmarks/decode_vs_read.py runs it between decode steps. Not part of the package.
+// The machine's DRAM read rate as a decode step meets it: T threads (OpenMP; 2 unless given) each summing its share
+// of a buffer far larger than the L3 with 512-bit loads (AVX2's 256-bit where the CPU has no AVX-512), on 2 MiB
+// pages (says so on stderr where Linux refuses them); GB/s of each pass, one line a pass.
+// benchmarks/decode_vs_read.py runs it around decode steps. Not part of the package.
 //
-//   g++ -O3 -march=native -fopenmp -o /tmp/read_rate benchmarks/read_rate.cpp && /tmp/read_rate 3.1 5   # GB passes
+//   g++ -O3 -march=native -fopenmp -o /tmp/read_rate benchmarks/read_rate.cpp && /tmp/read_rate 3.1 5 2  # GB passes T
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
@@ -34,18 +35,18 @@ constexpr size_t W = 32;
 
 int main(int argc, char** argv) {
   const double gb = argc > 1 ? std::atof(argv[1]) : 3.1;
-  const int passes = argc > 2 ? std::atoi(argv[2]) : 5;
+  const int passes = argc > 2 ? std::atoi(argv[2]) : 5, threads = argc > 3 ? std::atoi(argv[3]) : 2;
   const size_t page = size_t{2} << 20, n = static_cast<size_t>(gb * 1e9) / (8 * W) * (8 * W);
   char* p = static_cast<char*>(std::aligned_alloc(page, (n + page - 1) / page * page));
-  madvise(p, n, MADV_HUGEPAGE);
+  if (madvise(p, n, MADV_HUGEPAGE) != 0) std::perror("read_rate: madvise(MADV_HUGEPAGE), on 4 KiB pages");
   std::memset(p, 1, n);
   for (int r = 0; r < passes; r++) {
     const auto t0 = std::chrono::steady_clock::now();
     float total = 0.0f;
-#pragma omp parallel num_threads(2) reduction(+ : total)
+#pragma omp parallel num_threads(threads) reduction(+ : total)
     {
-      const size_t half = n / 2 / (4 * W) * (4 * W), a = half * omp_get_thread_num(),
-                   b = omp_get_thread_num() == 1 ? n / (4 * W) * (4 * W) : a + half;
+      const size_t t = omp_get_thread_num(), nt = omp_get_num_threads(), blocks = n / (4 * W);
+      const size_t a = blocks * t / nt * (4 * W), b = blocks * (t + 1) / nt * (4 * W);
       Vec s0 = vzero(), s1 = vzero(), s2 = vzero(), s3 = vzero();  // 4 independent sums: the loads, not the adds
       for (size_t i = a; i < b; i += 4 * W) {
         s0 = vadd(s0, vload(p + i));

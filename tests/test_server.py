@@ -1498,6 +1498,31 @@ def test_an_add_waiting_for_its_answer_when_the_engine_goes_is_refused_not_left_
     asyncio.run(run())
 
 
+def test_requests_refused_while_the_model_loads_are_counted_once_attached_not_sent_before():
+    """With the engine in its own process, a refusal (401, 413) before the API process is attached is held in that
+    process (the engine reads no channel while it loads: a flood of them filled the socket and blocked the event
+    loop), then sent at attach as one count per status."""
+    import asyncio
+    from multiprocessing.connection import Connection
+
+    from gpt2ffn.serving.core import EngineProcess
+
+    async def run():
+        mine, theirs = socket.socketpair()
+        engine, other = EngineProcess(Connection(mine.detach())), Connection(theirs.detach())
+        for code in ("413", "413", "401"):
+            engine.count(code)
+        assert not other.poll(0.05)  # nothing on the channel while it loads
+        done = asyncio.Event()
+        engine.attach(asyncio.get_running_loop(), done.set)
+        await asyncio.sleep(0.05)
+        got = [other.recv() for _ in range(3)]
+        assert got == [("attached",), ("count", "413", 2), ("count", "401", 1)], got
+        engine.count("413")  # attached: sent at once
+        assert other.recv() == ("count", "413", 1)
+    asyncio.run(run())
+
+
 @pytest.mark.parametrize("engine, sig, want", [("on", signal.SIGTERM, 0), ("off", signal.SIGTERM, 0),
                                                ("off", signal.SIGINT, 130), ("2", signal.SIGINT, 130)])
 def test_a_signal_while_the_model_loads_ends_the_server_at_once(engine, sig, want):

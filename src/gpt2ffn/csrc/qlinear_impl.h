@@ -7,7 +7,8 @@
 //   quantize_group16(x, q, G, d, sum): one group of G (a multiple of 16) activations quantized as
 //   quantize_rows' scalar loop does (and, defining GPT2FFN_QUANTIZE_16X32, quantize_16x32(x, q, d, sum): 16
 //   groups of 32 at once, the same operations);  I8_OFFSET: what dot_i8 adds to q (128 when it sums (q + 128) * x as
-//   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile, QNB1 decode's
+//   vpdpbusd reads the stored bytes, 0 when it sums q * x); QMR x QNB: the prefill tile (then one of QMR / 2 rows),
+//   QNB1 decode's
 //   (the 256-bit builds define GPT2FFN_QRUN8 and no QMR / QNB: they prefill through their own qrun8).
 // Each 4-byte word of a lane holds 4 consecutive k (I4A8: 8, as two nibbles), so one broadcast of 4 (8)
 // activation bytes meets 16 lanes' weights in one instruction.

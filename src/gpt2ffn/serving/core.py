@@ -10,7 +10,7 @@ offers the routes what Loop and Engine offer them in one process: submit, abort,
 Each API process has a channel of its own to the engine: a socket pair (multiprocessing.connection, pickled
 messages; the API process reads it on its event loop, the engine sends a step's Tokens in one message).
   API -> engine: ("attached",) once, then ("add", [(rid, prompt, Sampling, arrival)]), ("abort", rid),
-                 ("count", status), ("cut", message), ("metrics", n), ("stop",)
+                 ("count", status, n), ("cut", message), ("metrics", n), ("stop",)
   engine -> API: ("ready", info) or ("failed", message), once; ("serving",) once every API process is attached;
                  ("added", rid, refusal or None) for each add; ("tokens", [(rid, id, logprob, top, text,
                  finish_reason, gap, prompt_logprobs)], (running, waiting, blocks)) after each step that has Tokens
@@ -141,6 +141,7 @@ class EngineProcess:
         self.patience = 30.0         # seconds stop() waits for the engine process to end before killing it
         self.stopping = False        # stop() asked it to end: its channel's end is no death
         self.died = None             # called with why on the loop when the engine process ends unasked
+        self.uncounted = {}          # status -> requests answered before attach (the engine reads no channel then)
 
     def exited(self) -> str:
         code = self.proc.wait() if self.proc is not None else None
@@ -163,6 +164,9 @@ class EngineProcess:
             self.loop, self.serving = loop, then
             loop.add_reader(self.conn.fileno(), self.readable)
             self.send(("attached",))
+            for code, n in self.uncounted.items():
+                self.send(("count", code, n))
+            self.uncounted.clear()
         loop.call_soon_threadsafe(on_loop)
 
     # -- what the routes call (on the event loop) ----------------------------------------------------------
@@ -203,9 +207,14 @@ class EngineProcess:
 
     def count(self, code: str):
         """One answered request, by HTTP status: counted in the engine process's registry (gpt2ffn_requests), the
-        one every API process reports."""
-        if not self.gone:
-            self.send(("count", code))
+        one every API process reports. Before attach (the model loading) held here: the engine reads no channel
+        then, and a flood of refusals would fill the socket and block this process's event loop."""
+        if self.gone:
+            return
+        if self.loop is None:
+            self.uncounted[code] = self.uncounted.get(code, 0) + 1
+        else:
+            self.send(("count", code, 1))
 
     async def exposition(self) -> bytes | None:
         """The engine's Prometheus metrics (its registry's text); None if it is gone or does not answer in 5 s."""
@@ -458,7 +467,7 @@ def serve_message(i: int, message, ch: Channel, engine, loop: Loop, live: dict, 
         if entry is not None:
             engine.abort(entry[0])
     elif kind == "count":
-        metrics.requests.labels(message[1]).inc()
+        metrics.requests.labels(message[1]).inc(message[2])
     elif kind == "cut":
         loop.cut(message[1])
     elif kind == "metrics":
