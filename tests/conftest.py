@@ -1,6 +1,7 @@
 """Shared helpers: seeded random HF GPT-2 parts (our reference), and checkpoints the tests make themselves."""
 
 import os
+import signal
 import tempfile
 from pathlib import Path
 
@@ -13,6 +14,11 @@ from gpt2ffn import Config
 
 # The kernel probe's cache (gpt2ffn.kernels.packed) in a directory of this test run, not the user's.
 os.environ.setdefault("GPT2FFN_CACHE", tempfile.mkdtemp(prefix="gpt2ffn-cache-"))
+
+# A suite started as a background job (`nohup bash .ci/run &`) begins with SIGINT ignored, and the servers the
+# Ctrl-C tests start would inherit that: they then exited 0 (or aborted) where a Ctrl-C ends them with 130.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # The widths of gpt2, -medium, -large, -xl, and an odd one whose hidden is not 4d.
 WIDTHS = [Config(n_embd=768), Config(n_embd=1024, n_head=16), Config(n_embd=1280, n_head=20),
