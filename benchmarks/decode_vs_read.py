@@ -7,6 +7,11 @@ GB/s seen on one Zen 5 VM, flipping within seconds): a sample whose two reads di
 such a change and is left out of the median (kept in the file, marked).
 
     python benchmarks/decode_vs_read.py --model DIR --precision bf16 [--pairs 12] [--tokens 4] [--out FILE.json]
+    PYTHONPATH=src /work/peers-build/venv/bin/python benchmarks/decode_vs_read.py --engine gpt2ffn llama \
+        --model PREPARED --precision bf16     # and llama.cpp (llama-cpp-python) on PREPARED/gguf/gpt2-bf16.gguf,
+                                              # the engines' samples alternating in one process
+
+gpt2ffn's bytes are its packed weights; llama.cpp's the GGUF file's size (its tensors and a few MB of vocabulary).
 
 read_rate.cpp is built with g++ (-march=native) into /tmp on first use. Not run by CI.
 """
@@ -36,10 +41,37 @@ def reader() -> Path:
     return READ
 
 
+def gpt2ffn_engine(args, positions: int):
+    """(step(token) -> logits, the prompt's logits, bytes a step reads) for gpt2ffn."""
+    model, _, _ = load(args.model, precision=args.precision, need_tokenizer=False)
+    nbytes = sum(m.packed.nbytes for m in model.modules() if hasattr(m, "packed"))
+    ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
+    cache = KVCache(model.config, 1, model.kv_dtype, max_len=positions)
+
+    def step(token):
+        with torch.inference_mode():
+            return model(torch.tensor([[token]]), cache, last_only=True)[0, -1]
+    with torch.inference_mode():
+        return step, model(ids, cache, last_only=True)[0, -1], nbytes
+
+
+def llama_engine(args, positions: int):
+    """The same for llama.cpp through the peers' harness (benchmarks/peers/engine.py: Llama)."""
+    sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
+    from engine import Llama
+    llm = Llama(args.precision, args.model, positions)
+    prompt = torch.randint(0, llm.n_vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
+    return llm.step, llm.prefill(prompt), Path(llm.path).stat().st_size
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", required=True, help="an HF GPT-2 checkpoint directory (no tokenizer needed)")
-    ap.add_argument("--precision", default="bf16", choices=["fp32", "bf16", "int8", "int4"])
+    ap.add_argument("--engine", nargs="+", default=["gpt2ffn"], choices=["gpt2ffn", "llama"],
+                    help="two: their samples alternate, each bracketed by its own reads (one process: the peers' venv)")
+    ap.add_argument("--model", required=True, type=Path,
+                    help="a prepare.py directory (hf/, gguf/) or, for gpt2ffn alone, an HF GPT-2 checkpoint")
+    ap.add_argument("--llama-precision", default=None, help="llama.cpp's, when it differs (bf16 -> bf16)")
+    ap.add_argument("--precision", default="bf16", help="gpt2ffn: fp32 bf16 int8 int4; llama: f32 bf16 q8_0 q4_0")
     ap.add_argument("--pairs", type=int, default=12, help="samples (read, decode steps, read)")
     ap.add_argument("--tokens", type=int, default=4, help="decode steps a sample")
     ap.add_argument("--threads", type=int, default=2)
@@ -47,43 +79,54 @@ def main(argv=None):
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     read = reader()
-    model, _, _ = load(args.model, precision=args.precision, need_tokenizer=False)
-    nbytes = sum(m.packed.nbytes for m in model.modules() if hasattr(m, "packed"))
-    ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
-    cache = KVCache(model.config, 1, model.kv_dtype, max_len=128 + args.pairs * args.tokens + 1)
+    positions = 128 + (args.pairs + 1) * args.tokens + 1
+    engines = {}
+    for name in args.engine:
+        if name == "llama":
+            engines[name] = llama_engine(argparse.Namespace(**{**vars(args), "precision": args.llama_precision
+                                                                 or args.precision}), positions)
+        else:
+            hf = args.model / "hf" if (args.model / "hf").is_dir() else args.model
+            engines[name] = gpt2ffn_engine(argparse.Namespace(**{**vars(args), "model": hf}), positions)
 
-    def step(token):
-        return model(torch.tensor([[token]]), cache, last_only=True)[0, -1]
-
-    def read_gb_s() -> float:
+    def read_gb_s(nbytes) -> float:
         out = subprocess.run([str(read), str(nbytes / 1e9), "1", str(args.threads)], capture_output=True, text=True,
                              check=True)
         return float(out.stdout.split()[0])
 
-    pairs = []
-    with torch.inference_mode():
-        logits = model(ids, cache, last_only=True)[0, -1]
-        greedy_steps(step, logits, 1)  # warm-up
-        for i in range(args.pairs):
-            before = read_gb_s()
+    samples = {name: [] for name in engines}
+    for step, logits, _ in engines.values():
+        greedy_steps(step, logits, args.tokens)  # warm-up
+    for i in range(args.pairs):
+        for name, (step, logits, nbytes) in engines.items():
+            before = read_gb_s(nbytes)
             seconds = greedy_steps(step, logits, args.tokens) / args.tokens
-            after = read_gb_s()
+            after = read_gb_s(nbytes)
             decode_gb_s, read_mean = nbytes / seconds / 1e9, (before + after) / 2
             kept = abs(before - after) <= 0.1 * max(before, after)
-            pairs.append({"decode_tok_s": 1 / seconds, "decode_gb_s": decode_gb_s, "read_before_gb_s": before,
-                          "read_after_gb_s": after, "ratio": decode_gb_s / read_mean, "kept": kept})
-            print(f"sample {i + 1}/{args.pairs}: read {before:5.1f}, decode {1 / seconds:6.1f} tok/s = "
-                  f"{decode_gb_s:5.1f} GB/s of packed weights, read {after:5.1f} GB/s: ratio "
+            samples[name].append({"decode_tok_s": 1 / seconds, "decode_gb_s": decode_gb_s, "read_before_gb_s": before,
+                                  "read_after_gb_s": after, "ratio": decode_gb_s / read_mean, "kept": kept})
+            print(f"sample {i + 1}/{args.pairs} {name:>7}: read {before:5.1f}, decode {1 / seconds:6.1f} tok/s = "
+                  f"{decode_gb_s:5.1f} GB/s of weights, read {after:5.1f} GB/s: ratio "
                   f"{decode_gb_s / read_mean:.2f}{'' if kept else ' (left out: the reads differ)'}", flush=True)
-    kept = [p["ratio"] for p in pairs if p["kept"]]
-    ratio = statistics.median(kept) if kept else float("nan")
-    print(f"{args.model} {args.precision}: {nbytes / 1e9:.2f} GB packed; median ratio {ratio:.2f} over the "
-          f"{len(kept)} of {args.pairs} samples kept ({machine()['cpu']}, {args.threads} threads)")
+    out = {"machine": machine(), "model": str(args.model), "precision": args.precision, "threads": args.threads,
+           "tokens_per_sample": args.tokens, "engines": {}}
+    for name, (_, _, nbytes) in engines.items():
+        kept = [p["ratio"] for p in samples[name] if p["kept"]]
+        ratio = statistics.median(kept) if kept else float("nan")
+        out["engines"][name] = {"step_gb": nbytes / 1e9, "median_ratio_kept": ratio, "samples": samples[name]}
+        print(f"{name} {args.model} {args.precision}: {nbytes / 1e9:.2f} GB a step; median ratio {ratio:.2f} "
+              f"over the {len(kept)} of {args.pairs} samples kept ({machine()['cpu']}, {args.threads} threads)")
+    if len(engines) == 2:  # sample i of the first against sample i of the second, a few seconds apart
+        a, b = engines
+        paired = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(samples[a], samples[b])]
+        medians = (statistics.median(x["decode_tok_s"] for x in samples[a])
+                   / statistics.median(y["decode_tok_s"] for y in samples[b]))
+        out["paired"] = {"tok_s_ratios": paired, "median": statistics.median(paired), "of_medians": medians}
+        print(f"{a} / {b} tok/s: median of the {len(paired)} sample pairs' ratios {statistics.median(paired):.2f}, "
+              f"ratio of the medians {medians:.2f}")
     if args.out:
-        args.out.write_text(json.dumps({"machine": machine(), "model": args.model, "precision": args.precision,
-                                        "packed_gb": nbytes / 1e9, "threads": args.threads,
-                                        "tokens_per_sample": args.tokens, "median_ratio_kept": ratio, "samples": pairs},
-                                       indent=1) + "\n")
+        args.out.write_text(json.dumps(out, indent=1) + "\n")
         print(f"wrote {args.out}")
 
 

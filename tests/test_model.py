@@ -286,6 +286,19 @@ def test_load_from_hf_cache(tmp_path, monkeypatch):
     assert name == "openai-community/gpt2" and model.config.n_embd == 64  # its id, not the snapshot
 
 
+def test_load_takes_a_path_as_well_as_a_string(hf_dir):
+    """A pathlib.Path names a checkpoint as its text does (it was an AttributeError from check_spec); anything
+    else is a Gpt2ffnError saying what names a model."""
+    from gpt2ffn.model import load_model
+    by_str, _, _ = load(str(hf_dir), need_tokenizer=False)
+    by_path, _, name = load(hf_dir, need_tokenizer=False)
+    assert name == hf_dir.name
+    assert all(torch.equal(a, b) for a, b in zip(by_str.state_dict().values(), by_path.state_dict().values()))
+    assert load_model(hf_dir).config == by_str.config
+    with pytest.raises(Gpt2ffnError, match="named by a string.*not a int"):
+        load(123)
+
+
 @pytest.mark.real_weights
 def test_real_gpt2_generate(real_gpt2):
     model, tok, _ = load(str(real_gpt2))

@@ -8,6 +8,7 @@ caches a forward pass writes into (serving/kv_cache.py) are passed in: the model
 import dataclasses
 import json
 import math
+import os
 import weakref
 import zlib
 from pathlib import Path
@@ -833,9 +834,17 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def spec_str(spec):
+    """A model's name as a string: a path (pathlib.Path, os.PathLike) as its text, anything else as given."""
+    return os.fspath(spec) if isinstance(spec, os.PathLike) else spec
+
+
 def check_spec(spec: str):
     """A model as the CLI, load() and serve name it: a checkpoint directory, a model id in the local HF cache,
     or random:<preset>[:seed] (an unknown preset named); else one line saying which these are."""
+    if not isinstance(spec, str):
+        raise Gpt2ffnError(f"a model is named by a string (a directory, a model id or random:<preset>[:seed]), "
+                           f"not a {type(spec).__name__}")
     if not spec.strip():
         raise Gpt2ffnError("--model is empty: give a checkpoint directory, a model id in the local HF cache, or "
                            "random:<preset>[:seed]")
@@ -849,6 +858,7 @@ def check_spec(spec: str):
 def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32", activations: str | None = None) -> GPT2:
     """GPT2 in eval mode from a checkpoint directory, a model id in the local HF cache or
     `random:<preset>[:seed]`; weights only, no tokenizer. precision: as GPT2.from_pretrained's."""
+    spec = spec_str(spec)
     check_spec(spec)
     if spec.startswith("random:"):
         cfg, seed, _ = parse_random(spec)
