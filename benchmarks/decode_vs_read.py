@@ -58,8 +58,9 @@ def gpt2ffn_engine(args, positions: int):
 def llama_engine(args, positions: int):
     """The same for llama.cpp through the peers' harness (benchmarks/peers/engine.py: Llama)."""
     sys.path.insert(0, str(ROOT / "benchmarks" / "peers"))
-    from engine import Llama
-    llm = Llama(args.precision, args.model, positions)
+    import engine
+    engine.THREADS = args.threads  # the harness's (2), as gpt2ffn's and the reads'
+    llm = engine.Llama(args.precision, args.model, positions)
     prompt = torch.randint(0, llm.n_vocab, (128,), generator=torch.Generator().manual_seed(0)).tolist()
     return llm.step, llm.prefill(prompt), Path(llm.path).stat().st_size
 
@@ -98,7 +99,9 @@ def main(argv=None):
     for step, logits, _ in engines.values():
         greedy_steps(step, logits, args.tokens)  # warm-up
     for i in range(args.pairs):
-        for name, (step, logits, nbytes) in engines.items():
+        order = list(engines) if i % 2 == 0 else list(engines)[::-1]  # ABBA: neither always goes first
+        for name in order:
+            step, logits, nbytes = engines[name]
             before = read_gb_s(nbytes)
             seconds = greedy_steps(step, logits, args.tokens) / args.tokens
             after = read_gb_s(nbytes)

@@ -295,7 +295,7 @@ def test_load_takes_a_path_as_well_as_a_string(hf_dir):
     assert name == hf_dir.name
     assert all(torch.equal(a, b) for a, b in zip(by_str.state_dict().values(), by_path.state_dict().values()))
     assert load_model(hf_dir).config == by_str.config
-    with pytest.raises(Gpt2ffnError, match="named by a string.*not a int"):
+    with pytest.raises(Gpt2ffnError, match="named by a string.*not int 123"):
         load(123)
 
 

@@ -1521,6 +1521,12 @@ def test_requests_refused_while_the_model_loads_are_counted_once_attached_not_se
         engine.count("413")  # attached: sent at once
         assert other.recv() == ("count", "413", 1)
     asyncio.run(run())
+    # stopped before attach, with the engine another API process started (--api-servers): the counts go first
+    mine, theirs = socket.socketpair()
+    engine, other = EngineProcess(Connection(mine.detach())), Connection(theirs.detach())
+    engine.count("401")
+    engine.stop()
+    assert [other.recv(), other.recv()] == [("count", "401", 1), ("stop",)]
 
 
 @pytest.mark.parametrize("engine, sig, want", [("on", signal.SIGTERM, 0), ("off", signal.SIGTERM, 0),

@@ -844,7 +844,7 @@ def check_spec(spec: str):
     or random:<preset>[:seed] (an unknown preset named); else one line saying which these are."""
     if not isinstance(spec, str):
         raise Gpt2ffnError(f"a model is named by a string (a directory, a model id or random:<preset>[:seed]), "
-                           f"not a {type(spec).__name__}")
+                           f"not {type(spec).__name__} {spec!r}")
     if not spec.strip():
         raise Gpt2ffnError("--model is empty: give a checkpoint directory, a model id in the local HF cache, or "
                            "random:<preset>[:seed]")

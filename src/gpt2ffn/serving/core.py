@@ -242,7 +242,10 @@ class EngineProcess:
             if self.proc is not None:
                 self.proc.kill()
                 self.proc.wait()
-            else:
+            else:  # another API process's engine serves on: what this one refused still counts there
+                for code, n in self.uncounted.items():
+                    self.send(("count", code, n))
+                self.uncounted.clear()
                 self.send(("stop",))
             return
         if not self.gone:
