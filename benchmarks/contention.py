@@ -26,7 +26,7 @@ ONE = """
 import json, statistics, subprocess, sys, time
 import torch
 torch.set_num_threads({threads})
-from gpt2ffn.bench import greedy_steps
+from gpt2ffn.bench import decode_seconds
 from gpt2ffn.generate import load
 from gpt2ffn.serving.kv_cache import KVCache
 model, _, _ = load({model!r}, precision={precision!r}, need_tokenizer=False)
@@ -35,10 +35,8 @@ def prefill():
     with torch.inference_mode():
         model(ids, cache=KVCache(model.config, 1, model.kv_dtype, max_len={tokens} + 1), last_only=True)
 def decode():  # seconds of the steps alone (generate's time less prefill's came out <= 0 on a fast CPU)
-    cache = KVCache(model.config, 1, model.kv_dtype, max_len={tokens} + {new})
     with torch.inference_mode():
-        return greedy_steps(lambda token: model(torch.tensor([[token]]), cache=cache, last_only=True)[0, -1],
-                            model(ids, cache=cache, last_only=True)[0, -1], {new})
+        return decode_seconds(model, ids, {new})
 def ms(f, n, timed=False):
     ts = []
     for _ in range(n):

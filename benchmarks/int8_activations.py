@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from gpt2ffn import _C
-from gpt2ffn.bench import distribution_metrics, greedy_ids, greedy_steps, machine, rounds
+from gpt2ffn.bench import decode_seconds, distribution_metrics, greedy_ids, machine, rounds
 from gpt2ffn.model import load_model
 from gpt2ffn.precision import quantize
 from gpt2ffn.serving.kv_cache import KVCache
@@ -57,12 +57,8 @@ def speed(spec, repeats, prompt_tokens=128, new_tokens=64) -> dict:
         cfg = model.config
         prefill[name] = lambda m=model, cfg=cfg: m(
             ids, KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens), last_only=True)
-
-        def decode(m=model, cfg=cfg):  # seconds of the greedy steps alone (generate less prefill came out <= 0)
-            cache = KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens)
-            return greedy_steps(lambda token: m(torch.tensor([[token]]), cache, last_only=True)[0, -1],
-                                m(ids, cache, last_only=True)[0, -1], new_tokens)
-        steps[name] = decode
+        # the greedy steps alone (generate's time less prefill's came out <= 0 on a fast CPU)
+        steps[name] = lambda m=model: decode_seconds(m, ids, new_tokens)
     with torch.no_grad():
         p = rounds(prefill, repeats)
         g = rounds(steps, max(3, repeats // 2), self_timed=True)

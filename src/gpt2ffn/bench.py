@@ -180,6 +180,15 @@ def greedy_steps(step, logits, n: int) -> float:
     return time.perf_counter() - t0
 
 
+def decode_seconds(model, ids, new_tokens: int) -> float:
+    """Seconds of new_tokens single-token greedy steps of a gpt2ffn GPT2 after an untimed prefill of ids (1, T),
+    in a KV cache of its own: decode timed by itself."""
+    from .serving.kv_cache import KVCache
+    cache = KVCache(model.config, 1, model.kv_dtype, max_len=ids.shape[1] + new_tokens)
+    return greedy_steps(lambda token: model(torch.tensor([[token]]), cache, last_only=True)[0, -1],
+                        model(ids, cache, last_only=True)[0, -1], new_tokens)
+
+
 def bench_forward(dims, tokens, repeats, device="cpu", log=print, dtypes=("fp32",)) -> list:
     """The FFN's implementations per d, token count and dtype (fp32, bf16: bf16 on CUDA only), each checked
     against the numpy reference at that dtype's tolerance first. On CUDA each timing is CUDA events around 20
@@ -489,14 +498,9 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
             if precision == "fp32" and not all(same):
                 raise Gpt2ffnError(f"gpt2ffn fp32 greedy tokens differ from HF's at position {same.index(False)}")
             nbytes[precision] = sum(m.packed.nbytes for m in packable(model))
-            def decode(m=model):
-                cache = KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens)
-                return greedy_steps(lambda token: m(torch.tensor([[token]]), cache, last_only=True)[0, -1],
-                                    m(ids, cache, last_only=True)[0, -1], new_tokens)
-
             runs[f"gpt2ffn {precision}"] = (
                 lambda m=model: m(ids, KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens), last_only=True),
-                decode)
+                lambda m=model: decode_seconds(m, ids, new_tokens))
         prefill = rounds({k: v[0] for k, v in runs.items()}, repeats)
         steps = rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2), self_timed=True)
         overhead = step_overhead(precisions, repeats=max(repeats, 50))

@@ -6,7 +6,7 @@ from pathlib import Path
 import torch
 
 from .errors import Gpt2ffnError
-from .model import check_spec, load_model, parse_random, spec_str
+from .model import check_spec, load_model, parse_random
 from .parallel import make_mesh, parallelize
 from .precision import check_activations, check_precision
 from .tokenizer import ByteTokenizer, has_tokenizer_files, load_tokenizer, no_tokenizer
@@ -60,9 +60,8 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     activations: 'fp32' or 'int8' (integer dot products, int8/int4 weights on the CPU); None: the machine's
     default for the precision (kernels.packed.default_activations). kv_dtype: the KV caches' dtype
     (GPT2.kv_dtype; None: its default, fp16 for bf16/int8/int4 weights on the CPU, else the weights' dtype)."""
-    spec = spec_str(spec)  # a pathlib.Path as its text
     if spec is not None:
-        check_spec(spec)  # before the device, the tokenizer or any weight
+        spec = check_spec(spec)  # before the device, the tokenizer or any weight (a pathlib.Path as its text)
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if device.startswith("cuda"):
@@ -121,9 +120,8 @@ def _where(spec):
 def tokenizer_for(spec=None):
     """The tokenizer load(spec) gives with the model, without the model (the server's process when the engine runs
     in its own: serving/core.py). A directory without tokenizer files is an error."""
-    spec = spec_str(spec)
     if spec is not None:
-        check_spec(spec)
+        spec = check_spec(spec)
     spec, _ = _where(spec)
     if spec.startswith("random:"):
         return ByteTokenizer()

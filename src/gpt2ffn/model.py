@@ -834,14 +834,12 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
-def spec_str(spec):
-    """A model's name as a string: a path (pathlib.Path, os.PathLike) as its text, anything else as given."""
-    return os.fspath(spec) if isinstance(spec, os.PathLike) else spec
-
-
-def check_spec(spec: str):
-    """A model as the CLI, load() and serve name it: a checkpoint directory, a model id in the local HF cache,
-    or random:<preset>[:seed] (an unknown preset named); else one line saying which these are."""
+def check_spec(spec) -> str:
+    """A model as the CLI, load() and serve name it: a checkpoint directory (a pathlib.Path too), a model id in
+    the local HF cache, or random:<preset>[:seed] (an unknown preset named); else one line saying which these are.
+    Returns it as a string."""
+    if isinstance(spec, os.PathLike):
+        spec = os.fspath(spec)
     if not isinstance(spec, str):
         raise Gpt2ffnError(f"a model is named by a string (a directory, a model id or random:<preset>[:seed]), "
                            f"not {type(spec).__name__} {spec!r}")
@@ -853,13 +851,13 @@ def check_spec(spec: str):
     elif not Path(spec).is_dir() and (Path(spec).exists() or cached_snapshot(spec) is None):
         raise Gpt2ffnError(f"model {spec!r} is neither a checkpoint directory, a model id in the local HF cache "
                            f"({hub_cache()}), nor random:<preset>[:seed]")
+    return spec
 
 
 def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32", activations: str | None = None) -> GPT2:
     """GPT2 in eval mode from a checkpoint directory, a model id in the local HF cache or
     `random:<preset>[:seed]`; weights only, no tokenizer. precision: as GPT2.from_pretrained's."""
-    spec = spec_str(spec)
-    check_spec(spec)
+    spec = check_spec(spec)
     if spec.startswith("random:"):
         cfg, seed, _ = parse_random(spec)
         model = random_weights_(GPT2(cfg), seed).to(dtype).eval()

@@ -142,12 +142,17 @@ static inline void qtile(const LinearArgs& a, int64_t m0, int64_t sb, int j0, in
   }
 }
 
+// qtile with the group of 32 (every GPT-2 width's) as the constant GC, any other as a.group
+template <int FMT, int MR, int NB, bool PF = false>
+static inline void qtile_g(const LinearArgs& a, int64_t m0, int64_t sb, int j0, int t = 0, int nt = 0) {
+  a.group == 32 ? qtile<FMT, MR, NB, PF, 32>(a, m0, sb, j0, t, nt) : qtile<FMT, MR, NB, PF>(a, m0, sb, j0, t, nt);
+}
+
 #ifndef GPT2FFN_QRUN8
-// One tile of MR rows over a super-block's 4 blocks of 16 lanes, QNB blocks at a time (groups of 32 unrolled)
+// One tile of MR rows over a super-block's 4 blocks of 16 lanes, QNB blocks at a time
 template <int FMT, int MR>
 static inline void tiles(const LinearArgs& a, int64_t m, int64_t sb, int t, int nt) {
-  for (int j0 = 0; j0 < 4; j0 += QNB)
-    a.group == 32 ? qtile<FMT, MR, QNB, false, 32>(a, m, sb, j0, t, nt) : qtile<FMT, MR, QNB>(a, m, sb, j0, t, nt);
+  for (int j0 = 0; j0 < 4; j0 += QNB) qtile_g<FMT, MR, QNB>(a, m, sb, j0, t, nt);
 }
 #endif
 
@@ -177,10 +182,7 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
 #endif
     for (; m < a.M; m++)
       for (int j0 = 0; j0 < 4; j0 += QNB1)
-        if (a.group == 32)
-          stream && m == 0 ? qtile<FMT, 1, QNB1, true, 32>(a, m, sb, j0) : qtile<FMT, 1, QNB1, false, 32>(a, m, sb, j0);
-        else
-          stream && m == 0 ? qtile<FMT, 1, QNB1, true>(a, m, sb, j0) : qtile<FMT, 1, QNB1>(a, m, sb, j0);
+        stream && m == 0 ? qtile_g<FMT, 1, QNB1, true>(a, m, sb, j0) : qtile_g<FMT, 1, QNB1>(a, m, sb, j0);
   }
 }
 

@@ -164,9 +164,7 @@ class EngineProcess:
             self.loop, self.serving = loop, then
             loop.add_reader(self.conn.fileno(), self.readable)
             self.send(("attached",))
-            for code, n in self.uncounted.items():
-                self.send(("count", code, n))
-            self.uncounted.clear()
+            self.send_uncounted()
         loop.call_soon_threadsafe(on_loop)
 
     # -- what the routes call (on the event loop) ----------------------------------------------------------
@@ -216,6 +214,11 @@ class EngineProcess:
         else:
             self.send(("count", code, 1))
 
+    def send_uncounted(self):
+        for code, n in self.uncounted.items():
+            self.send(("count", code, n))
+        self.uncounted.clear()
+
     async def exposition(self) -> bytes | None:
         """The engine's Prometheus metrics (its registry's text); None if it is gone or does not answer in 5 s."""
         if self.gone:
@@ -243,9 +246,7 @@ class EngineProcess:
                 self.proc.kill()
                 self.proc.wait()
             else:  # another API process's engine serves on: what this one refused still counts there
-                for code, n in self.uncounted.items():
-                    self.send(("count", code, n))
-                self.uncounted.clear()
+                self.send_uncounted()
                 self.send(("stop",))
             return
         if not self.gone:

@@ -42,7 +42,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from ..config import Config
 from ..errors import Gpt2ffnError
 from ..loading import resolve_device
-from ..model import check_spec, parse_random, spec_str
+from ..model import check_spec, parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
 from .core import EngineGone, EngineProcess, check_max_len, child_env
@@ -712,9 +712,8 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
     (vLLM's --api-server-count): that many processes serve HTTP on the one socket, in front of the engine's own."""
     if any(not name.strip() for name in served_names) or len(set(served_names)) < len(served_names):
         raise Gpt2ffnError(f"--served-model-name takes distinct, non-empty names, got {list(served_names)}")
-    model_spec = spec_str(model_spec)  # a pathlib.Path as its text
-    if model_spec is not None:
-        check_spec(model_spec)  # an unknown preset or model is one line here, before "serving on"
+    if model_spec is not None:  # an unknown preset or model is one line here, before "serving on"
+        model_spec = check_spec(model_spec)  # (a pathlib.Path as its text)
     if chat_template and not Path(chat_template).is_file():
         raise Gpt2ffnError(f"--chat-template {chat_template!r} is not a file")
     if model_spec and Path(model_spec).is_dir() and not skip_tokenizer and not has_tokenizer_files(model_spec):
