@@ -1,6 +1,7 @@
 """The whole GPT-2: against HF GPT2LMHeadModel (logits, generate), KV cache, batching, sampling, loading."""
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -297,6 +298,10 @@ def test_load_takes_a_path_as_well_as_a_string(hf_dir):
     assert load_model(hf_dir).config == by_str.config
     with pytest.raises(Gpt2ffnError, match="named by a string.*not int 123"):
         load(123)
+    # serve() checks its model the same way, before it binds a port: a missing directory as a Path is named
+    from gpt2ffn.serving.http import serve
+    with pytest.raises(Gpt2ffnError, match="'/no/such/dir' is neither a checkpoint directory"):
+        serve(Path("/no/such/dir"))
 
 
 @pytest.mark.real_weights
