@@ -10,6 +10,8 @@ such a change and is left out of the median (kept in the file, marked).
     PYTHONPATH=src /work/peers-build/venv/bin/python benchmarks/decode_vs_read.py --engine gpt2ffn llama \
         --model PREPARED --precision bf16     # and llama.cpp (llama-cpp-python) on PREPARED/gguf/gpt2-bf16.gguf,
                                               # the engines' samples alternating in one process
+    python benchmarks/decode_vs_read.py --model DIR --precision bf16 --prefetch 0 4096
+                                              # gpt2ffn at each decode prefetch distance (_C.set_prefetch), alternating
 
 gpt2ffn's bytes are its packed weights; llama.cpp's the GGUF file's size (its tensors and a few MB of vocabulary).
 
@@ -21,10 +23,12 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+from gpt2ffn import _C
 from gpt2ffn.bench import greedy_steps, machine
 from gpt2ffn.generate import load
 from gpt2ffn.serving.kv_cache import KVCache
@@ -32,6 +36,7 @@ from gpt2ffn.serving.kv_cache import KVCache
 ROOT = Path(__file__).resolve().parents[1]
 READ = Path("/tmp/read_rate")
 SOURCE = ROOT / "benchmarks" / "read_rate.cpp"
+SETTLE = 0.05  # seconds before each read
 
 
 def reader() -> Path:
@@ -41,14 +46,19 @@ def reader() -> Path:
     return READ
 
 
-def gpt2ffn_engine(args, positions: int):
-    """(step(token) -> logits, the prompt's logits, bytes a step reads) for gpt2ffn."""
-    model, _, _ = load(args.model, precision=args.precision, need_tokenizer=False)
-    nbytes = sum(m.packed.nbytes for m in model.modules() if hasattr(m, "packed"))
+def gpt2ffn_engine(args, positions: int, model=None, prefetch=None):
+    """(step(token) -> logits, the prompt's logits, bytes a step reads) for gpt2ffn; prefetch: its decode prefetch
+    distance for this engine's samples (set before each step; None: as the probe chose)."""
+    model = model or load(args.model, precision=args.precision, need_tokenizer=False)[0]
+    packed = [m.packed for m in model.modules() if hasattr(m, "packed")]
+    nbytes = sum(p.nbytes for p in packed)
     ids = torch.randint(0, model.config.vocab_size, (1, 128), generator=torch.Generator().manual_seed(0))
     cache = KVCache(model.config, 1, model.kv_dtype, max_len=positions)
 
     def step(token):
+        if prefetch is not None:
+            for f in {p.format for p in packed}:
+                _C.set_prefetch(f, prefetch)
         with torch.inference_mode():
             return model(torch.tensor([[token]]), cache, last_only=True)[0, -1]
     with torch.inference_mode():
@@ -69,6 +79,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--engine", nargs="+", default=["gpt2ffn"], choices=["gpt2ffn", "llama"],
                     help="two: their samples alternate, each bracketed by its own reads (one process: the peers' venv)")
+    ap.add_argument("--prefetch", nargs="+", type=int, default=None, metavar="BYTES",
+                    help="gpt2ffn as one engine per decode prefetch distance (one model), the first the baseline")
     ap.add_argument("--model", required=True, type=Path,
                     help="a prepare.py directory (hf/, gguf/) or, for gpt2ffn alone, an HF GPT-2 checkpoint")
     ap.add_argument("--llama-precision", default=None, help="llama.cpp's, when it differs (bf16 -> bf16)")
@@ -82,7 +94,15 @@ def main(argv=None):
     read = reader()
     positions = 128 + (args.pairs + 1) * args.tokens + 1
     engines = {}
-    for name in args.engine:
+    if args.prefetch:
+        if args.engine != ["gpt2ffn"]:
+            ap.error("--prefetch compares gpt2ffn with itself: give no --engine")
+        hf = args.model / "hf" if (args.model / "hf").is_dir() else args.model
+        model = load(hf, precision=args.precision, need_tokenizer=False)[0]
+        args.engine = [f"pf {d}" for d in args.prefetch]
+        for name, d in zip(args.engine, args.prefetch):
+            engines[name] = gpt2ffn_engine(argparse.Namespace(**{**vars(args), "model": hf}), positions, model, d)
+    for name in args.engine if not args.prefetch else []:
         if name == "llama":
             engines[name] = llama_engine(argparse.Namespace(**{**vars(args), "precision": args.llama_precision
                                                                  or args.precision}), positions)
@@ -90,16 +110,25 @@ def main(argv=None):
             hf = args.model / "hf" if (args.model / "hf").is_dir() else args.model
             engines[name] = gpt2ffn_engine(argparse.Namespace(**{**vars(args), "model": hf}), positions)
 
+    # one reader for the whole run, its buffer allocated once (a process a pass made the kernel map and free ~3 GB
+    # around every sample, on the cores the decode runs on)
+    most = max(nbytes for _, _, nbytes in engines.values())
+    reading = subprocess.Popen([str(read), str(most / 1e9), "-", str(args.threads)], stdin=subprocess.PIPE,
+                               stdout=subprocess.PIPE, text=True)
+
     def read_gb_s(nbytes) -> float:
-        out = subprocess.run([str(read), str(nbytes / 1e9), "1", str(args.threads)], capture_output=True, text=True,
-                             check=True)
-        return float(out.stdout.split()[0])
+        # first a pause: an engine's threads spin on for a few ms after a step (libgomp, ggml's pool) and took
+        # the cores from a read right after it (0.9 GB of int4: 80 GB/s before a sample, 52 after, every sample)
+        time.sleep(SETTLE)
+        reading.stdin.write(f"{nbytes / 1e9}\n")
+        reading.stdin.flush()
+        return float(reading.stdout.readline().split()[0])
 
     samples = {name: [] for name in engines}
     for step, logits, _ in engines.values():
         greedy_steps(step, logits, args.tokens)  # warm-up
     for i in range(args.pairs):
-        order = list(engines) if i % 2 == 0 else list(engines)[::-1]  # ABBA: neither always goes first
+        order = list(engines) if i % 2 == 0 else list(engines)[::-1]  # ABBA: none always goes first
         for name in order:
             step, logits, nbytes = engines[name]
             before = read_gb_s(nbytes)
@@ -112,20 +141,32 @@ def main(argv=None):
             print(f"sample {i + 1}/{args.pairs} {name:>7}: read {before:5.1f}, decode {1 / seconds:6.1f} tok/s = "
                   f"{decode_gb_s:5.1f} GB/s of weights, read {after:5.1f} GB/s: ratio "
                   f"{decode_gb_s / read_mean:.2f}{'' if kept else ' (left out: the reads differ)'}", flush=True)
-    out = {"machine": machine(), "model": str(args.model), "precision": args.precision, "threads": args.threads,
+    reading.stdin.close()
+    reading.wait()
+    out = {"machine": machine(), "model": str(args.model), "precision": args.precision,
+           **({"llama_precision": args.llama_precision or args.precision} if "llama" in engines else {}),
+           "threads": args.threads,
            "tokens_per_sample": args.tokens, "engines": {}}
     for name, (_, _, nbytes) in engines.items():
         kept = [p["ratio"] for p in samples[name] if p["kept"]]
         ratio = statistics.median(kept) if kept else float("nan")
         out["engines"][name] = {"step_gb": nbytes / 1e9, "median_ratio_kept": ratio, "samples": samples[name]}
-        print(f"{name} {args.model} {args.precision}: {nbytes / 1e9:.2f} GB a step; median ratio {ratio:.2f} "
+        precision = args.llama_precision or args.precision if name == "llama" else args.precision
+        print(f"{name} {args.model} {precision}: {nbytes / 1e9:.2f} GB a step; median ratio {ratio:.2f} "
               f"over the {len(kept)} of {args.pairs} samples kept ({machine()['cpu']}, {args.threads} threads)")
-    if len(engines) == 2:  # sample i of the first against sample i of the second, a few seconds apart
-        a, b = engines
+    names = list(engines)
+    # sample i of one engine against sample i of another, a few seconds apart: gpt2ffn / llama, or each
+    # prefetch distance / the first
+    pairs = [(names[0], names[1])] if len(names) == 2 and not args.prefetch else [(b, names[0]) for b in names[1:]]
+    for a, b in pairs:
         paired = [x["decode_tok_s"] / y["decode_tok_s"] for x, y in zip(samples[a], samples[b])]
         medians = (statistics.median(x["decode_tok_s"] for x in samples[a])
                    / statistics.median(y["decode_tok_s"] for y in samples[b]))
-        out["paired"] = {"tok_s_ratios": paired, "median": statistics.median(paired), "of_medians": medians}
+        entry = {"tok_s_ratios": paired, "median": statistics.median(paired), "of_medians": medians}
+        if args.prefetch:
+            out.setdefault("paired", {})[f"{a} / {b}"] = entry
+        else:
+            out["paired"] = entry
         print(f"{a} / {b} tok/s: median of the {len(paired)} sample pairs' ratios {statistics.median(paired):.2f}, "
               f"ratio of the medians {medians:.2f}")
     if args.out:

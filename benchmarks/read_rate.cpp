@@ -1,13 +1,17 @@
 // The machine's DRAM read rate as a decode step meets it: T threads (OpenMP; 2 unless given) each summing its share
 // of a buffer far larger than the L3 with 512-bit loads (AVX2's 256-bit where the CPU has no AVX-512), on 2 MiB
 // pages (says so on stderr where Linux refuses them); GB/s of each pass, one line a pass.
-// benchmarks/decode_vs_read.py runs it around decode steps. Not part of the package.
+// benchmarks/decode_vs_read.py runs it around decode steps, as one process that allocates once (passes "-"): each
+// line on stdin asks for a pass over its first GB (at most the buffer's). A new process a pass made the kernel map,
+// zero and free ~3 GB each time, work that took a core from the decode it was to bracket. Not part of the package.
 //
 //   g++ -O3 -march=native -fopenmp -o /tmp/read_rate benchmarks/read_rate.cpp && /tmp/read_rate 3.1 5 2  # GB passes T
+//   /tmp/read_rate 3.2 - 2    # then "3.1" on stdin: one pass over 3.1 GB, its GB/s on stdout
 #include <immintrin.h>
 #include <omp.h>
 #include <sys/mman.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -35,12 +39,19 @@ constexpr size_t W = 32;
 
 int main(int argc, char** argv) {
   const double gb = argc > 1 ? std::atof(argv[1]) : 3.1;
-  const int passes = argc > 2 ? std::atoi(argv[2]) : 5, threads = argc > 3 ? std::atoi(argv[3]) : 2;
-  const size_t page = size_t{2} << 20, n = static_cast<size_t>(gb * 1e9) / (8 * W) * (8 * W);
-  char* p = static_cast<char*>(std::aligned_alloc(page, (n + page - 1) / page * page));
-  if (madvise(p, n, MADV_HUGEPAGE) != 0) std::perror("read_rate: madvise(MADV_HUGEPAGE), on 4 KiB pages");
-  std::memset(p, 1, n);
-  for (int r = 0; r < passes; r++) {
+  const bool ask = argc > 2 && std::strcmp(argv[2], "-") == 0;  // a pass per line on stdin
+  const int passes = ask ? 0 : argc > 2 ? std::atoi(argv[2]) : 5, threads = argc > 3 ? std::atoi(argv[3]) : 2;
+  const size_t page = size_t{2} << 20, whole = static_cast<size_t>(gb * 1e9) / (8 * W) * (8 * W);
+  char* p = static_cast<char*>(std::aligned_alloc(page, (whole + page - 1) / page * page));
+  if (madvise(p, whole, MADV_HUGEPAGE) != 0) std::perror("read_rate: madvise(MADV_HUGEPAGE), on 4 KiB pages");
+  std::memset(p, 1, whole);
+  char line[64];
+  for (int r = 0; ask || r < passes; r++) {
+    size_t n = whole;
+    if (ask) {
+      if (!std::fgets(line, sizeof line, stdin)) break;
+      n = std::min(whole, static_cast<size_t>(std::atof(line) * 1e9) / (8 * W) * (8 * W));
+    }
     const auto t0 = std::chrono::steady_clock::now();
     float total = 0.0f;
 #pragma omp parallel num_threads(threads) reduction(+ : total)
@@ -58,5 +69,6 @@ int main(int argc, char** argv) {
     }
     const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     std::printf("%.1f GB/s%s\n", n / s / 1e9, total == 42.0f ? " " : "");  // (total kept, not printed)
+    std::fflush(stdout);
   }
 }
