@@ -86,6 +86,16 @@ def hf_dir(small_model, tmp_path_factory) -> Path:
     return d
 
 
+@pytest.fixture(scope="session")
+def quiet_dir(tmp_path_factory) -> Path:
+    """A checkpoint saved from HF's random init (weights N(0, 0.02), biases 0), as a learner makes one: c_fc's
+    outputs stay within |x| ~ 0.6 on the judge's prompt, where the exact GELU is within 1e-4 of the tanh one."""
+    torch.manual_seed(0)
+    path = tmp_path_factory.mktemp("quiet")
+    GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=512, n_positions=128)).save_pretrained(path)
+    return path
+
+
 @pytest.fixture
 def real_gpt2() -> Path:
     path = os.environ.get("GPT2FFN_REAL_GPT2")

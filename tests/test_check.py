@@ -603,6 +603,26 @@ def test_picogpt_whole_model_function(change, code, says, golden, tmp_path, caps
     assert says in out, out
 
 
+@pytest.mark.parametrize("change, says", [
+    (None, "PASS"),
+    (("return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x**3)))",
+      "return 0.5 * x * (1 + np.vectorize(math.erf)(x / np.sqrt(2)))"), "its gelu: it is the exact form (erf)"),
+    (("return x @ w + b", "return x @ w"), "its ffn: "),
+])
+def test_picogpt_pass_on_small_values_checks_its_parts(change, says, quiet_dir, tmp_path, capsys):
+    """A checkpoint from HF's random init (c_fc's outputs |x| < 0.6, biases 0): picoGPT with the exact GELU, or
+    without biases, passes every stage on the prompt; its own gelu and ffn, checked alone (the grid; the ffn on
+    its input scaled), name the mistake. The right file still passes."""
+    source = "import math\n" + PICO + PICO_MODEL
+    if change is not None:
+        assert change[0] in source
+        source = source.replace(*change)
+    got, out, err = run(["check", f"{learner_file(tmp_path, source)}:gpt2", "--model", str(quiet_dir)], capsys)
+    assert got == (0 if change is None else 1) and says in out, out + err
+    if change is not None:
+        assert "FAIL (its parts alone, checkpoint 06): every stage passed on this prompt" in out, out
+
+
 PICO_MODEL = """
 
 def softmax(x):

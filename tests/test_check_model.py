@@ -417,6 +417,37 @@ def test_the_residual_stream_is_judged_relative_to_its_size(rel, passes, loud_di
         assert block["max_abs"] > GOLDEN_ATOL  # above the absolute bar: it passed before only if scaled
 
 
+@pytest.mark.parametrize("old, new, verdict", [
+    (None, None, "; block 0's FFN also passes alone on its input scaled"),
+    ('nn.GELU(approximate="tanh")', "nn.GELU()", "exact GELU (erf) where the config says tanh GELU"),
+    ("self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)",
+     "self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=False)", "c_proj bias missing"),
+])
+def test_a_model_pass_on_small_ffn_inputs_probes_its_ffn_alone(old, new, verdict, quiet_dir, tmp_path, capsys):
+    """On a checkpoint saved from HF's random init every stage of a model with the exact GELU passes within
+    1e-4 (the prompt's FFN inputs are too small to tell); its FFN module is then judged alone on its input
+    scaled, as check judges an FFN, and the mistake fails the model at checkpoint 06. The right model still
+    passes; the unprobed stages pass in each case (the control: only the probe can tell)."""
+    source = NANOGPT if old is None else NANOGPT.replace(old, new)
+    assert old is None or source != NANOGPT
+    path = tmp_path / "learner.py"
+    path.write_text(textwrap.dedent(source))
+    code = main(["check", f"{path}:GPT", "--model", str(quiet_dir), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    alone = [r for r in report["rows"] if r["stage"].startswith("FFN alone")]
+    assert all(r["status"] == "PASS" for r in report["rows"] if r not in alone), report["rows"]
+    assert len(alone) == 1 and alone[0]["checkpoint"] == "06", report["rows"]
+    assert (code == 0) == (old is None) and verdict in report["verdict"], report["verdict"]
+    if old is not None:
+        assert report["first_divergence"]["checkpoint"] == "06" and alone[0]["status"] == "FAIL"
+
+
+def test_a_model_on_telling_inputs_is_not_probed(tmp_path, capsys):
+    """random:tiny's FFN inputs already tell the known FFN mistakes apart: no extra row, the plain verdict."""
+    code, out, err = run(tmp_path, capsys, NANOGPT, "GPT")
+    assert code == 0 and "FFN alone" not in out and "judged alone too" not in out, out + err
+
+
 NOTEBOOK_FFN = '''
 # coding: utf-8
 get_ipython().run_line_magic('matplotlib', 'inline')

@@ -466,8 +466,7 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
         hook("mlp.c_proj", first_input(f"h{i}_gelu"), pre=True)
         # the FFN's output: its module's, unless that is the block or a container that is never called (minGPT's
         # ModuleDict, run by a lambda): then c_proj's
-        called = r["mlp"].module is not r["block"].module and type(r["mlp"].module).forward is not nn.Module.forward \
-            and not isinstance(r["mlp"].module, (nn.ModuleDict, nn.ModuleList))
+        called = runs_alone(r)
         hook("mlp" if called else "mlp.c_proj", out(f"h{i}_ffn"))
         hook("block", out(f"h{i}_block"))
     hooks.append(s.ln_f.module.register_forward_hook(out("ln_f")))
@@ -528,6 +527,22 @@ def reference(source: str) -> Reference:
     return Reference(info["source"], model, cfg, ids, t, tokens)
 
 
+def ffn_case(ref: Reference, layer: int) -> FFNCase:
+    """Block `layer`'s FFN as the reference computed it: HF's weights, its ln_2 output as the input, its stages."""
+    t, mlp = ref.stages, ref.model.transformer.h[layer].mlp
+    return FFNCase(ref.source, layer, ref.cfg.gelu_approximate,
+                   {k: v.detach().float().numpy() for k, v in mlp.state_dict().items()}, t[f"h{layer}_ln_2"],
+                   t[f"h{layer}_attn_resid"], {s: t[f"h{layer}_{s}"] for s in ("c_fc", "gelu", "ffn")})
+
+
+def runs_alone(block: dict) -> bool:
+    """Whether a block's FFN is a module of its own that can run alone (not the block itself, not a ModuleDict
+    that the block runs in a lambda, as minGPT's)."""
+    m = block["mlp"].module
+    return m is not block["block"].module and type(m).forward is not nn.Module.forward \
+        and not isinstance(m, (nn.ModuleDict, nn.ModuleList))
+
+
 def _float64(t):
     return torch.as_tensor(np.asarray(t), dtype=torch.float64)
 
@@ -566,10 +581,7 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
         if stage == "ln_2":
             norm_alone(t[f"h{layer}_attn_resid"], w["ln_2.weight"], w["ln_2.bias"])
         if stage in ("c_fc", "gelu", "ffn"):
-            case = FFNCase(ref.source, layer, cfg.gelu_approximate,
-                           {k.removeprefix("mlp."): v.numpy() for k, v in w.items() if k.startswith("mlp.")},
-                           t[f"h{layer}_ln_2"], t[f"h{layer}_attn_resid"], {s: t[f"h{layer}_{s}"] for s in
-                                                                             ("c_fc", "gelu", "ffn")})
+            case = ffn_case(ref, layer)
             hits = case.matching(stage, got, atol)
             later = (seen or {}).get(f"h{layer}_ffn")
             if len(hits) > 1 and later is not None:  # GELU left out and GELU after c_proj agree until the FFN output
