@@ -1011,3 +1011,29 @@ def test_an_instance_comes_back_as_it_came(dtype, golden):
     assert module.c_fc.weight is weight and module.scale.dtype == dtype and module.c_fc.weight.grad.dtype == dtype
     assert all(torch.equal(v, before[k]) and v.dtype == dtype for k, v in module.state_dict().items())
     assert row.data_ptr() == module.c_fc.weight.data_ptr() and torch.equal(row, before["c_fc.weight"][0])
+
+
+SMALL_FFN = """
+import torch.nn as nn
+ffn = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64))
+ffn_exact = nn.Sequential(nn.Linear(64, 256), nn.GELU(), nn.Linear(256, 64))
+"""
+
+
+def test_an_ffn_of_its_own_width_against_a_checkpoint_or_a_preset(quiet_dir, tmp_path, capsys):
+    """A 64-wide FFN: against GPT-2's widths the error names the ways that fit (a checkpoint of its width,
+    --preset tiny, and Python's preset=); --model DIR judges an FFN directly (it asked for `extract` first), on
+    its input scaled where the checkpoint's values are too small, so the exact GELU still fails there."""
+    from gpt2ffn import check
+    path = learner_file(tmp_path, SMALL_FFN)
+    code, _, err = run(["check", f"{path}:ffn"], capsys)
+    assert code == 2 and "64 fits no GPT-2 width" in err and "--model DIR" in err and "--preset tiny" in err, err
+    code, out, _ = run(["check", f"{path}:ffn", "--model", str(quiet_dir)], capsys)
+    assert code == 0 and "PASS" in out and "(and with its input scaled)" in out, out
+    code, out, _ = run(["check", f"{path}:ffn_exact", "--model", str(quiet_dir)], capsys)
+    assert code == 1 and "exact GELU (erf) where the config says tanh GELU" in out, out
+    import torch.nn as nn
+    small = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64))
+    assert check(small, preset="tiny").passed and not check(small[:2], preset="tiny").passed
+    with pytest.raises(CheckError, match="give model or preset, not both"):
+        check(small, preset="tiny", model="random:tiny:1")

@@ -261,3 +261,68 @@ def test_an_empty_prompt_starts_from_endoftext_as_serve_takes_it(capsys):
     assert main(["generate", "--ids", str(eos), "--model", "random:tiny", "--max-new-tokens", "4"]) == 0
     from_ids = capsys.readouterr().out  # the prompt's text echoed first
     assert len(empty) > 1 and from_ids.endswith(empty), (empty, from_ids)
+
+
+@pytest.fixture(scope="module")
+def default_ids(tmp_path_factory):
+    """A small checkpoint saved with HF's GPT2Config defaults (bos/eos 50256, outside its vocab of 300) and a
+    byte-level BPE trained here, of 280 tokens with <|endoftext|> (id 0); `plain/` the same tokenizer without it."""
+    import torch
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("default_ids")
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=300, n_positions=64)).save_pretrained(d)
+    for sub, special in ((d, ["<|endoftext|>"]), (d / "plain", [])):
+        sub.mkdir(exist_ok=True)
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, vocab_size=280,
+                                min_frequency=1, special_tokens=special)
+        tok.save(str(sub / "tokenizer.json"))
+    return d
+
+
+def test_bos_and_eos_outside_the_vocabulary_fit_to_the_tokenizer(default_ids, tmp_path, capsys):
+    """HF's GPT2Config keeps GPT-2's 50256 for any vocab_size: an empty prompt was refused as 'token ids must be in
+    [0, 300); got min 50256' and EOS could never fire. Now the tokenizer's <|endoftext|> is used, with one warning
+    line (also that the tokenizer is smaller than the model); without <|endoftext|>, BOS 0 and no EOS. A config
+    whose ids fit is left as it is, unwarned (the control)."""
+    import shutil
+    import warnings
+
+    from gpt2ffn.generate import load
+    assert main(["generate", "--model", str(default_ids), "", "--max-new-tokens", "3"]) == 0
+    err = capsys.readouterr().err
+    assert err.startswith("warning: the checkpoint's bos_token_id 50256 and eos_token_id 50256 are outside "
+                          "vocab_size 300") and "using BOS 0 and EOS 0 (the tokenizer's <|endoftext|>)" in err, err
+    assert "the tokenizer has 280 tokens and the model 300: ids 280..299 decode to no text" in err
+    model, _, _ = load(default_ids)
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (0, 0)
+    plain = tmp_path / "plain"
+    shutil.copytree(default_ids, plain, ignore=shutil.ignore_patterns("plain", "tokenizer.json"))
+    shutil.copy(default_ids / "plain" / "tokenizer.json", plain)
+    with pytest.warns(UserWarning, match="using BOS 0 and no EOS"):
+        model, _, _ = load(plain)
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (0, None)
+    (plain / "config.json").write_text((plain / "config.json").read_text().replace("50256", "7"))
+    (plain / "generation_config.json").unlink(missing_ok=True)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message="the checkpoint's")
+        model, _, _ = load(plain)
+    assert (model.config.bos_token_id, model.config.eos_token_id) == (7, 7)
+
+
+def test_generate_takes_sampling_fields_as_keywords(no_tokenizer):
+    """generate(model, ids, max_new_tokens=...) as HF's generate is called (was a TypeError: missing `s`): the same
+    tokens as with Sampling(..., eos_token_id=the config's); keywords replace an s's fields; an unknown one names
+    the fields. Sampling is importable from the package."""
+    from gpt2ffn import Gpt2ffnError, Sampling, generate
+    from gpt2ffn.generate import load
+    model, _, _ = load(no_tokenizer, need_tokenizer=False)
+    want = generate(model, [[1, 2, 3]], Sampling(max_new_tokens=5, eos_token_id=model.config.eos_token_id))
+    assert generate(model, [[1, 2, 3]], max_new_tokens=5) == want and len(want[0]) >= 1
+    assert generate(model, [[1, 2, 3]], Sampling(max_new_tokens=1, ignore_eos=True), max_new_tokens=4)[0][:1] == \
+        want[0][:1]
+    assert len(generate(model, [[1, 2, 3]], Sampling(max_new_tokens=1, ignore_eos=True), max_new_tokens=4)[0]) == 4
+    with pytest.raises(Gpt2ffnError, match="not max_tokens"):
+        generate(model, [[1, 2]], max_tokens=3)

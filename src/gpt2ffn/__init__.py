@@ -6,8 +6,9 @@
     model = GPT2.from_pretrained("gpt2-dir")              # the whole GPT-2; model.generate(ids, max_new_tokens=20)
     print(check(MyFeedForward).format())                 # a learner's FFN or GELU, judged and diagnosed
 
-`gpt2ffn.generate` and `gpt2ffn.check` are the functions; their modules import as
-`from gpt2ffn.generate import Sampling` and `from gpt2ffn.check import Report`.
+`gpt2ffn.generate` and `gpt2ffn.check` are the functions (generate(model, [[ids]], max_new_tokens=20), or
+with a Sampling); their modules import as `from gpt2ffn.generate import load` and `from gpt2ffn.check import
+Report`.
 """
 
 import os
@@ -34,7 +35,7 @@ from .config import Config  # noqa: E402
 from .errors import CheckpointError, ConfigError, Gpt2ffnError, InputError, PackedOnlyError, ShapeError  # noqa: E402
 from .ffn import FeedForward  # noqa: E402
 from .gelu import GELU, gelu  # noqa: E402
-from .generate import generate  # noqa: E402  (the function, as check)
+from .generate import Sampling, generate  # noqa: E402  (generate: the function, as check)
 from .hf import patch_hf  # noqa: E402
 from .model import GPT2  # noqa: E402
 from .precision import PRECISIONS, quantize  # noqa: E402
@@ -45,7 +46,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "Config", "FeedForward", "GELU", "gelu", "reference", "save_ffn", "Checkpoint", "patch_hf", "quantize",
-    "PRECISIONS", "GPT2", "generate", "check",
+    "PRECISIONS", "GPT2", "generate", "Sampling", "check",
     "Gpt2ffnError", "ConfigError", "ShapeError", "InputError", "CheckpointError", "PackedOnlyError",
     "TOLERANCES", "GOLDEN_ATOL", "tolerance",
 ]

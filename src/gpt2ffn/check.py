@@ -130,7 +130,11 @@ def layout(m: nn.Module, d: int, side: str) -> tuple:
 
 
 def _width(n: int) -> str:
-    return "" if n in GPT2_WIDTHS else f"; {n} fits no GPT-2 width ({', '.join(map(str, GPT2_WIDTHS))})"
+    if n in GPT2_WIDTHS:
+        return ""
+    tiny = " or --preset tiny (n_embd 64; check(obj, preset='tiny') in Python)" if n == 64 else ""
+    return (f"; {n} fits no GPT-2 width ({', '.join(map(str, GPT2_WIDTHS))}): judge it against a checkpoint of "
+            f"width {n}, --model DIR (check(obj, model=DIR)){tiny}")
 
 
 def _load(m: nn.Module, w, b, lay: str, name: str) -> str:
@@ -150,7 +154,8 @@ def _load(m: nn.Module, w, b, lay: str, name: str) -> str:
 
 @lru_cache(maxsize=4)
 def random_case(source: str, layer: int) -> FFNCase:
-    """Block `layer`'s FFN of a seeded random HF GPT-2, computed here (offline), on seed 001's prompt ids."""
+    """Block `layer`'s FFN of a seeded random HF GPT-2 or of a checkpoint directory, computed here (offline), on
+    seed 001's prompt ids."""
     from .golden import capture, load_reference
     model, cfg, info = load_reference(source)
     if not 0 <= layer < cfg.n_layer:
@@ -176,18 +181,24 @@ def reference(golden=None) -> tuple:
 
 # ---- the checks ---------------------------------------------------------------------------------------
 
-def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None, model=None):
+def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None, model=None,
+          preset: str | None = None):
     """Check a learner's FFN, GELU or whole GPT-2: an nn.Module class (built with its file's config class or
     one config dict), an instance, or a GELU function. golden: a directory from `gpt2ffn extract`, or
     random:<preset>[:seed] (default random:gpt2:0, offline); layer: the FFN's block; config: what a class is
     built with (--config: a dict, preset name or JSON); model: a whole model's reference weights (a checkpoint
     directory or random:<preset>[:seed]; default: golden's model). A module holding an nn.Embedding is a whole
     model and gets gpt2ffn.check_model's checkpoint-by-checkpoint report. An instance is judged with the
-    reference's weights loaded into it and is given back as it came (its own weights, dtypes and mode)."""
+    reference's weights loaded into it and is given back as it came (its own weights, dtypes and mode).
+    preset: the same as model=f"random:{preset}:0" (the CLI's --preset: "tiny" for n_embd 64)."""
     name = name or getattr(obj, "__name__", type(obj).__name__)
+    if preset is not None:
+        if model is not None:
+            raise CheckError(f"give model or preset, not both (preset={preset!r} is model='random:{preset}:0')")
+        model = f"random:{preset}:0"
     source = model_source(golden, model)
-    if model is not None and not str(model).startswith("random:"):  # a checkpoint: a whole model's reference
-        ref_cfg, case_of = Config.from_pretrained(model), None
+    if model is not None and not str(model).startswith("random:"):  # a checkpoint: its FFNs computed here
+        ref_cfg, case_of = Config.from_pretrained(model), lambda layer: random_case(source, layer)
     else:
         ref_cfg, case_of = reference(golden if model is None else source)
     if inspect.isclass(obj):
@@ -205,8 +216,6 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         if is_model_function(names):
             return check_picogpt(obj, name, names, source, case_of, ref_cfg)
         if len(names) > 0:
-            if case_of is None:
-                raise CheckError(f"{name} is an FFN, judged on one block: give --golden DIR or random:<preset>")
             return check_function(obj, name, case_of(layer))
         return check_gelu(obj, name, ref_cfg.gelu_approximate, ["a function"])
     else:
@@ -267,9 +276,6 @@ def _check_module(module: nn.Module, name: str, built: list, source: str, case_o
     """check() of a module (its parameters in float32): a whole model, an FFN or a GELU."""
     if is_model(module):
         return probe_ffn(check_model(module, name, built, source), module, name, source)
-    if case_of is None:
-        raise CheckError(f"{name} is an FFN or GELU, judged on one block: give --golden DIR (from gpt2ffn extract) "
-                         "or random:<preset>; --model DIR is a whole model's reference")
     linears = linear_layers(module)
     part = "GPT-2's FFN, its GELU or the whole model (the module holding the embeddings)"
     if isinstance(module, (nn.ModuleDict, nn.ModuleList)) and type(module).forward is nn.Module.forward:
@@ -718,9 +724,7 @@ def check_picogpt(fn, name: str, names: list, source: str, case_of, cfg: Config)
         r = check_gelu(gelu, "gelu", cfg.gelu_approximate, [])
         found += [] if r.passed else [f"its gelu: {r.verdict.split(': ', 1)[1]}"]
     if callable(ffn) and len(weight_params(ffn)) in ARG_STYLES:
-        # on a pass, block 0's (as for a module: probe_ffn), from the model's own reference where case_of has none
-        case = case_of(block or 0) if case_of is not None else ffn_case(model_reference(source), block or 0)
-        r = check_function(ffn, "ffn", case)
+        r = check_function(ffn, "ffn", case_of(block or 0))  # on a pass, block 0's (as probe_ffn for a module)
         found += [] if r.passed else [f"its ffn: {r.verdict.split(': ', 1)[1]}"]
     if block is None:  # a pass on this prompt: its gelu and ffn alone tell what the prompt's small values did not
         if found:

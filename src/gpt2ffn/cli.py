@@ -4,6 +4,7 @@ import argparse
 import os
 import re
 import sys
+import warnings
 from pathlib import Path
 
 from .config import GPT_CONFIG_124M
@@ -486,8 +487,8 @@ def build_parser() -> Parser:
                    "default: the file's own config class with GPT-2's values, else the book-style dict of the "
                    "reference's width (GPT_CONFIG_124M for gpt2)")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--model", help="a whole model's reference weights: an HF checkpoint directory or "
-                   "random:<preset>[:seed] (default: --golden's model, else random:gpt2:0)")
+    g.add_argument("--model", help="the reference weights: an HF checkpoint directory or random:<preset>[:seed] "
+                   "(a whole model's, or --layer's FFN; default: --golden's model, else random:gpt2:0)")
     g.add_argument("--preset", choices=["gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl", "tiny"],
                    help="the same as --model random:<preset>:0 (gpt2-medium: seed 001's 1024-wide checkpoints)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
@@ -627,7 +628,9 @@ def main(argv=None) -> int:
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
     try:
         args = build_parser().parse_args(_joined_ids(sys.argv[1:] if argv is None else list(argv)))
-        return args.func(args)
+        with warnings.catch_warnings():  # gpt2ffn's warnings (loading.fit_vocab) in one line, as errors are
+            warnings.showwarning = lambda message, *rest, **kw: print(f"warning: {message}", file=sys.stderr)
+            return args.func(args)
     except Gpt2ffnError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

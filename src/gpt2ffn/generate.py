@@ -108,8 +108,22 @@ def _stream(model: GPT2, prompts: list, s: Sampling, decode, batch_invariant: bo
         engine.close()
 
 
-def generate(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False) -> list:
-    """The new token ids of each prompt, up to EOS, the token completing a stop string, or max_new_tokens."""
+def generate(model: GPT2, prompts: list, s: Sampling | None = None, decode=None, batch_invariant: bool = False,
+             **sampling) -> list:
+    """The new token ids of each prompt, up to EOS, the token completing a stop string, or max_new_tokens.
+    s: a Sampling; or its fields as keywords, as HF's generate takes them (generate(model, [[1, 2]],
+    max_new_tokens=8, temperature=0.7)), with EOS the model config's unless eos_token_id is given; keywords with
+    an s replace its fields."""
+    if s is None or sampling:
+        fields = set(Sampling.__dataclass_fields__)
+        unknown = sorted(set(sampling) - fields)
+        if unknown:
+            raise Gpt2ffnError(f"generate() takes Sampling's fields as keywords ({', '.join(sorted(fields))}); "
+                               f"not {', '.join(unknown)}")
+        if s is None:
+            s = Sampling(**{"eos_token_id": model.config.eos_token_id, **sampling})
+        else:
+            s = replace(s, **sampling)
     prompts = token_lists(prompts)
     out = [[] for _ in prompts]
     for step in _stream(model, prompts, s, decode, batch_invariant):

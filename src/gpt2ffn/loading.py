@@ -1,6 +1,8 @@
 """A model and its tokenizer by name: a checkpoint directory, `random:<preset>[:seed]`, or openai-community/gpt2
 from the local HF cache (never a download). What the CLI, the server and the benchmarks load through."""
 
+import dataclasses
+import warnings
 from pathlib import Path
 
 import torch
@@ -9,7 +11,7 @@ from .errors import Gpt2ffnError
 from .model import check_spec, load_model, parse_random
 from .parallel import make_mesh, parallelize
 from .precision import check_activations, check_precision
-from .tokenizer import ByteTokenizer, has_tokenizer_files, load_tokenizer, no_tokenizer
+from .tokenizer import ByteTokenizer, HFTokenizer, has_tokenizer_files, load_tokenizer, no_tokenizer
 from .weights import cached_snapshot
 
 
@@ -94,12 +96,45 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
         raise no_tokenizer(spec)
     model = load_model(spec, dtype, precision, activations)
     tok = ByteTokenizer() if spec.startswith("random:") else _tokenizer(spec, need_tokenizer)
+    model.config = fit_vocab(model.config, tok)
     model.kv_dtype = kv_dtype
     if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
         model = model.to(device)
     if tp > 1:
         model = parallelize(model, make_mesh(tp))
     return model, tok, parse_random(spec)[2] if spec.startswith("random:") else name or Path(spec).name
+
+
+def fit_vocab(config, tok):
+    """config with its bos/eos ids inside the model's vocabulary, warning of what does not fit. HF's GPT2Config
+    keeps GPT-2's 50256 for a model of any vocab_size (GPT2Config(vocab_size=1000), saved): no token can be it, so
+    EOS never ends a generation and an empty prompt, which starts from BOS, is refused as an id out of range. Such
+    an id becomes the tokenizer's <|endoftext|> where it has one in range, else EOS none and BOS 0. A tokenizer
+    with fewer tokens than the model is warned of too: the ids past it decode to nothing."""
+    V, notes = config.vocab_size, []
+    size = tok.tok.get_vocab_size() if isinstance(tok, HFTokenizer) else None
+    if size is not None and size < V:
+        notes.append(f"the tokenizer has {size} tokens and the model {V}: ids {size}..{V - 1} decode to no text")
+    eos_in = [t for t in config.eos_ids if 0 <= t < V]
+    bos_in = 0 <= config.bos_token_id < V
+    if len(eos_in) == len(config.eos_ids) and bos_in:
+        if notes:
+            warnings.warn("; ".join(notes), stacklevel=3)
+        return config
+    alt = tok.tok.token_to_id("<|endoftext|>") if isinstance(tok, HFTokenizer) else None
+    alt = alt if alt is not None and 0 <= alt < V else None
+    eos = eos_in or ([alt] if alt is not None else [])
+    fitted = dataclasses.replace(config, eos_token_id=None if not eos else eos[0] if len(eos) == 1 else eos,
+                                 bos_token_id=config.bos_token_id if bos_in else 0 if alt is None else alt)
+    eos_ok = len(eos_in) == len(config.eos_ids)
+    said = [f"{k} {getattr(config, k)}" for k, ok in (("bos_token_id", bos_in), ("eos_token_id", eos_ok)) if not ok]
+    now = ([] if bos_in else [f"BOS {fitted.bos_token_id}"]) + ([] if eos_ok else [
+        f"EOS {fitted.eos_token_id}" if eos else "no EOS (generation ends at its token limit or a stop)"])
+    where = " (the tokenizer's <|endoftext|>)" if alt is not None else ""
+    notes.insert(0, f"the checkpoint's {' and '.join(said)} {'is' if len(said) == 1 else 'are'} outside vocab_size "
+                    f"{V} (HF's GPT2Config keeps GPT-2's 50256 for any size): using {' and '.join(now)}{where}")
+    warnings.warn("; ".join(notes), stacklevel=3)
+    return fitted
 
 
 def _where(spec):
