@@ -1037,3 +1037,20 @@ def test_an_ffn_of_its_own_width_against_a_checkpoint_or_a_preset(quiet_dir, tmp
     assert check(small, preset="tiny").passed and not check(small[:2], preset="tiny").passed
     with pytest.raises(CheckError, match="give model or preset, not both"):
         check(small, preset="tiny", model="random:tiny:1")
+
+
+def test_check_takes_a_file_name_string_and_a_factory(tmp_path, capsys):
+    """check("FILE.py:NAME") in Python as the CLI takes it; a function of no arguments is a factory, called, and
+    what it makes is judged (it was taken for a GELU: 'make() takes 0 positional arguments but 1 was given'); a
+    value that is none of these is named with its article."""
+    path = learner_file(tmp_path, SMALL_FFN + "\n\ndef make():\n    return nn.Sequential(nn.Linear(64, 256), "
+                                                "nn.GELU(), nn.Linear(256, 64))\n")
+    assert check(f"{path}:ffn", preset="tiny").passed
+    report = check(f"{path}:make", preset="tiny")
+    assert not report.passed and "exact GELU (erf)" in report.verdict and "made by calling make()" in report.format()
+    code, out, _ = run(["check", f"{path}:make", "--preset", "tiny"], capsys)
+    assert code == 1 and "exact GELU (erf)" in out, out
+    with pytest.raises(CheckError, match="^5 is an int; check takes an nn.Module class or instance, a GELU or FFN"):
+        check(5)
+    with pytest.raises(CheckError, match="calling it to make|called it to make what it judges: ValueError: no"):
+        check(lambda: (_ for _ in ()).throw(ValueError("no")), preset="tiny")

@@ -6,7 +6,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 from transformers import GPT2LMHeadModel
 
 from conftest import hf_config, randomize_
@@ -182,8 +182,10 @@ def openai_layout(model, directory):
     return directory
 
 
-@pytest.mark.parametrize("layout", ["save_pretrained", "openai", "bin"])
+@pytest.mark.parametrize("layout", ["save_pretrained", "openai", "bin", "model.pt"])
 def test_from_pretrained_layouts(layout, tmp_path):
+    """HF's layouts, and a directory holding config.json beside one torch.save(state_dict) file of any name
+    (model.pt: it was refused as having none of HF's file names)."""
     cfg = CONFIGS[0]
     hf, _ = pair(cfg, seed=6)
     if layout == "save_pretrained":
@@ -192,7 +194,8 @@ def test_from_pretrained_layouts(layout, tmp_path):
         openai_layout(hf, tmp_path / "m")
     else:
         (tmp_path / "m").mkdir()
-        torch.save({k: v.clone() for k, v in hf.state_dict().items()}, tmp_path / "m" / "pytorch_model.bin")
+        name = "pytorch_model.bin" if layout == "bin" else layout
+        torch.save({k: v.clone() for k, v in hf.state_dict().items()}, tmp_path / "m" / name)
         hf.config.save_pretrained(tmp_path / "m")
     ours = GPT2.from_pretrained(tmp_path / "m")
     ids = ids_of(11, cfg.vocab_size)
@@ -227,6 +230,41 @@ def test_from_pretrained_errors(tmp_path):
     hf.config.save_pretrained(tmp_path / "b")
     with pytest.raises(ShapeError, match=r"wpe.weight has shape \(64, 64\); .* expects \(128, 64\)"):
         GPT2.from_pretrained(tmp_path / "b")
+
+
+def test_load_state_dict_reads_hf_layouts_and_device_map_one_device(tmp_path):
+    """load_state_dict takes what from_pretrained takes: save_pretrained's file (no lm_head.weight) and OpenAI's
+    (no `transformer.`, attn.bias buffers), giving HF's logits; a key of neither still fails as torch's does.
+    device_map as HF's for one device; split over two, or a device not there, is a ConfigError naming it."""
+    from gpt2ffn import ConfigError
+    cfg = CONFIGS[0]
+    hf, _ = pair(cfg, seed=6)
+    ids = ids_of(11, cfg.vocab_size)
+    for sd in ({k: v for k, v in hf.state_dict().items() if k != "lm_head.weight"},
+               load_file(str(openai_layout(hf, tmp_path / "o") / "model.safetensors"))):
+        ours = GPT2(cfg)
+        ours.load_state_dict(sd)
+        with torch.no_grad():
+            torch.testing.assert_close(ours.eval()(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="Unexpected key"):
+        GPT2(cfg).load_state_dict({**hf.state_dict(), "h.0.mlp.gate.weight": torch.zeros(1)})
+    for device_map in ("cpu", "auto", {"": "cpu"}):
+        assert GPT2.from_pretrained(tmp_path / "o", device_map=device_map).transformer.wpe.weight.device.type == "cpu"
+    with pytest.raises(ConfigError, match="splits the model over devices"):
+        GPT2.from_pretrained(tmp_path / "o", device_map={"transformer.h.0": "cpu", "lm_head": "cuda:0"})
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="sees no CUDA device"):
+            GPT2.from_pretrained(tmp_path / "o", device_map=0)
+
+
+def test_a_nanogpt_training_checkpoint_is_named(tmp_path):
+    """nanoGPT's ckpt.pt ({'model': state dict, 'model_args', 'optimizer', ...}) is named as what it is, with
+    the way to judge it, not 'does not hold a state dict of tensors'."""
+    hf, _ = pair(CONFIGS[0])
+    torch.save({"model": {f"_orig_mod.{k}": v for k, v in hf.state_dict().items()}, "model_args": {"n_layer": 2},
+                "iter_num": 10, "config": {}}, tmp_path / "ckpt.pt")
+    with pytest.raises(CheckpointError, match="is a nanoGPT training checkpoint .* GPT\\(GPTConfig\\(\\*\\*model_args"):
+        GPT2.from_pretrained(tmp_path / "ckpt.pt")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])

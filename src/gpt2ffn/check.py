@@ -191,6 +191,13 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     model and gets gpt2ffn.check_model's checkpoint-by-checkpoint report. An instance is judged with the
     reference's weights loaded into it and is given back as it came (its own weights, dtypes and mode).
     preset: the same as model=f"random:{preset}:0" (the CLI's --preset: "tiny" for n_embd 64)."""
+    if isinstance(obj, str):  # the CLI's FILE.py:NAME
+        obj, label = load_object(obj)
+        name = name or label
+    made = None
+    if inspect.isfunction(obj) and not _params(obj):  # a factory, def make(): return nn.Sequential(...)
+        made, obj = f"{getattr(obj, '__name__', 'it')}()", _made(obj, name or obj.__name__)
+        name = name or made
     name = name or getattr(obj, "__name__", type(obj).__name__)
     if preset is not None:
         if model is not None:
@@ -209,8 +216,9 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
             module, how = build(obj, ref_cfg, config, qkv_bias=True)
         built = [f"built as {how}"]
     elif isinstance(obj, nn.Module):
+        built = [f"an instance of {type(obj).__name__}" + (f", made by calling {made}" if made else "")]
         with kept(obj):  # the caller's own module: its weights, dtypes and buffers come back as they were
-            return _check_built(obj, name, [f"an instance of {type(obj).__name__}"], source, case_of, ref_cfg, layer)
+            return _check_built(obj, name, built, source, case_of, ref_cfg, layer)
     elif callable(obj):
         names = weight_params(obj)
         if is_model_function(names):
@@ -219,8 +227,9 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
             return check_function(obj, name, case_of(layer))
         return check_gelu(obj, name, ref_cfg.gelu_approximate, ["a function"])
     else:
-        raise CheckError(f"{name} is a {type(obj).__name__}; check takes an nn.Module class or instance, "
-                         "or a GELU function")
+        kind = type(obj).__name__
+        raise CheckError(f"{name if name != kind else repr(obj)[:40]} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}; "
+                         "check takes an nn.Module class or instance, a GELU or FFN function, or 'FILE.py:NAME'")
     return _check_built(module, name, built, source, case_of, ref_cfg, layer)
 
 
@@ -627,6 +636,26 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
 # {"w": [in, out], "b": [out]} per layer (or HF's names, weight / bias), or ffn(x, w1, b1, w2, b2).
 ARG_STYLES = {2: ["picoGPT's dicts {'w', 'b'}", "dicts {'weight', 'bias'}"],  # by weight arguments
               4: ["arrays w1, b1, w2, b2"]}
+
+
+def _params(fn) -> list:
+    try:
+        return list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):
+        return [None]  # unknown: not taken for a factory
+
+
+def _made(factory, name: str):
+    """What a factory of no arguments returns: the module (or class, or function) to check."""
+    try:
+        obj = factory()
+    except Exception as e:
+        raise CheckError(f"{name} takes no arguments, so check called it to make what it judges: "
+                         f"{type(e).__name__}: {e}".splitlines()[0]) from None
+    if not (isinstance(obj, nn.Module) or callable(obj)):
+        raise CheckError(f"{name} takes no arguments, so check called it, and it returned {type(obj).__name__}, "
+                         f"not a module or function")
+    return obj
 
 
 def weight_params(fn) -> list:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from .errors import Gpt2ffnError
-from .model import check_spec, load_model, parse_random
+from .model import DEVICES, check_spec, load_model, parse_random, resolve_device  # noqa: F401 (DEVICES: the CLI's)
 from .parallel import make_mesh, parallelize
 from .precision import check_activations, check_precision
 from .tokenizer import ByteTokenizer, HFTokenizer, has_tokenizer_files, load_tokenizer, no_tokenizer
@@ -18,28 +18,6 @@ from .weights import cached_snapshot
 def hf_cache_gpt2():
     """openai-community/gpt2 in the local HF cache (no download), or None."""
     return cached_snapshot("openai-community/gpt2")
-
-
-DEVICES = ("auto", "cpu", "cuda")
-
-
-def resolve_device(name: str | None = "cpu") -> str:
-    """'auto' (CUDA when torch sees a GPU, else CPU), 'cpu', 'cuda' or 'cuda:N' -> the device to use."""
-    name = name or "cpu"
-    if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if name == "cpu":
-        return name
-    kind, _, index = name.partition(":")
-    if kind != "cuda" or (index and not index.isdigit()):
-        raise Gpt2ffnError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
-    if not torch.cuda.is_available():
-        why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
-        raise Gpt2ffnError(f"device {name!r}: torch {torch.__version__} sees no CUDA device ({why}); "
-                           "use --device cpu or auto")
-    if index and int(index) >= torch.cuda.device_count():
-        raise Gpt2ffnError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA devices")
-    return name
 
 
 def default_dtype(device: str) -> torch.dtype:

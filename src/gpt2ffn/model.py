@@ -24,7 +24,7 @@ from .kernels import add_layer_norm
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
 from .linear import Conv1D, PackedLayer, TrainChecked, check_trainable
 from .precision import quantize
-from .weights import Checkpoint, cached_snapshot, hub_cache, load_tensors, resolve_checkpoint
+from .weights import IGNORED, Checkpoint, cached_snapshot, hub_cache, load_tensors, resolve_checkpoint
 
 # HF forward arguments that change nothing here when left at these values (what HF's own callers pass)
 HF_NEUTRAL = {"use_cache": (None, True, False), "output_attentions": (None, False),
@@ -278,6 +278,28 @@ class Transformer(TrainChecked, nn.ModuleDict):
 
 class Blocks(TrainChecked, nn.ModuleList):
     """GPT2.transformer.h; train() refuses as GPT2's does."""
+
+
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_device(name: str | None = "cpu") -> str:
+    """'auto' (CUDA when torch sees a GPU, else CPU), 'cpu', 'cuda' or 'cuda:N' -> the device to use."""
+    name = name or "cpu"
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name == "cpu":
+        return name
+    kind, _, index = name.partition(":")
+    if kind != "cuda" or (index and not index.isdigit()):
+        raise ConfigError(f"device must be auto, cpu, cuda or cuda:N, got {name!r}")
+    if not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise ConfigError(f"device {name!r}: torch {torch.__version__} sees no CUDA device ({why}); "
+                           "use --device cpu or auto")
+    if index and int(index) >= torch.cuda.device_count():
+        raise ConfigError(f"device {name!r}: there are {torch.cuda.device_count()} CUDA devices")
+    return name
 
 
 class GPT2(TrainChecked):
@@ -667,7 +689,7 @@ class GPT2(TrainChecked):
 
     @classmethod
     def from_pretrained(cls, path, dtype=torch.float32, precision: str | None = "fp32",
-                        activations: str | None = None, *, torch_dtype=None) -> "GPT2":
+                        activations: str | None = None, *, torch_dtype=None, device_map=None) -> "GPT2":
         """GPT-2 of any size from an HF checkpoint directory (either key layout, safetensors or .bin).
 
         dtype: a torch dtype, its name ('bfloat16') or 'auto' (config.json's dtype, else float32), as HF's
@@ -675,9 +697,24 @@ class GPT2(TrainChecked):
         precision ('fp32', 'bf16', 'int8', 'int4'): the linear layers' weights for inference, packed by
         gpt2ffn.quantize (activations stay fp32); fp32 is exact and takes this machine's fastest kernels;
         None leaves plain torch modules (and with dtype other than float32, precision must be None).
-        activations: as quantize's ('fp32', 'int8' for int8/int4 weights; None: the machine's default)."""
+        activations: as quantize's ('fp32', 'int8' for int8/int4 weights; None: the machine's default).
+        device_map: as HF's, for one device: 'cpu', 'auto' (CUDA when torch sees a GPU), 'cuda[:N]', N, or a
+        dict whose values all name one device. On CUDA the model is plain torch modules (precision fp32 or None)."""
         if torch_dtype is not None:
             dtype = torch_dtype
+        device = "cpu"
+        if device_map is not None:
+            devices = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else {str(device_map)}
+            if len(devices) != 1:
+                raise ConfigError(f"device_map={device_map!r} splits the model over devices; gpt2ffn places it on one "
+                                  "('cpu', 'auto', 'cuda' or 'cuda:N')")
+            device = devices.pop()
+            device = resolve_device(f"cuda:{device}" if device.isdigit() else device)
+            if device != "cpu":
+                if precision not in (None, "fp32"):
+                    raise ConfigError(f"precision={precision!r} packs weights for gpt2ffn's CPU kernels; on "
+                                      f"{device} give precision=None (or 'fp32')")
+                precision = None
         path = resolve_checkpoint(path)  # a directory, a file, or a model id in the local HF cache
         dtype = torch_dtype_of(dtype, path)
         if precision not in (None, "fp32") and dtype != torch.float32:
@@ -695,7 +732,22 @@ class GPT2(TrainChecked):
         model = model.to(dtype).eval()
         if precision is not None and dtype == torch.float32:
             quantize(model, precision, activations=activations)
-        return model
+        return model.to(device) if device != "cpu" else model
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """torch's, reading HF's layouts as from_pretrained does: keys without `transformer.` (openai-community/gpt2's
+        own file), the attn.bias / attn.masked_bias buffers some files carry left out, and lm_head.weight, which
+        save_pretrained leaves out, taken as wte's (tied)."""
+        own = set(self.state_dict())
+        sd = {}
+        for k, v in state_dict.items():
+            if IGNORED.search(k):
+                continue
+            sd[k if k in own or f"transformer.{k}" not in own else f"transformer.{k}"] = v
+        if "lm_head.weight" in own and "lm_head.weight" not in sd and "transformer.wte.weight" in sd \
+                and self.config.tie_word_embeddings:
+            sd["lm_head.weight"] = sd["transformer.wte.weight"]
+        return super().load_state_dict(sd, strict=strict, assign=assign)
 
     def save_pretrained(self, path) -> Path:
         """An HF checkpoint directory: config.json and model.safetensors with save_pretrained's keys

@@ -99,6 +99,9 @@ class Checkpoint:
                 if (self.path / name).is_file():
                     return self._files_of(self.path / name)
             present = sorted(p.name for p in self.path.iterdir())
+            saved = [self.path / n for n in present if n.endswith((".pt", ".pth")) and (self.path / n).is_file()]
+            if len(saved) == 1:  # torch.save(model.state_dict(), "model.pt") beside config.json: what the file holds
+                return self._files_of(saved[0])
             raise CheckpointError(f"checkpoint directory {self.path} has none of {', '.join(DIR_FILES)} "
                                   f"(it has: {', '.join(present) or 'nothing'})")
         return self._files_of(self.path)
@@ -206,8 +209,17 @@ def _open_torch(file: Path):
                                   "instead, or the model with save_pretrained") from None
         first = re.sub(r"\x1b\[[0-9;]*m", "", str(e).strip()).splitlines()[0] if str(e).strip() else type(e).__name__
         raise CheckpointError(f"{file} could not be read as a weights-only PyTorch checkpoint: {first}") from None
+    if isinstance(sd, dict) and isinstance(sd.get("model"), dict) and "model_args" in sd:
+        raise CheckpointError(f"{file} is a nanoGPT training checkpoint (its 'model' state dict, nn.Linear weights "
+                              f"[out, in], with 'model_args' and the optimizer's state), not an HF one: build "
+                              f"nanoGPT's GPT(GPTConfig(**model_args)), load_state_dict its 'model' (less the "
+                              f"'_orig_mod.' prefix), then `gpt2ffn check` that model, or write HF's layout "
+                              f"(Conv1D weights [in, out], config.json) for gpt2ffn to load")
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise CheckpointError(f"{file} does not hold a state dict of tensors")
+        bad = sorted(k for k, v in sd.items() if not isinstance(v, torch.Tensor))[:4] if isinstance(sd, dict) else []
+        raise CheckpointError(f"{file} does not hold a state dict of tensors"
+                              + (f" (not tensors: {', '.join(map(str, bad))})" if bad else
+                                 f" (it holds a {type(sd).__name__})" if not isinstance(sd, dict) else ""))
     return sd
 
 
