@@ -543,3 +543,17 @@ def test_an_ffn_of_another_width_than_the_checkpoints_is_named(tmp_path, capsys)
     assert err.count("\n") == 1 and ("FFN (ff.layers.0, ff.layers.2) is 256 wide (4x n_embd); the reference's is "
                                      "n_inner = 100 (1.562x): no weights of it fit") in err, err
     assert main(["check", f"{path}:GPTModel", "--model", str(tmp_path / "wNone")]) == 0
+
+
+@pytest.mark.parametrize("act, passes", [('nn.GELU(approximate="tanh")', True), ("nn.GELU()", False)])
+def test_an_ffn_of_own_parameters_is_probed_through_its_output(act, passes, quiet_dir, tmp_path):
+    """An FFN computing x @ W1 + b1 itself (no linear layer to hook, its activation unseen): the probe's c_proj
+    passes the hidden units through, so the exact GELU shows in the output (with c_proj's own weights it passed
+    the scaled check too)."""
+    source = re.sub(r"(class MLP\(nn.Module\):\n\n    def __init__\(self, config\):\n        super\(\).__init__\(\)\n)"
+                    r"(.|\n)*?(\n\nclass Block)", lambda m: m[1] + W1B1.replace('nn.GELU(approximate="tanh")', act)
+                    + m[3], NANOGPT)
+    path = tmp_path / "learner.py"
+    path.write_text(textwrap.dedent(source))
+    code = main(["check", f"{path}:GPT", "--model", str(quiet_dir), "--json"])
+    assert (code == 0) == passes
