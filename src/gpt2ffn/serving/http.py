@@ -796,6 +796,11 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
                 w.wait(shutdown_timeout + DRAIN_GRACE + 5)
             except subprocess.TimeoutExpired:
                 w.kill()
+    if ending is None and svc.interrupted:
+        # SIGINT that uvicorn took and did not re-raise: it puts back the handler it found, and a process started
+        # in the background by a shell (`gpt2ffn serve ... &` in a script) begins with SIGINT ignored. Ctrl-C is
+        # still Ctrl-C: 130, and during the load, the exit below (the interpreter's teardown aborted, 134).
+        ending = KeyboardInterrupt()
     if ending is not None and not svc.ready.is_set():
         # Ended while the model loads: the loader thread may be inside native code (OpenMP), which the interpreter's
         # teardown would abort ("terminate called without an active exception", exit 134). Nothing runs: leave now.
@@ -922,6 +927,7 @@ def draining_server():
             # The second Ctrl-C ends every request at once (each stream gets its error event and closes, so the
             # drain ends now); a third one is uvicorn's forced exit, which closes connections unsent.
             self.svc.ending = True
+            self.svc.interrupted |= sig == signal.SIGINT
             for w in self.workers:  # the other API processes drain (or cut) as this one does: the first signal
                 if w.poll() is None:  # reaches them as SIGTERM (a process still importing ends without a traceback)
                     w.send_signal(signal.SIGTERM if not self.should_exit else sig)

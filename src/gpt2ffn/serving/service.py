@@ -53,6 +53,7 @@ class Service:
         self.engine_process = engine_process = engine_process or engine is not None or api_servers > 1
         self.api_servers, self.channels = api_servers, []  # the channels of the other API processes (serve())
         self.ending = False  # a signal to end has come (serve() then expects its API processes to end)
+        self.interrupted = False  # that signal was SIGINT (Ctrl-C): serve() ends with 130
         self.died = None     # why the engine process ended unasked (the server then ends with exit 1)
         self.quiet = quiet  # an API process beside serve()'s own (--api-servers): the first one speaks
         self.names = []  # the names a request's "model" may be: served_names, else the loaded model's own name
