@@ -326,3 +326,31 @@ def test_generate_takes_sampling_fields_as_keywords(no_tokenizer):
     assert len(generate(model, [[1, 2, 3]], Sampling(max_new_tokens=1, ignore_eos=True), max_new_tokens=4)[0]) == 4
     with pytest.raises(Gpt2ffnError, match="not max_tokens"):
         generate(model, [[1, 2]], max_tokens=3)
+    for s in (None, Sampling()):  # a checkpoint's path for the model: named, with the way to load it (AttributeError)
+        with pytest.raises(Gpt2ffnError, match="generate takes a loaded GPT-2, not a str .*generate.load\\(path\\)"):
+            generate(str(no_tokenizer), [[1, 2]], s)
+
+
+def test_bench_takes_model_spec_version_and_says_which_prompt_is_missing(tmp_path, capsys):
+    """`bench --model random:tiny` as serve and generate name a model (was 'unrecognized arguments'), two models
+    named is refused; `--version` answers; generate with neither a prompt nor --ids does not say 'not both'."""
+    assert main(["bench", "--model", "random:tiny", "--out", str(tmp_path)]) == 0
+    assert (tmp_path / "bench-model-tiny.json").is_file()
+    capsys.readouterr()
+    assert main(["bench", "--model", "random:tiny", "--weights", "random:gpt2-xl", "--out", str(tmp_path)]) == 2
+    assert "name two models" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.startswith("gpt2ffn ")
+    assert main(["generate", "--model", "random:tiny"]) == 2
+    err = capsys.readouterr().err
+    assert "give a prompt or --ids" in err and "not both" not in err, err
+
+
+def test_vllm_spellings_of_dtype_and_max_num_seqs(capsys):
+    """vLLM's --dtype half / float and --max-num-seqs (for --max-batch) are taken (they were refused)."""
+    from gpt2ffn.cli import build_parser
+    assert build_parser().parse_args(["serve", "--max-num-seqs", "3"]).max_batch == 3
+    for dtype in ("half", "float"):
+        assert main(["generate", "--model", "random:tiny", "--ids", "1,2", "--dtype", dtype, "--max-new-tokens",
+                     "1"]) == 0, capsys.readouterr().err

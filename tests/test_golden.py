@@ -204,6 +204,7 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     g.load("h0_ln_2").astype(np.float64).tofile(cand / "h0_ln_2.bin")
     g.load("h0_c_fc").astype(np.float16).tofile(cand / "h0_c_fc.bin")
     np.append(g.load("h0_gelu").ravel(), np.float32(0)).tofile(cand / "h0_gelu.bin")
+    g.load("h1_attn_out")[:, :3].tofile(cand / "h1_attn_out.bin")
     np.save(cand / "h1_ffn.npy", g.load("h1_ffn"))
     (cand / "ln_f.bin").unlink()
     ffn = g.load("h0_ffn").copy()
@@ -213,8 +214,12 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
     assert code == 1
     assert rows["h0_ln_2"]["note"] == ("h0_ln_2.bin holds 4096 bytes, expected 2048 (float32, 512 values, shape "
-                                       "(1, 8, 64)) (8 bytes a value: float64? write float32)")
-    assert rows["h0_c_fc"]["note"].endswith("(2 bytes a value: float16 or bfloat16? write float32)")
+                                       "(1, 8, 64)) (as float32, 16 tokens where this golden set has 8: run the "
+                                       "engine on the golden set's ids or 8 bytes a value: float64? write float32)")
+    assert rows["h1_attn_out"]["note"] == ("h1_attn_out.bin holds 768 bytes, expected 2048 (float32, 512 values, "
+                                           "shape (1, 8, 64)) (as float32, 3 tokens where this golden set has 8: "
+                                           "run the engine on the golden set's ids)")  # another prompt's, not a dtype
+    assert rows["h0_c_fc"]["note"].endswith(" or 2 bytes a value: float16 or bfloat16? write float32)")
     assert rows["h0_gelu"]["note"] == ("h0_gelu.bin holds 8196 bytes, expected 8192 (float32, 2048 values, shape "
                                        "(1, 8, 256))")
     assert rows["h1_ffn"]["note"] == "both h1_ffn.npy and h1_ffn.bin: keep one"

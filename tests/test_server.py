@@ -223,7 +223,7 @@ def test_curl(server):
      "exceeds the model's context of 128"),
     ({"model": "tiny-gpt2", "prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", "up to 4"),
     ({"model": "gpt-4", "prompt": "hi"}, 404, "model", "does not exist"),
-    ({"prompt": "hi"}, 400, "model", "Field required"),
+    ({"model": 5, "prompt": "hi"}, 400, "model", "valid string"),  # left out: the served model (below)
     # strict types, as OpenAI's API checks them (pydantic's lax mode took "10" as 10 and true as token id 1)
     ({"model": "tiny-gpt2", "prompt": "hi", "max_tokens": "10"}, 400, "max_tokens", "valid integer"),
     ({"model": "tiny-gpt2", "prompt": "hi", "stream": "true"}, 400, "stream", "valid boolean"),
@@ -274,6 +274,11 @@ def test_documented_fields_that_change_nothing_are_taken(server):
                   {"stream": True, "stream_options": {"include_usage": False, "include_obfuscation": False}}):
         r = httpx.post(server.url + "/v1/completions", json={**base, **extra})
         assert r.status_code == 200, (extra, r.text)
+    for route, body in (("completions", {k: v for k, v in base.items() if k != "model"}),  # no model: the served
+                        ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2})):
+        r = httpx.post(f"{server.url}/v1/{route}", json=body)  # one, as vLLM and llama-server take it (was a 400)
+        assert r.status_code == 200 and r.json()["model"] == server.model, r.text
+    assert httpx.post(server.url + "/v1/completions", json={**base, "model": "other"}).status_code == 404
 
 
 @pytest.mark.parametrize("content, said", [

@@ -300,6 +300,10 @@ def cmd_gelu_effect(args):
 def cmd_bench(args):
     """Side-by-side timings against the peers."""
     from .bench import run, summarize
+    if isinstance(args.model, str):  # --model SPEC, as the other commands name the model
+        if args.weights not in ("random:gpt2", args.model):
+            raise UsageError(f"gpt2ffn bench: --model {args.model} and --weights {args.weights} name two models")
+        args.model, args.weights = True, args.model
     ffn_dtype = args.device != "cpu" and set(args.precision or ()) <= {"fp32", "bf16"}  # the FFN grid's dtypes
     given = {"--batch": args.batch is not None and not args.model, "--precision": args.precision is not None and not
              (args.model or args.accuracy or ffn_dtype), "--weights": args.weights != "random:gpt2" and not
@@ -322,7 +326,8 @@ def cmd_generate(args):
     from .generate import Sampling, TextStream, engine_for, load, stream
     rank = _join(args.tp, args.command)
     if (args.prompt is None) == (args.ids is None):
-        raise UsageError("gpt2ffn generate: give a prompt or --ids (token ids, e.g. --ids 15496,11,616), not both")
+        raise UsageError("gpt2ffn generate: give a prompt or --ids (token ids, e.g. --ids 15496,11,616)"
+                         + (", not both" if args.prompt is not None else ""))
     if args.top_k is not None and args.top_k < 0:
         raise UsageError(f"gpt2ffn generate: --top-k must be >= 0 (0 = off, as HF's), got {args.top_k}")
     model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device, tp=args.tp,
@@ -385,7 +390,8 @@ def _leave(tp: int) -> int:
 
 def _dtype(name):
     import torch
-    return {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[name]
+    return {"auto": None, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+            "float": torch.float32, "half": torch.float16}[name]  # the last two: vLLM's names
 
 
 def cmd_serve(args):
@@ -429,13 +435,15 @@ def _kv_dtype_arg(p):
 def _device_args(p):
     p.add_argument("--device", default="cpu", metavar="{auto,cpu,cuda[:N]}",
                    help="where the model runs: cpu (default), cuda[:N], or auto (CUDA when torch sees one)")
-    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"], default="auto",
+    p.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16", "float", "half"], default="auto",
                    help="dtype of every tensor (activations too); auto: bfloat16 on CUDA, float32 on the CPU "
-                   "(needed for --precision)")
+                   "(needed for --precision); float and half as vLLM names float32 and float16")
 
 
 def build_parser() -> Parser:
+    from . import __version__
     parser = Parser(prog="gpt2ffn", description="The GPT-2 feed-forward network, proven against HuggingFace.")
+    parser.add_argument("--version", action="version", version=f"gpt2ffn {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
 
     p = sub.add_parser("demo", help="run seed 000's FFN example and check it against the numpy reference")
@@ -535,8 +543,9 @@ def build_parser() -> Parser:
     p.add_argument("--shutdown-timeout", type=float, default=60.0, metavar="SECONDS", help="at SIGTERM / Ctrl-C, "
                    "how long in-flight requests get to finish; then each ends with an error event saying why "
                    "(default 60; a second Ctrl-C: at once)")
-    p.add_argument("--max-batch", type=int, help="sequences decoded together (default 64; the paged KV cache "
-                   "takes up to a quarter of free memory, at most 2 GiB)")
+    p.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, help="sequences decoded together "
+                   "(default 64; vLLM's --max-num-seqs; the paged KV cache takes up to a quarter of free memory, at "
+                   "most 2 GiB)")
     p.add_argument("--max-waiting", type=int, default=256, help="requests queued beyond the running batch; "
                    "more get 503 + Retry-After (default 256)")
     p.add_argument("--batch-invariant", action="store_true", help="each request's logits bitwise independent "
@@ -588,7 +597,9 @@ def build_parser() -> Parser:
     p.add_argument("--repeats", type=_at_least(10), default=15, help="timed runs per point after warm-up (>= 10)")
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
-    p.add_argument("--model", action="store_true", help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF")
+    p.add_argument("--model", nargs="?", const=True, default=False, metavar="SPEC",
+                   help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF; SPEC, as serve and generate take "
+                        "it (random:<preset>[:seed]), is --weights")
     p.add_argument("--batch", type=int, action="append", help="with --model --device cuda: a batch size to time "
                    "(repeatable; default 1, 32 and 256)")
     p.add_argument("--precision", choices=PRECISIONS, action="append",

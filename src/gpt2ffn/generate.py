@@ -6,6 +6,7 @@ own positions and its own blocks of the paged KV cache, so each gets the tokens 
 
 import operator
 from dataclasses import replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -59,9 +60,18 @@ def token_lists(prompts) -> list:
     return out
 
 
+def loaded(model) -> None:
+    """A loaded GPT-2, or an error naming what was given instead (a checkpoint's path: load it first)."""
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        what = f"{type(model).__name__} {str(model)[:60]!r}" if isinstance(model, (str, Path)) else type(model).__name__
+        raise Gpt2ffnError(f"generate takes a loaded GPT-2, not a {what}: model, tok, name = "
+                           f"gpt2ffn.generate.load(path) (or GPT2.from_pretrained(path)), then generate(model, ...)")
+
+
 def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invariant: bool = False) -> Engine:
     """The engine that runs these prompts: slots sized to them; a TPEngine on every rank of a tensor-parallel
     model (ranks > 0 call its follow() while rank 0 streams)."""
+    loaded(model)
     if not prompts:
         raise Gpt2ffnError("every prompt needs at least one token")
     longest = max(len(p) for p in prompts) + s.max_new_tokens
@@ -114,6 +124,7 @@ def generate(model: GPT2, prompts: list, s: Sampling | None = None, decode=None,
     s: a Sampling; or its fields as keywords, as HF's generate takes them (generate(model, [[1, 2]],
     max_new_tokens=8, temperature=0.7)), with EOS the model config's unless eos_token_id is given; keywords with
     an s replace its fields."""
+    loaded(model)
     if s is None or sampling:
         fields = set(Sampling.__dataclass_fields__)
         unknown = sorted(set(sampling) - fields)

@@ -921,10 +921,15 @@ class Candidate:
             return np.fromfile(raw, dtype="<f4").reshape(expected.shape), None
         if name == "logits" and size == 4 * expected.shape[-1]:  # the last position's logits only
             return np.fromfile(raw, dtype="<f4"), None
-        width = {8 * n: " (8 bytes a value: float64? write float32)",
-                 2 * n: " (2 bytes a value: float16 or bfloat16? write float32)"}.get(size, "")
+        guesses = [{8 * n: "8 bytes a value: float64? write float32",
+                    2 * n: "2 bytes a value: float16 or bfloat16? write float32"}.get(size)]
+        per_token = 4 * n // expected.shape[1] if expected.ndim == 3 and expected.shape[0] == 1 else 0
+        if per_token and size % per_token == 0 and size // per_token != expected.shape[1]:  # another prompt's
+            guesses.insert(0, f"as float32, {size // per_token} tokens where this golden set has {expected.shape[1]}: "
+                              f"run the engine on the golden set's ids")
+        hint = " or ".join(g for g in guesses if g)
         return None, (f"{raw.name} holds {size} bytes, expected {4 * n} (float32, {n} values, shape "
-                      f"{tuple(expected.shape)}){width}")
+                      f"{tuple(expected.shape)})" + (f" ({hint})" if hint else ""))
 
 
 def verify_candidate(golden: Golden, candidate, tolerances=None, atol=GOLDEN_ATOL) -> list:

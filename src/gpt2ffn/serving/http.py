@@ -101,11 +101,11 @@ def no_tokenizer(svc: Service, param: str) -> JSONResponse:
                             "token ids only", param=param, code="no_tokenizer")
 
 
-def unready(svc: Service, model: str):
-    """503 while loading, 404 for another model's name, else None."""
+def unready(svc: Service, model: str | None):
+    """503 while loading, 404 for another model's name, else None (None: the served model)."""
     if not svc.ready.is_set():
         return loading()
-    if model not in svc.names:
+    if model is not None and model not in svc.names:
         names = " or ".join(map(repr, svc.names))
         return refuse(svc, 404, f"model {model!r} does not exist; this server has {names}",
                       param="model", code="model_not_found")

@@ -132,7 +132,8 @@ class SamplingFields(Body):
                 raise PydanticCustomError("unsupported", f"{why} (got {json.dumps(value)[:60]})", {"field": name})
         return data
 
-    model: str
+    model: str | None = Field(None, description="one of /v1/models' names; left out: the served model, as vLLM "
+                              "and llama-server take it")
     max_tokens: int | None = Field(None, ge=0, description="at most the context less the prompt (checked by "
                                    "the server: a 400 context_length_exceeded)")
     temperature: float = Field(1.0, ge=0.0, le=2.0)
