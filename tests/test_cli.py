@@ -354,3 +354,13 @@ def test_vllm_spellings_of_dtype_and_max_num_seqs(capsys):
     for dtype in ("half", "float"):
         assert main(["generate", "--model", "random:tiny", "--ids", "1,2", "--dtype", dtype, "--max-new-tokens",
                      "1"]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, said", [(["--precision", "int8", "--dtype", "bfloat16"], "does not combine with"),
+                                         (["--activations", "int8"], "int8 activations need int8 or int4 weights")])
+def test_serve_refuses_flags_load_refuses_before_it_listens(flags, said, capsys):
+    """Flags load() refuses together are one line and exit 2 before the port is bound (they were refused after
+    'listening on ..., loading')."""
+    assert main(["serve", "--model", "random:tiny", "--port", "0", *flags]) == 2
+    out = capsys.readouterr()
+    assert said in out.err and out.err.count("\n") == 1 and "listening" not in out.out + out.err, out

@@ -1190,6 +1190,9 @@ def test_chat_templates_as_hf_writes_them(tmp_path, model_dir, capsys):
     assert main(["serve", "--model", "random:tiny", "--chat-template", str(tmp_path / "bad.jinja")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"error: --chat-template {tmp_path / 'bad.jinja'}: line 1: ") and err.count("\n") == 1
+    (tmp_path / "empty.jinja").write_text("\n")  # it was taken, and every chat prompt rendered as ""
+    assert main(["serve", "--model", "random:tiny", "--chat-template", str(tmp_path / "empty.jinja")]) == 2
+    assert "empty.jinja is empty: give a Jinja template" in capsys.readouterr().err
 
 
 def test_a_port_in_use_or_a_bad_host_is_one_line(capsys):

@@ -42,6 +42,28 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     (GPT2.kv_dtype; None: its default, fp16 for bf16/int8/int4 weights on the CPU, else the weights' dtype)."""
     if spec is not None:
         spec = check_spec(spec)  # before the device, the tokenizer or any weight (a pathlib.Path as its text)
+    device, dtype, precision = load_args(dtype, precision, device, tp, activations)
+    spec, name = _where(spec)
+    # A missing tokenizer is named before any weight is read, but the tokenizer is read after them: read first,
+    # the memory the weights' packing frees stayed resident (GPT-2 124M int8, peers harness: RSS after load
+    # 213-218 MB against 198-204 read after)
+    if need_tokenizer and Path(spec).is_dir() and not has_tokenizer_files(spec):
+        raise no_tokenizer(spec)
+    model = load_model(spec, dtype, precision, activations)
+    tok = ByteTokenizer() if spec.startswith("random:") else _tokenizer(spec, need_tokenizer)
+    model.config = fit_vocab(model.config, tok)
+    model.kv_dtype = kv_dtype
+    if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
+        model = model.to(device)
+    if tp > 1:
+        model = parallelize(model, make_mesh(tp))
+    return model, tok, parse_random(spec)[2] if spec.startswith("random:") else name or Path(spec).name
+
+
+def load_args(dtype=None, precision: str | None = "fp32", device: str = "cpu", tp: int = 1,
+              activations: str | None = None) -> tuple:
+    """(device, dtype, precision) as load() takes them, or the error load() would give, without reading anything
+    (serve checks its flags so before it binds its port)."""
     device = resolve_device(device)
     dtype = dtype or default_dtype(device)
     if device.startswith("cuda"):
@@ -61,26 +83,12 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
                 raise Gpt2ffnError(f"precision={precision!r} quantizes a float32 model's weights; it does not "
                                    f"combine with dtype={dtype}")
             precision = None
-    spec, name = _where(spec)
     if activations is not None:
         if precision is None:
             raise Gpt2ffnError(f"activations={activations!r} applies to packed int8/int4 weights on the CPU, not to "
                                f"this model (device {device}, dtype {dtype}, tp {tp})")
         check_activations(precision, activations)
-    # A missing tokenizer is named before any weight is read, but the tokenizer is read after them: read first,
-    # the memory the weights' packing frees stayed resident (GPT-2 124M int8, peers harness: RSS after load
-    # 213-218 MB against 198-204 read after)
-    if need_tokenizer and Path(spec).is_dir() and not has_tokenizer_files(spec):
-        raise no_tokenizer(spec)
-    model = load_model(spec, dtype, precision, activations)
-    tok = ByteTokenizer() if spec.startswith("random:") else _tokenizer(spec, need_tokenizer)
-    model.config = fit_vocab(model.config, tok)
-    model.kv_dtype = kv_dtype
-    if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
-        model = model.to(device)
-    if tp > 1:
-        model = parallelize(model, make_mesh(tp))
-    return model, tok, parse_random(spec)[2] if spec.startswith("random:") else name or Path(spec).name
+    return device, dtype, precision
 
 
 def fit_vocab(config, tok):

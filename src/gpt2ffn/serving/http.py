@@ -41,7 +41,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from ..config import Config
 from ..errors import Gpt2ffnError
-from ..loading import resolve_device
+from ..loading import load_args
 from ..model import check_spec, parse_random
 from ..tokenizer import has_tokenizer_files
 from ..tokenizer import no_tokenizer as no_tokenizer_files
@@ -720,7 +720,9 @@ def serve(model_spec, host="127.0.0.1", port=8000, max_batch=None, max_waiting=2
         raise no_tokenizer_files(model_spec)  # before the port is bound, not from the loading thread
     if chat_template and skip_tokenizer:
         raise Gpt2ffnError("--chat-template renders text, which needs the tokenizer: not with --skip-tokenizer-init")
-    device = resolve_device(device)  # a missing GPU is one line and exit 2 here, before anything starts
+    # a missing GPU, or flags load() refuses together (--precision int8 --dtype bfloat16), is one line and exit 2
+    # here, before the port is bound
+    device = load_args(dtype, precision, device, tp, activations)[0]
     if engine_process not in ("auto", "on", "off"):
         raise Gpt2ffnError(f"--engine-process must be auto, on or off, got {engine_process!r}")
     processes(engine_process, api_servers, tp)

@@ -289,7 +289,10 @@ def load_template(path):
                        strftime_now=lambda fmt: datetime.datetime.now().strftime(fmt))
     try:
         with open(path) as f:
-            return env.from_string(f.read())
+            text = f.read()
+        if not text.strip():  # every conversation would render as "" (one token: the empty prompt's start)
+            raise Gpt2ffnError(f"--chat-template {path} is empty: give a Jinja template that renders the messages")
+        return env.from_string(text)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise Gpt2ffnError(f"--chat-template {path}: line {e.lineno}: {e.message}") from None
     except (OSError, UnicodeDecodeError) as e:
