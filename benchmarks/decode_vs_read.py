@@ -20,6 +20,7 @@ read_rate.cpp is built with g++ (-march=native) into /tmp on first use. Not run 
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -113,8 +114,9 @@ def main(argv=None):
     # one reader for the whole run, its buffer allocated once (a process a pass made the kernel map and free ~3 GB
     # around every sample, on the cores the decode runs on)
     most = max(nbytes for _, _, nbytes in engines.values())
+    # (its OpenMP threads sleep at once after a pass: spinning, they took the cores of the decode right after it)
     reading = subprocess.Popen([str(read), str(most / 1e9), "-", str(args.threads)], stdin=subprocess.PIPE,
-                               stdout=subprocess.PIPE, text=True)
+                               stdout=subprocess.PIPE, text=True, env={**os.environ, "OMP_WAIT_POLICY": "passive"})
 
     def read_gb_s(nbytes) -> float:
         # first a pause: an engine's threads spin on for a few ms after a step (libgomp, ggml's pool) and took

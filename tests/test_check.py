@@ -8,6 +8,7 @@ import textwrap
 import numpy as np
 import pytest
 import torch
+import torch.nn as nn
 from transformers import GPT2LMHeadModel
 
 from conftest import hf_config
@@ -1032,25 +1033,24 @@ def test_an_ffn_of_its_own_width_against_a_checkpoint_or_a_preset(quiet_dir, tmp
     assert code == 0 and "PASS" in out and "(and with its input scaled)" in out, out
     code, out, _ = run(["check", f"{path}:ffn_exact", "--model", str(quiet_dir)], capsys)
     assert code == 1 and "exact GELU (erf) where the config says tanh GELU" in out, out
-    import torch.nn as nn
     small = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64))
     assert check(small, preset="tiny").passed and not check(small[:2], preset="tiny").passed
     with pytest.raises(CheckError, match="give model or preset, not both"):
         check(small, preset="tiny", model="random:tiny:1")
 
 
-def test_check_takes_a_file_name_string_and_a_factory(tmp_path, capsys):
-    """check("FILE.py:NAME") in Python as the CLI takes it; a function of no arguments is a factory, called, and
-    what it makes is judged (it was taken for a GELU: 'make() takes 0 positional arguments but 1 was given'); a
-    value that is none of these is named with its article."""
+def test_check_takes_a_file_name_string_and_names_a_factory(tmp_path, capsys):
+    """check("FILE.py:NAME") in Python as the CLI takes it; a function of no arguments is not called (it may be a
+    script's main()): it was taken for a GELU ('make() takes 0 positional arguments but 1 was given'), now the
+    error says to check what it makes; a value that is none of these is named with its article."""
     path = learner_file(tmp_path, SMALL_FFN + "\n\ndef make():\n    return nn.Sequential(nn.Linear(64, 256), "
                                                 "nn.GELU(), nn.Linear(256, 64))\n")
     assert check(f"{path}:ffn", preset="tiny").passed
-    report = check(f"{path}:make", preset="tiny")
-    assert not report.passed and "exact GELU (erf)" in report.verdict and "made by calling make()" in report.format()
-    code, out, _ = run(["check", f"{path}:make", "--preset", "tiny"], capsys)
-    assert code == 1 and "exact GELU (erf)" in out, out
+    with pytest.raises(CheckError, match="make takes no arguments, so it is neither a GELU .* `ffn = make\\(\\)`"):
+        check(f"{path}:make", preset="tiny")
+    code, _, err = run(["check", f"{path}:make", "--preset", "tiny"], capsys)
+    assert code == 2 and "check(make()) in Python" in err, err
     with pytest.raises(CheckError, match="^5 is an int; check takes an nn.Module class or instance, a GELU or FFN"):
         check(5)
-    with pytest.raises(CheckError, match="calling it to make|called it to make what it judges: ValueError: no"):
-        check(lambda: (_ for _ in ()).throw(ValueError("no")), preset="tiny")
+    with pytest.raises(CheckError, match="is an OrderedDict; check takes"):
+        check(nn.Linear(2, 2).state_dict(), name="sd")

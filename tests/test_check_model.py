@@ -546,14 +546,35 @@ def test_an_ffn_of_another_width_than_the_checkpoints_is_named(tmp_path, capsys)
 
 
 @pytest.mark.parametrize("act, passes", [('nn.GELU(approximate="tanh")', True), ("nn.GELU()", False)])
-def test_an_ffn_of_own_parameters_is_probed_through_its_output(act, passes, quiet_dir, tmp_path):
+def test_an_ffn_of_own_parameters_is_probed_through_its_output(act, passes, quiet_dir, tmp_path, capsys):
     """An FFN computing x @ W1 + b1 itself (no linear layer to hook, its activation unseen): the probe's c_proj
     passes the hidden units through, so the exact GELU shows in the output (with c_proj's own weights it passed
     the scaled check too)."""
     source = re.sub(r"(class MLP\(nn.Module\):\n\n    def __init__\(self, config\):\n        super\(\).__init__\(\)\n)"
                     r"(.|\n)*?(\n\nclass Block)", lambda m: m[1] + W1B1.replace('nn.GELU(approximate="tanh")', act)
                     + m[3], NANOGPT)
+    assert source != NANOGPT
     path = tmp_path / "learner.py"
     path.write_text(textwrap.dedent(source))
     code = main(["check", f"{path}:GPT", "--model", str(quiet_dir), "--json"])
-    assert (code == 0) == passes
+    report = json.loads(capsys.readouterr().out)
+    assert (code == 0) == passes and any(r["stage"].startswith("FFN alone") for r in report["rows"])
+    assert passes or "exact GELU (erf)" in report["verdict"], report["verdict"]
+
+
+def test_an_ffn_module_that_is_not_gpt2s_ffn_alone_is_said_unprobed(quiet_dir, tmp_path, capsys):
+    """ln_2 moved inside the MLP module (its forward normalizes first): the model passes on the quiet checkpoint,
+    but the module alone on ln_2's output is not GPT-2's FFN, so the probe cannot run: the report says the prompt
+    could not tell the FFN's mistakes, where it had said nothing."""
+    source = NANOGPT.replace("        x = x + self.mlp(self.ln_2(x))", "        x = x + self.mlp(x)")
+    source = source.replace("    def forward(self, x):\n        x = self.c_fc(x)",
+                            "    def forward(self, x):\n        x = self.c_fc(self.ln_2(x))")
+    source = source.replace("        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)\n", "")  # the block's
+    source = source.replace("        self.c_fc = nn.Linear(", "        self.ln_2 = LayerNorm(config.n_embd, "
+                                                               "bias=config.bias)\n        self.c_fc = nn.Linear(", 1)
+    assert source.count("self.ln_2(") == 1 and source.count("self.ln_2 = ") == 1, "ln_2 moved into MLP"
+    path = tmp_path / "learner.py"
+    path.write_text(textwrap.dedent(source))
+    code = main(["check", f"{path}:GPT", "--model", str(quiet_dir)])
+    out = capsys.readouterr().out
+    assert code == 0 and "known FFN mistakes also pass within 1e-04" in out and "check the FFN by itself" in out, out

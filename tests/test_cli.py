@@ -321,6 +321,11 @@ def test_generate_takes_sampling_fields_as_keywords(no_tokenizer):
     model, _, _ = load(no_tokenizer, need_tokenizer=False)
     want = generate(model, [[1, 2, 3]], Sampling(max_new_tokens=5, eos_token_id=model.config.eos_token_id))
     assert generate(model, [[1, 2, 3]], max_new_tokens=5) == want and len(want[0]) >= 1
+    eos = generate(model, [[1, 2, 3]], Sampling(max_new_tokens=30))[0][5]  # the token at 6: EOS there ends it
+    assert generate(model, [[1, 2, 3]], max_new_tokens=30, eos_token_id=eos)[0][-1] == eos  # stops at the EOS
+    import dataclasses
+    model.config = dataclasses.replace(model.config, eos_token_id=eos)  # the config's EOS is the default one
+    assert generate(model, [[1, 2, 3]], max_new_tokens=30)[0][-1] == eos
     assert generate(model, [[1, 2, 3]], Sampling(max_new_tokens=1, ignore_eos=True), max_new_tokens=4)[0][:1] == \
         want[0][:1]
     assert len(generate(model, [[1, 2, 3]], Sampling(max_new_tokens=1, ignore_eos=True), max_new_tokens=4)[0]) == 4
@@ -364,3 +369,22 @@ def test_serve_refuses_flags_load_refuses_before_it_listens(flags, said, capsys)
     assert main(["serve", "--model", "random:tiny", "--port", "0", *flags]) == 2
     out = capsys.readouterr()
     assert said in out.err and out.err.count("\n") == 1 and "listening" not in out.out + out.err, out
+
+
+def test_fit_vocab_with_no_bos_and_a_partly_outside_eos_list(default_ids):
+    """A config with bos_token_id null (it was a TypeError at load) and an EOS list of which one id is outside:
+    the id in range is kept and said to be the config's own, not the tokenizer's."""
+    import warnings
+
+    from gpt2ffn.config import Config
+    from gpt2ffn.loading import fit_vocab
+    from gpt2ffn.tokenizer import load_tokenizer
+    tok = load_tokenizer(default_ids)
+    cfg = Config(n_embd=64, n_head=4, n_layer=1, vocab_size=300, bos_token_id=None, eos_token_id=[50256, 7])
+    with warnings.catch_warnings(record=True) as w:
+        warnings.simplefilter("always")
+        fitted = fit_vocab(cfg, tok)
+    assert (fitted.bos_token_id, fitted.eos_token_id) == (None, 7)
+    said = str(w[0].message)
+    assert "eos_token_id 50256 is outside vocab_size 300" in said and "using EOS 7 (the rest of the config's)" in said
+    assert "bos_token_id" not in said and "<|endoftext|>" not in said, said

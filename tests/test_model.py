@@ -248,6 +248,13 @@ def test_load_state_dict_reads_hf_layouts_and_device_map_one_device(tmp_path):
             torch.testing.assert_close(ours.eval()(ids), hf(ids).logits, atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="Unexpected key"):
         GPT2(cfg).load_state_dict({**hf.state_dict(), "h.0.mlp.gate.weight": torch.zeros(1)})
+    tied = GPT2(cfg)
+    tied.load_state_dict(sd, assign=True)  # new Parameters put in: lm_head tied to wte again
+    assert tied.lm_head.weight is tied.transformer.wte.weight
+    packed = GPT2.from_pretrained(tmp_path / "o", precision="int8")  # keys told from the file's: no dequantizing
+    packed.load_state_dict(sd)
+    with torch.no_grad():
+        torch.testing.assert_close(packed(ids), GPT2.from_pretrained(tmp_path / "o", precision="int8")(ids))
     for device_map in ("cpu", "auto", {"": "cpu"}):
         assert GPT2.from_pretrained(tmp_path / "o", device_map=device_map).transformer.wpe.weight.device.type == "cpu"
     with pytest.raises(ConfigError, match="splits the model over devices"):

@@ -195,11 +195,11 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
     if isinstance(obj, str):  # the CLI's FILE.py:NAME
         obj, label = load_object(obj)
         name = name or label
-    made = None
-    if inspect.isfunction(obj) and not _params(obj):  # a factory, def make(): return nn.Sequential(...)
-        made, obj = f"{getattr(obj, '__name__', 'it')}()", _made(obj, name or obj.__name__)
-        name = name or made
     name = name or getattr(obj, "__name__", type(obj).__name__)
+    if inspect.isfunction(obj) and not _params(obj):  # def make(): return nn.Sequential(...), or a script's main()
+        raise CheckError(f"{name} takes no arguments, so it is neither a GELU (f(x)) nor an FFN function; if it "
+                         f"makes the module, check what it makes: in the file `ffn = {obj.__name__}()` and check "
+                         f"FILE.py:ffn, or check({obj.__name__}()) in Python")
     if preset is not None:
         if model is not None:
             raise CheckError(f"give model or preset, not both (preset={preset!r} is model='random:{preset}:0')")
@@ -217,7 +217,7 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
             module, how = build(obj, ref_cfg, config, qkv_bias=True)
         built = [f"built as {how}"]
     elif isinstance(obj, nn.Module):
-        built = [f"an instance of {type(obj).__name__}" + (f", made by calling {made}" if made else "")]
+        built = [f"an instance of {type(obj).__name__}"]
         with kept(obj):  # the caller's own module: its weights, dtypes and buffers come back as they were
             return _check_built(obj, name, built, source, case_of, ref_cfg, layer)
     elif callable(obj):
@@ -229,8 +229,9 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         return check_gelu(obj, name, ref_cfg.gelu_approximate, ["a function"])
     else:
         kind = type(obj).__name__
-        raise CheckError(f"{name if name != kind else repr(obj)[:40]} is {'an' if kind[0] in 'aeiou' else 'a'} {kind}; "
-                         "check takes an nn.Module class or instance, a GELU or FFN function, or 'FILE.py:NAME'")
+        article = "an" if kind[0].lower() in "aeiou" else "a"
+        raise CheckError(f"{name if name != kind else repr(obj)[:40]} is {article} {kind}; check takes an nn.Module "
+                         "class or instance, a GELU or FFN function, or 'FILE.py:NAME'")
     return _check_built(module, name, built, source, case_of, ref_cfg, layer)
 
 
@@ -327,18 +328,24 @@ def probe_ffn(report: ModelReport, module: nn.Module, name: str, source: str) ->
         return report
     ref = model_reference(source)
     block, case = find_structure(module, ref.cfg).blocks[0], ffn_case(ref, 0)
-    if not all(k in block for k in ("mlp", "mlp.c_fc", "mlp.c_proj")) or not runs_alone(block):
+    def unprobed(why: str) -> ModelReport:
         blind = blind_to(case)
         if blind:
             report.info.append(f"note: on this prompt {len(blind)} known FFN mistake{'s' * (len(blind) > 1)} also "
-                               f"pass within {GOLDEN_ATOL:.0e} ({'; '.join(blind)}), and its FFN is not a module of "
-                               f"its own that check could run alone on a wider input: check the FFN by itself")
+                               f"pass within {GOLDEN_ATOL:.0e} ({'; '.join(blind)}), and {why}: check the FFN by "
+                               f"itself")
         return report
+    if not all(k in block for k in ("mlp", "mlp.c_fc", "mlp.c_proj")) or not runs_alone(block):
+        return unprobed("its FFN is not a module of its own that check could run alone on a wider input")
     mlp, fc, proj = block["mlp"], block["mlp.c_fc"], block["mlp.c_proj"]
-    r = check_ffn(mlp.module, [(fc.name, fc.module), (proj.name, proj.module)], f"{name}'s {mlp.name}", [], case)
+    try:
+        r = check_ffn(mlp.module, [(fc.name, fc.module), (proj.name, proj.module)], f"{name}'s {mlp.name}", [], case)
+    except CheckError as e:
+        return unprobed(f"its FFN module {mlp.name} could not be run alone ({e})")
     scaled = [row for row in r.rows if row.name.endswith(", scaled")]
-    if not scaled:  # this prompt already tells the known FFN mistakes apart, and the model passed on it
-        return report
+    if not scaled:  # the prompt tells the known FFN mistakes apart (the model passed on it), or the module alone
+        return report if r.passed else unprobed(  # is not GPT-2's FFN on ln_2's output (a LayerNorm inside it)
+            f"its FFN module {mlp.name} alone on ln_2's output is not GPT-2's FFN ({r.verdict})")
     info = report.info + [f"block 0's FFN ({mlp.name}) judged alone too: {r.info[-1]}"]
     worst = max(scaled, key=lambda row: (row.status == "FAIL", row.max_abs if row.max_abs == row.max_abs else -1.0))
     rows = list(report.rows)
@@ -665,19 +672,6 @@ def _params(fn) -> list:
         return [None]  # unknown: not taken for a factory
 
 
-def _made(factory, name: str):
-    """What a factory of no arguments returns: the module (or class, or function) to check."""
-    try:
-        obj = factory()
-    except Exception as e:
-        raise CheckError(f"{name} takes no arguments, so check called it to make what it judges: "
-                         f"{type(e).__name__}: {e}".splitlines()[0]) from None
-    if not (isinstance(obj, nn.Module) or callable(obj)):
-        raise CheckError(f"{name} takes no arguments, so check called it, and it returned {type(obj).__name__}, "
-                         f"not a module or function")
-    return obj
-
-
 def weight_params(fn) -> list:
     """The names of fn's required positional parameters after the input: [] for a GELU f(x)."""
     try:
@@ -779,9 +773,11 @@ def check_picogpt(fn, name: str, names: list, source: str, case_of, cfg: Config)
         if found:
             report.verdict = ("FAIL (its parts alone, checkpoint 06): every stage passed on this prompt, whose FFN "
                               "inputs are too small to tell; " + "; ".join(found))
-            report.rows.insert(0, ModelRow("06", "gelu and ffn functions alone", "0", (), float("nan"), None, "FAIL",
-                                        "; ".join(found)))
+            at = next((i for i, row in enumerate(report.rows) if row.checkpoint > "06"), len(report.rows))
+            report.rows.insert(at, ModelRow("06", "gelu and ffn functions alone", "0", (), float("nan"), None, "FAIL",
+                                            "; ".join(found)))
             report.passed = False
+            report.first = {"layer": 0, "stage": "ffn", "checkpoint": "06", "what": "its gelu and ffn alone"}
         return report
     block_fn = getattr(module, "transformer_block", None)
     if not found and callable(block_fn):  # the block alone, on HF's input to it: a residual, a norm, attention

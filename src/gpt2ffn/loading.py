@@ -102,7 +102,7 @@ def fit_vocab(config, tok):
     if size is not None and size < V:
         notes.append(f"the tokenizer has {size} tokens and the model {V}: ids {size}..{V - 1} decode to no text")
     eos_in = [t for t in config.eos_ids if 0 <= t < V]
-    bos_in = 0 <= config.bos_token_id < V
+    bos_in = config.bos_token_id is None or 0 <= config.bos_token_id < V  # None: no BOS, nothing to fit
     if len(eos_in) == len(config.eos_ids) and bos_in:
         if notes:
             warnings.warn("; ".join(notes), stacklevel=3)
@@ -113,12 +113,16 @@ def fit_vocab(config, tok):
     fitted = dataclasses.replace(config, eos_token_id=None if not eos else eos[0] if len(eos) == 1 else eos,
                                  bos_token_id=config.bos_token_id if bos_in else 0 if alt is None else alt)
     eos_ok = len(eos_in) == len(config.eos_ids)
-    said = [f"{k} {getattr(config, k)}" for k, ok in (("bos_token_id", bos_in), ("eos_token_id", eos_ok)) if not ok]
-    now = ([] if bos_in else [f"BOS {fitted.bos_token_id}"]) + ([] if eos_ok else [
-        f"EOS {fitted.eos_token_id}" if eos else "no EOS (generation ends at its token limit or a stop)"])
-    where = " (the tokenizer's <|endoftext|>)" if alt is not None else ""
+    out = [t for t in config.eos_ids if not 0 <= t < V]
+    said = ([] if bos_in else [f"bos_token_id {config.bos_token_id}"]) + (
+        [] if eos_ok else [f"eos_token_id {out[0] if len(out) == 1 else out}"])
+    theirs = " (the tokenizer's <|endoftext|>)" if alt is not None else ""
+    eos_theirs = not eos_ok and eos and not eos_in  # EOS from the tokenizer too: one note for both
+    now = ([] if bos_in else [f"BOS {fitted.bos_token_id}" + ("" if eos_theirs else theirs)]) + ([] if eos_ok else [
+        f"EOS {fitted.eos_token_id}" + (" (the rest of the config's)" if eos_in else theirs) if eos
+        else "no EOS (generation ends at its token limit or a stop)"])
     notes.insert(0, f"the checkpoint's {' and '.join(said)} {'is' if len(said) == 1 else 'are'} outside vocab_size "
-                    f"{V} (HF's GPT2Config keeps GPT-2's 50256 for any size): using {' and '.join(now)}{where}")
+                    f"{V} (HF's GPT2Config keeps GPT-2's 50256 for any size): using {' and '.join(now)}")
     warnings.warn("; ".join(notes), stacklevel=3)
     return fitted
 

@@ -738,16 +738,17 @@ class GPT2(TrainChecked):
         """torch's, reading HF's layouts as from_pretrained does: keys without `transformer.` (openai-community/gpt2's
         own file), the attn.bias / attn.masked_bias buffers some files carry left out, and lm_head.weight, which
         save_pretrained leaves out, taken as wte's (tied)."""
-        own = set(self.state_dict())
-        sd = {}
-        for k, v in state_dict.items():
-            if IGNORED.search(k):
-                continue
-            sd[k if k in own or f"transformer.{k}" not in own else f"transformer.{k}"] = v
-        if "lm_head.weight" in own and "lm_head.weight" not in sd and "transformer.wte.weight" in sd \
-                and self.config.tie_word_embeddings:
+        # told from the keys given (own keys would take state_dict(), which dequantizes a packed model's weights)
+        bare = not any(k.startswith("transformer.") for k in state_dict) and any(
+            k.startswith(("wte.", "wpe.", "h.", "ln_f.")) for k in state_dict)
+        sd = {(f"transformer.{k}" if bare and not k.startswith("lm_head.") else k): v
+              for k, v in state_dict.items() if not IGNORED.search(k)}
+        if "lm_head.weight" not in sd and "transformer.wte.weight" in sd and self.config.tie_word_embeddings:
             sd["lm_head.weight"] = sd["transformer.wte.weight"]
-        return super().load_state_dict(sd, strict=strict, assign=assign)
+        result = super().load_state_dict(sd, strict=strict, assign=assign)
+        if assign and self.config.tie_word_embeddings:  # assign puts new Parameters in: tie them again
+            self.lm_head.weight = self.transformer.wte.weight
+        return result
 
     def save_pretrained(self, path) -> Path:
         """An HF checkpoint directory: config.json and model.safetensors with save_pretrained's keys

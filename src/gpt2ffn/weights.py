@@ -23,6 +23,8 @@ PREFIX = "transformer."
 FFN_TENSORS = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
 # The files a checkpoint directory may hold, in the order they are tried.
 DIR_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "pytorch_model.bin.index.json")
+# What HF's Trainer saves beside a model in a checkpoint directory: never the model's weights.
+TRAINER_FILES = ("rng_state", "optimizer", "scheduler", "training_args", "trainer_state")
 # Buffers that some checkpoints carry and no module needs: the causal mask and its fill value.
 IGNORED = re.compile(r"(^|\.)attn\.(bias|masked_bias)$")
 
@@ -99,7 +101,8 @@ class Checkpoint:
                 if (self.path / name).is_file():
                     return self._files_of(self.path / name)
             present = sorted(p.name for p in self.path.iterdir())
-            saved = [self.path / n for n in present if n.endswith((".pt", ".pth")) and (self.path / n).is_file()]
+            saved = [self.path / n for n in present if n.endswith((".pt", ".pth")) and (self.path / n).is_file()
+                     and not n.startswith(TRAINER_FILES)]
             if len(saved) == 1:  # torch.save(model.state_dict(), "model.pt") beside config.json: what the file holds
                 return self._files_of(saved[0])
             raise CheckpointError(f"checkpoint directory {self.path} has none of {', '.join(DIR_FILES)} "
