@@ -112,3 +112,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def default_ids(tmp_path_factory):
+    """A small checkpoint saved with HF's GPT2Config defaults (bos/eos 50256, outside its vocab of 300) and a
+    byte-level BPE trained here, of 280 tokens with <|endoftext|> (id 0); `plain/` the same tokenizer without it."""
+    from tokenizers import ByteLevelBPETokenizer
+    torch.manual_seed(0)
+    d = tmp_path_factory.mktemp("default_ids")
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=300, n_positions=64)).save_pretrained(d)
+    for sub, special in ((d, ["<|endoftext|>"]), (d / "plain", [])):
+        sub.mkdir(exist_ok=True)
+        tok = ByteLevelBPETokenizer()
+        tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, vocab_size=280,
+                                min_frequency=1, special_tokens=special)
+        tok.save(str(sub / "tokenizer.json"))
+    return d

@@ -1054,3 +1054,39 @@ def test_check_takes_a_file_name_string_and_names_a_factory(tmp_path, capsys):
         check(5)
     with pytest.raises(CheckError, match="is an OrderedDict; check takes"):
         check(nn.Linear(2, 2).state_dict(), name="sd")
+
+
+def test_pointwise_convolutions_are_judged_and_gated_or_wide_ones_named():
+    """The Transformer paper's FFN as two nn.Conv1d of kernel size 1 (on (B, channels, T)) was refused as "a
+    LayerNorm?": it is judged as two linear layers (its stages read back as (B, T, channels)), and its exact GELU
+    named; a kernel of 3 is named as not per token; a SwiGLU's three layers are named as a gated FFN (it was asked
+    "attention or a whole block?")."""
+    import torch.nn.functional as F
+
+    from gpt2ffn import check
+
+    class ConvFFN(nn.Module):
+        def __init__(self, d=64, kernel=1, approximate="tanh"):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv1d(d, 4 * d, kernel, padding=kernel // 2), nn.Conv1d(4 * d, d, 1)
+            self.approximate = approximate
+
+        def forward(self, x):
+            return self.c2(F.gelu(self.c1(x.transpose(1, 2)), approximate=self.approximate)).transpose(1, 2)
+
+    class SwiGLU(nn.Module):
+        def __init__(self, d=64, h=172):
+            super().__init__()
+            self.w1, self.w3, self.w2 = nn.Linear(d, h, bias=False), nn.Linear(d, h, bias=False), nn.Linear(h, d)
+
+        def forward(self, x):
+            return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    report = check(ConvFFN(), preset="tiny")
+    assert report.passed and "c_fc = c1 (Conv1d, [out, in])" in report.format(), report.format()
+    wrong = check(ConvFFN(approximate="none"), preset="tiny").format()
+    assert "FAIL (after activation): exact GELU (erf)" in wrong, wrong
+    with pytest.raises(CheckError, match=r"c1 is an nn.Conv1d of kernel size 3: GPT-2's FFN is applied to each token"):
+        check(ConvFFN(kernel=3), preset="tiny")
+    with pytest.raises(CheckError, match=r"3 linear layers of one shape \(w1, w3, w2\): a gated FFN \(SwiGLU"):
+        check(SwiGLU(), preset="tiny")

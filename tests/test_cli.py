@@ -252,6 +252,16 @@ def test_gelu_takes_negative_numbers_in_any_notation(capsys):
     assert err == "error: gpt2ffn gelu: give finite numbers, got -inf\n", err
 
 
+def test_gelu_huge_points_fit_their_columns(capsys):
+    """1e300 once printed 300 digits and numpy's overflow warning: an exponent, and no warning."""
+    assert main(["gelu", "1e300", "-1e300", "2.7"]) == 0
+    captured = capsys.readouterr()
+    assert captured.err == "", captured.err
+    rows = [line.split() for line in captured.out.splitlines()[1:]]
+    assert rows[0] == ["1.0000e+300", "1.0000000e+300", "1.0000000e+300", "0.000e+00"], rows
+    assert rows[1][0] == "-1.0000e+300" and rows[2][:2] == ["2.7000", "2.6911124"], rows
+
+
 def test_an_empty_prompt_starts_from_endoftext_as_serve_takes_it(capsys):
     """generate "": the text after <|endoftext|> (GPT-2's unconditional start), as serve answers an empty prompt."""
     from gpt2ffn.model import parse_random
@@ -261,25 +271,6 @@ def test_an_empty_prompt_starts_from_endoftext_as_serve_takes_it(capsys):
     assert main(["generate", "--ids", str(eos), "--model", "random:tiny", "--max-new-tokens", "4"]) == 0
     from_ids = capsys.readouterr().out  # the prompt's text echoed first
     assert len(empty) > 1 and from_ids.endswith(empty), (empty, from_ids)
-
-
-@pytest.fixture(scope="module")
-def default_ids(tmp_path_factory):
-    """A small checkpoint saved with HF's GPT2Config defaults (bos/eos 50256, outside its vocab of 300) and a
-    byte-level BPE trained here, of 280 tokens with <|endoftext|> (id 0); `plain/` the same tokenizer without it."""
-    import torch
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import GPT2Config, GPT2LMHeadModel
-    torch.manual_seed(0)
-    d = tmp_path_factory.mktemp("default_ids")
-    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=300, n_positions=64)).save_pretrained(d)
-    for sub, special in ((d, ["<|endoftext|>"]), (d / "plain", [])):
-        sub.mkdir(exist_ok=True)
-        tok = ByteLevelBPETokenizer()
-        tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, vocab_size=280,
-                                min_frequency=1, special_tokens=special)
-        tok.save(str(sub / "tokenizer.json"))
-    return d
 
 
 def test_bos_and_eos_outside_the_vocabulary_fit_to_the_tokenizer(default_ids, tmp_path, capsys):

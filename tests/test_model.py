@@ -261,6 +261,8 @@ def test_load_state_dict_reads_hf_layouts_and_device_map_one_device(tmp_path):
         assert GPT2.from_pretrained(tmp_path / "o", device_map=device_map).transformer.wpe.weight.device.type == "cpu"
     with pytest.raises(ConfigError, match="splits the model over devices"):
         GPT2.from_pretrained(tmp_path / "o", device_map={"transformer.h.0": "cpu", "lm_head": "cuda:0"})
+    with pytest.raises(ConfigError, match="names no device"):
+        GPT2.from_pretrained(tmp_path / "o", device_map={})
     if not torch.cuda.is_available():
         with pytest.raises(ConfigError, match="sees no CUDA device"):
             GPT2.from_pretrained(tmp_path / "o", device_map=0)

@@ -1326,6 +1326,16 @@ def engine_pid(s) -> int:
     return children[0]
 
 
+def test_the_engine_process_warns_on_one_line_as_the_cli(default_ids):
+    """loading's warning (bos/eos outside the vocabulary) came from the engine's own process in Python's two-line
+    format (file, line, the warn() call quoted): one line, as the CLI and a one-process server print it."""
+    s = Server(default_ids, "--engine-process", "on")
+    s.stop()
+    err = s.proc.stderr.read()
+    lines = [line for line in err.splitlines() if "bos_token_id" in line or "warn(" in line or "Warning" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning: the checkpoint's bos_token_id 50256"), err
+
+
 @pytest.mark.parametrize("api_servers", ["1", "2"])
 def test_an_engine_process_that_dies_ends_its_streams_with_an_error_and_the_server_with_1(api_servers):
     """The engine's process killed mid-stream: the stream ends with an error event naming it, and the server, which

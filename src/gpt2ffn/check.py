@@ -109,19 +109,27 @@ class Report:
 
 # ---- the FFN's two linear layers -----------------------------------------------------------------------
 
+def pointwise_conv(m: nn.Module) -> bool:
+    """An nn.Conv1d of kernel size 1 (weight [out, in, 1]): a linear layer over channels, as the Transformer paper
+    describes the FFN ("two convolutions with kernel size 1")."""
+    return (isinstance(m, nn.Conv1d) and m.kernel_size == (1,) and m.stride == (1,) and m.dilation == (1,)
+            and m.groups == 1 and m.padding in ((0,), "valid"))
+
+
 def linear_layers(module: nn.Module) -> list:
-    """(name, submodule) of every submodule holding a 2-D `weight` (nn.Linear, Conv1D-style), in order."""
+    """(name, submodule) of every submodule holding a 2-D `weight` (nn.Linear, Conv1D-style) or a pointwise
+    nn.Conv1d, in order."""
     return [(n, m) for n, m in module.named_modules()
             if m is not module and isinstance(m._parameters.get("weight"), torch.Tensor)
-            and m._parameters["weight"].dim() == 2]
+            and (m._parameters["weight"].dim() == 2 or pointwise_conv(m))]
 
 
 def layout(m: nn.Module, d: int, side: str) -> tuple:
     """(layout, n_in, n_out) of a linear layer whose `side` ('in' for c_fc, 'out' for c_proj) is n_embd=d.
 
     nn.Linear stores [out, in]; any other module is told apart by which side of its weight is d."""
-    a, b = m._parameters["weight"].shape
-    if isinstance(m, nn.Linear):
+    a, b = m._parameters["weight"].shape[:2]
+    if isinstance(m, nn.Linear) or pointwise_conv(m):
         return "[out, in]", b, a
     if (a if side == "in" else b) == d:
         return "[in, out]", a, b
@@ -141,7 +149,8 @@ def _width(n: int) -> str:
 def _load(m: nn.Module, w, b, lay: str, name: str) -> str:
     """Copy HF-layout weight w [in, out] (transposed for [out, in]) and bias b into m; '' or a note."""
     with torch.no_grad():
-        m._parameters["weight"].copy_(torch.from_numpy(np.ascontiguousarray(w if lay == "[in, out]" else w.T)))
+        weight = m._parameters["weight"]  # [out, in, 1] for a pointwise nn.Conv1d
+        weight.copy_(torch.from_numpy(np.ascontiguousarray(w if lay == "[in, out]" else w.T)).view(weight.shape))
         bias = m._parameters.get("bias")
         if bias is None:
             return "no bias"
@@ -297,6 +306,11 @@ def _check_module(module: nn.Module, name: str, built: list, source: str, case_o
         raise CheckError(f"{name} is one linear layer ({tuple(module.weight.shape)}); check judges {part}")
     linears = linears or raw_linears(module, ref_cfg.n_embd)
     if not linears:
+        convs = [n for n, m in module.named_modules() if isinstance(m, nn.modules.conv._ConvNd)]
+        if convs:  # wider kernels, strides or groups: not a linear layer per token
+            raise CheckError(f"{name} holds convolutions ({', '.join(convs)}) that are not pointwise (nn.Conv1d of "
+                             f"kernel size 1): GPT-2's FFN is two linear layers applied to each token alone; check "
+                             f"judges {part}")
         if any(p.dim() == 1 for p in module.parameters()) or isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             raise CheckError(f"{name} holds parameters but no linear layer: a LayerNorm? check judges {part}, "
                              "which checks every LayerNorm it holds")
@@ -306,8 +320,19 @@ def _check_module(module: nn.Module, name: str, built: list, source: str, case_o
     attention = sum(sorted(m.weight.shape) == c_attn for _, m in linears) == 1
     if len(linears) == 1 and layout(linears[0][1], ref_cfg.n_embd, "in")[1:] == (ref_cfg.n_embd, ref_cfg.hidden):
         return check_no_proj(module, linears[0], name, built, case_of(layer))
+    if len(linears) == 3 and not attention:  # gate and up (d -> h, the same shape) then down (h -> d): SwiGLU
+        shapes = [tuple(sorted(m.weight.shape)) for _, m in linears]
+        d = ref_cfg.n_embd
+        if len(set(shapes)) == 1 and d in shapes[0] and shapes[0] != (d, d):
+            raise CheckError(f"{name} has 3 linear layers of one shape ({', '.join(n for n, _ in linears)}): a gated "
+                             f"FFN (SwiGLU or GEGLU, as LLaMA's: act(gate(x)) * up(x), then down)? GPT-2's FFN has "
+                             f"no gate: c_fc -> GELU (tanh) -> c_proj, two linear layers with biases")
     if len(linears) != 2:
         more = f": attention or a whole block? check judges {part}" if len(linears) > 2 or attention else ""
+        convs = [f"{n} is an nn.Conv1d of kernel size {m.kernel_size[0]}" for n, m in module.named_modules()
+                 if isinstance(m, nn.modules.conv._ConvNd) and not pointwise_conv(m)]
+        if convs:
+            more += f" ({'; '.join(convs)}: GPT-2's FFN is applied to each token alone)"
         layers = f"{len(linears)} linear layer{'s' if len(linears) != 1 else ''}"
         raise CheckError(f"{name} has {layers} ({', '.join(n for n, _ in linears)}); "
                          f"an FFN has two, c_fc then c_proj{more}")
@@ -633,11 +658,12 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
     the same)."""
     seen = {}
 
-    def keep(key, t):  # returns None: a hook that returns a value replaces the layer's output
+    def keep(key, t, m):  # returns None: a hook that returns a value replaces the layer's output
+        t = t.transpose(-1, -2) if pointwise_conv(m) else t  # a Conv1d's (B, channels, T) as (B, T, channels)
         seen.setdefault(key, t.detach().float().numpy().copy())
-    hooks = [l1.register_forward_hook(lambda m, a, o: keep("c_fc", o))]
+    hooks = [l1.register_forward_hook(lambda m, a, o: keep("c_fc", o, m))]
     if l2 is not None:
-        hooks.append(l2.register_forward_pre_hook(lambda m, a: keep("gelu", a[0])))
+        hooks.append(l2.register_forward_pre_hook(lambda m, a: keep("gelu", a[0], m)))
     try:
         with torch.no_grad():
             out = module(x)

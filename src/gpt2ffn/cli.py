@@ -8,7 +8,7 @@ import warnings
 from pathlib import Path
 
 from .config import GPT_CONFIG_124M
-from .errors import Gpt2ffnError
+from .errors import Gpt2ffnError, warning_line
 from .precision import PRECISIONS
 
 
@@ -66,10 +66,15 @@ def cmd_gelu(args):
     x = np.array(args.x, dtype=np.float64)
     if not np.isfinite(x).all():
         raise UsageError(f"gpt2ffn gelu: give finite numbers, got {next(v for v in args.x if not np.isfinite(v))}")
-    tanh, exact = gelu_tanh(x), gelu_exact(x)
+    with np.errstate(over="ignore"):  # x^3 overflows past 1e102; the tanh form still gives x there
+        tanh, exact = gelu_tanh(x), gelu_exact(x)
+
+    def num(v, width, digits):  # fixed point, or an exponent where fixed point would run past the column
+        return f"{v:>{width}.{digits}f}" if abs(v) < 1e6 else f"{v:>{width}.{digits}e}"
+
     print(f"{'x':>10} {'tanh (GPT-2)':>14} {'exact (erf)':>14} {'exact - tanh':>14}")
     for row in zip(x, tanh, exact, exact - tanh):
-        print(f"{row[0]:>10.4f} {row[1]:>14.7f} {row[2]:>14.7f} {row[3]:>14.3e}")
+        print(f"{num(row[0], 10, 4)} {num(row[1], 14, 7)} {num(row[2], 14, 7)} {row[3]:>14.3e}")
     return 0
 
 
@@ -640,7 +645,7 @@ def main(argv=None) -> int:
     try:
         args = build_parser().parse_args(_joined_ids(sys.argv[1:] if argv is None else list(argv)))
         with warnings.catch_warnings():  # gpt2ffn's warnings (loading.fit_vocab) in one line, as errors are
-            warnings.showwarning = lambda message, *rest, **kw: print(f"warning: {message}", file=sys.stderr)
+            warnings.showwarning = warning_line
             return args.func(args)
     except Gpt2ffnError as e:
         print(f"error: {e}", file=sys.stderr)

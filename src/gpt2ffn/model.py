@@ -705,6 +705,9 @@ class GPT2(TrainChecked):
         device = "cpu"
         if device_map is not None:
             devices = {str(v) for v in device_map.values()} if isinstance(device_map, dict) else {str(device_map)}
+            if not devices:
+                raise ConfigError("device_map={} names no device; give one ('cpu', 'auto', 'cuda' or 'cuda:N'), "
+                                  "or a dict such as {'': 'cpu'}")
             if len(devices) != 1:
                 raise ConfigError(f"device_map={device_map!r} splits the model over devices; gpt2ffn places it on one "
                                   "('cpu', 'auto', 'cuda' or 'cuda:N')")

@@ -2,8 +2,8 @@
 
 - autograd needed: `RecomputeGELU`, a custom autograd Function that keeps only x and the pre-activation
   and recomputes GELU in backward (less activation memory than plain autograd).
-- CPU fp32 inference: the fastest of `cpu.AUTO` for this (n_embd, hidden, token bucket, threads),
-  measured once on first use and cached.
+- CPU fp32 inference: `cpu.DEFAULT` (torch's GEMMs, the sigmoid form of the tanh GELU), the same path in every
+  process, so the same input gives the same bits in every run.
 - CUDA inference with the tanh GELU: c_fc's bias and GELU in cuBLASLt's epilogue where that is checked to be
   the tanh form, or in one Triton kernel (`gemm_gelu.py`, bf16 / fp16, from 1,024 tokens), where measured
   faster than the plain ops (`cuda.py`), else plain ops.
@@ -13,16 +13,12 @@ GPT2FFN_PATH=<path name> (or "plain") forces one path, for benchmarks and debugg
 """
 
 import os
-import threading
-import time
 
 import torch
 import torch.nn.functional as F
 
 from . import cpu, cuda, gemm_gelu
 
-_CHOICES = {}  # (n_embd, hidden, token bucket, threads, activation) -> path name
-_LOCK = threading.Lock()
 _FORCED = os.environ.get("GPT2FFN_PATH")
 # Decode: at this many tokens or fewer the GEMMs are weight-bandwidth bound and per-op overhead is what
 # is left to save, so the path with the fewest ops runs without a dispatch look-up.
@@ -70,37 +66,18 @@ def bucket(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def _measure(x2, w1, b1, w2, b2, approximate) -> str:
-    best, best_t = None, float("inf")
-    for name in cpu.AUTO:
-        cpu.run_path(name, x2, w1, b1, w2, b2, approximate)  # warm-up
-        times = []
-        for _ in range(3):
-            t0 = time.perf_counter()
-            cpu.run_path(name, x2, w1, b1, w2, b2, approximate)
-            times.append(time.perf_counter() - t0)
-        t = sorted(times)[1]
-        if t < best_t:
-            best, best_t = name, t
-    return best
+def choose() -> str:
+    """The CPU fp32 path: GPT2FFN_PATH's, else cpu.DEFAULT.
 
-
-def choose(x2, w1, b1, w2, b2, approximate) -> str:
-    """The fastest CPU path for this shape, measured once and cached."""
-    if _FORCED:
-        return _FORCED
-    key = (w1.shape[0], w1.shape[1], bucket(x2.shape[0]), torch.get_num_threads(), approximate)
-    name = _CHOICES.get(key)
-    if name is None:
-        with _LOCK:
-            name = _CHOICES.get(key) or _measure(x2, w1, b1, w2, b2, approximate)
-            _CHOICES[key] = name
-    return name
+    Not the faster by timing: the two GELU forms round differently (by up to 7e-7 at GPT-2 medium's width) and
+    took turns winning within the noise (the FFN's GEMMs are 98% of its time), so a per-process race gave
+    different bits in different runs."""
+    return _FORCED or cpu.DEFAULT
 
 
 def choices() -> dict:
-    """What the dispatcher has measured and chosen so far, for reports."""
-    return dict(_CHOICES)
+    """The CPU fp32 path that inference above DECODE_TOKENS runs, for reports."""
+    return {"cpu fp32": choose()}
 
 
 def ffn(x2, w1, b1, w2, b2, approximate):
@@ -123,7 +100,7 @@ def ffn(x2, w1, b1, w2, b2, approximate):
         x2 = x2.contiguous()
     if x2.shape[0] <= DECODE_TOKENS and not _FORCED:  # decode: the fewest ops, no look-up
         return plain(x2, w1, b1, w2, b2, approximate)
-    name = choose(x2, w1, b1, w2, b2, approximate)
+    name = choose()
     if name == "plain":
         return plain(x2, w1, b1, w2, b2, approximate)
     return cpu.run_path(name, x2, w1, b1, w2, b2, approximate)

@@ -78,11 +78,13 @@ def ffn_numpy(x, w1, b1, w2, b2, approximate, gelu_):
 GEMMS = {"torch": ffn_torch, "numpy": ffn_numpy}
 # Every (gemm, gelu) pair is a path, runnable by name (GPT2FFN_PATH=numpy+sigmoid).
 PATHS = {f"{g}+{a}": (GEMMS[g], GELUS[a]) for g in GEMMS for a in GELUS}
-# The paths the dispatcher measures and picks from. numpy's OpenBLAS is left out: after each call its worker
-# threads busy-wait (~0.1 s) and take both cores from torch's OpenMP pool, so one numpy GEMM slows every
-# torch op around it (measured: torch.mm at 768x64 from 2.4 to 6.6 ms; HF generate with the numpy path
-# chosen fell to 0.15x). A faster GEMM in isolation loses in a model.
-AUTO = ("torch+aten", "torch+sigmoid")
+# The path FeedForward's CPU fp32 inference runs above DECODE_TOKENS (kernels.choose): torch's GEMMs and the sigmoid
+# form, whose GELU takes half aten's time (0.45 against 0.90 ms at 512 x 3072, AMD EPYC Zen 5). It used to race
+# "torch+aten" per process, but the two round differently and won by turns within the noise (the GEMMs are ~98% of
+# the time), so two runs could give different bits. numpy's OpenBLAS is not taken: after each call its worker
+# threads busy-wait (~0.1 s) and take both cores from torch's OpenMP pool, so one numpy GEMM slows every torch op
+# around it (measured: torch.mm at 768x64 from 2.4 to 6.6 ms; HF generate with the numpy path chosen fell to 0.15x).
+DEFAULT = "torch+sigmoid"
 
 
 def run_path(name, x, w1, b1, w2, b2, approximate):

@@ -34,10 +34,11 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
-from ..errors import Gpt2ffnError
+from ..errors import Gpt2ffnError, warning_line
 from ..loading import load
 from .engine import Loop, QueueFull, Request, Token, TooMany, name_os_thread
 from .metrics import Metrics
@@ -378,6 +379,7 @@ def main(fds: list):
     name_os_thread("gpt2ffn-core")
     for sig in (signal.SIGINT, signal.SIGTERM):  # the server's to act on (a terminal's Ctrl-C reaches both)
         signal.signal(sig, signal.SIG_IGN)
+    warnings.showwarning = warning_line  # loading's warnings (fit_vocab) on one line, as the CLI prints them
     # The server's death (even a SIGKILL) closes its end of the channel: recv() below then ends this process.
     # (Not PR_SET_PDEATHSIG: that fires when the thread that started the process ends, the server's loader thread.)
     channels = [Channel(fd) for fd in fds]
