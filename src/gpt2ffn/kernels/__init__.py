@@ -69,7 +69,7 @@ def bucket(n: int) -> int:
 def choose() -> str:
     """The CPU fp32 path: GPT2FFN_PATH's, else cpu.DEFAULT.
 
-    Not the faster by timing: the two GELU forms round differently (by up to 7e-7 at GPT-2 medium's width) and
+    Not the faster by timing: the two GELU forms round differently (by up to 1.2e-6 at GPT-2 xl's width) and
     took turns winning within the noise (the FFN's GEMMs are 98% of its time), so a per-process race gave
     different bits in different runs."""
     return _FORCED or cpu.DEFAULT

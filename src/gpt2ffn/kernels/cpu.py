@@ -79,7 +79,8 @@ GEMMS = {"torch": ffn_torch, "numpy": ffn_numpy}
 # Every (gemm, gelu) pair is a path, runnable by name (GPT2FFN_PATH=numpy+sigmoid).
 PATHS = {f"{g}+{a}": (GEMMS[g], GELUS[a]) for g in GEMMS for a in GELUS}
 # The path FeedForward's CPU fp32 inference runs above DECODE_TOKENS (kernels.choose): torch's GEMMs and the sigmoid
-# form, whose GELU takes half aten's time (0.45 against 0.90 ms at 512 x 3072, AMD EPYC Zen 5). It used to race
+# form, whose GELU takes half aten's time (0.49 against 1.02 ms at 512 x 3072, AMD EPYC Zen 5;
+# benchmarks/gelu_forms.py). It used to race
 # "torch+aten" per process, but the two round differently and won by turns within the noise (the GEMMs are ~98% of
 # the time), so two runs could give different bits. numpy's OpenBLAS is not taken: after each call its worker
 # threads busy-wait (~0.1 s) and take both cores from torch's OpenMP pool, so one numpy GEMM slows every torch op
