@@ -578,3 +578,33 @@ def test_an_ffn_module_that_is_not_gpt2s_ffn_alone_is_said_unprobed(quiet_dir, t
     code = main(["check", f"{path}:GPT", "--model", str(quiet_dir)])
     out = capsys.readouterr().out
     assert code == 0 and "known FFN mistakes also pass within 1e-04" in out and "check the FFN by itself" in out, out
+
+
+@pytest.mark.parametrize("old, new, passes", [
+    ("self.bias[:, :, :T, :T] == 0", "self.bias[:, :, :T, :T] == 0", True),  # the control: nanoGPT as written
+    # rows from 6 on (past the 6-token prompt) see later positions: every stage on the prompt passes, and so did
+    # the greedy tokens on this reference
+    ("att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))",
+     "mask = self.bias[:, :, :T, :T] == 0\n        mask[..., 6:, :] = False\n"
+     "        att = att.masked_fill(mask, float('-inf'))", False),
+])
+def test_logits_past_the_prompt_are_judged_teacher_forced(old, new, passes, tmp_path, capsys):
+    """A mask that goes wrong only past the prompt's length passed: the stages see the 6-token prompt, and the
+    greedy steps compared argmaxes. The logits over the prompt and HF's greedy tokens, one forward, are judged at
+    the logits' tolerance (checkpoint 10), every position the model returns."""
+    source = NANOGPT.replace(old, new)
+    assert source != NANOGPT or passes
+    source = source.replace("logits = self.lm_head(x[:, [-1], :])", "logits = self.lm_head(x)")  # every position
+    code, out, err = run(tmp_path, capsys, source, "GPT", "--json")
+    report = json.loads(out)
+    forced = next(r for r in report["rows"] if r["stage"] == "logits on prompt + 4 (forced)")
+    assert forced["checkpoint"] == "10" and forced["shape"][1] == 10, forced
+    if passes:
+        assert code == 0 and report["passed"] and forced["status"] == "PASS", report["verdict"]
+        return
+    assert code == 1 and not report["passed"] and forced["status"] == "FAIL", report["verdict"]
+    assert report["verdict"].startswith("FAIL (logits past the prompt, checkpoint 10): position "), report["verdict"]
+    assert int(report["verdict"].split("position ")[1].split()[0]) >= 6, report["verdict"]
+    assert "a causal mask or position that goes wrong only past the prompt's length?" in report["verdict"]
+    assert report["first_divergence"]["stage"] == "logits_forced"
+    assert all(r["status"] != "FAIL" for r in report["rows"] if r is not forced)
