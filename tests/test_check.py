@@ -1090,3 +1090,96 @@ def test_pointwise_convolutions_are_judged_and_gated_or_wide_ones_named():
         check(ConvFFN(kernel=3), preset="tiny")
     with pytest.raises(CheckError, match=r"3 linear layers of one shape \(w1, w3, w2\): a gated FFN \(SwiGLU"):
         check(SwiGLU(), preset="tiny")
+
+
+def test_gpt2ffns_own_packed_modules_are_judged_on_an_unpacked_copy(tmp_path):
+    """check(GPT2.from_pretrained(dir)) and check(quantize(FeedForward(...), "int8")) crashed in a torch
+    RuntimeError (writing HF's weights into a Parameter held once, one element expanded): they are judged on a copy
+    unpacked to fp32, said in the report, and the module itself keeps its packed weights and its outputs."""
+    from transformers import GPT2Config
+
+    from gpt2ffn import GPT2, Config, FeedForward, check, quantize
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64)).save_pretrained(
+        tmp_path)
+    ids = torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8]])
+    for precision in ("fp32", "int8"):
+        model = GPT2.from_pretrained(tmp_path, precision=precision)
+        with torch.no_grad():
+            before = model(ids)
+        report = check(model, model=str(tmp_path))
+        assert report.passed, report.format()
+        assert f"its layers compute with gpt2ffn's packed {precision} weights: judged on a copy" in report.format()
+        with torch.no_grad():
+            assert torch.equal(model(ids), before)
+        assert model.lm_head.weight.stride() == (0, 0) and model.lm_head.packed.precision == precision
+    ffn = quantize(FeedForward(Config(n_embd=64, n_head=4)), "int4")
+    report = check(ffn, preset="tiny")
+    assert report.passed and "packed int4 weights" in report.format(), report.format()
+    assert ffn.c_fc.packed.precision == "int4" and ffn.c_fc.dropped
+
+
+def test_a_meta_module_is_refused_and_a_float64_one_noted_truly():
+    """A module on the meta device failed on 'Tensor on device meta is not on the expected device cpu!'; a float64
+    one was noted as differing by ~1e-2 in float64 (the bf16 note): it does not."""
+    from gpt2ffn import check
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64))
+    with pytest.raises(CheckError, match=r"'s 0.weight is on the meta device \(a shape with no values\)"):
+        check(meta, preset="tiny")
+    wide = nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64)).double()
+    report = check(wide, preset="tiny")
+    text = report.format()
+    assert report.passed and "its parameters are float64: judged in float32" in text and "1e-2" not in text, text
+    assert next(wide.parameters()).dtype == torch.float64  # given back as it came
+
+
+def test_gelus_of_numpy_arrays_or_python_floats_are_judged(tmp_path):
+    """A GELU through np.vectorize returned an ndarray ('maps a tensor ... to ndarray: not elementwise') and one
+    written with math.tanh raised on a tensor: each is called as it can take the points, and judged."""
+    from gpt2ffn import check
+    path = learner_file(tmp_path, '''
+        import numpy as np
+
+        def vectorized(x):
+            return np.vectorize(lambda v: 0.5 * v * (1 + math.erf(v / math.sqrt(2))))(x)
+
+        def scalar(x):
+            return 0.5 * x * (1 + math.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+
+        def broken(x):
+            return x.nonexistent()
+        ''')
+    wrong = check(f"{path}:vectorized")
+    assert not wrong.passed and wrong.verdict.startswith("FAIL: it is the exact form (erf)"), wrong.verdict
+    right = check(f"{path}:scalar")
+    assert right.passed and right.verdict.startswith("PASS: it is the tanh form"), right.verdict
+    with pytest.raises(CheckError, match=r"fails on a float tensor of shape \(2003,\): AttributeError: 'Tensor'"):
+        check(f"{path}:broken")
+
+
+def test_mingpts_mlpf_lambda_is_judged_as_the_ffn_it_runs(tmp_path):
+    """minGPT's Block runs its FFN as `self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))`: checking the
+    lambda took it for a GELU and failed on a shape error; it is judged as a module holding the ModuleDict it closes
+    over (dropout off in eval()), and an exact GELU inside is named."""
+    from gpt2ffn import check
+    path = learner_file(tmp_path, '''
+        class NewGELU(nn.Module):
+            def forward(self, x):
+                return 0.5 * x * (1.0 + torch.tanh(math.sqrt(2.0 / math.pi) * (x + 0.044715 * torch.pow(x, 3.0))))
+
+        class Block(nn.Module):
+            def __init__(self, n_embd=64, act=None):
+                super().__init__()
+                self.mlp = nn.ModuleDict(dict(c_fc=nn.Linear(n_embd, 4 * n_embd), c_proj=nn.Linear(4 * n_embd, n_embd),
+                                              act=act or NewGELU(), dropout=nn.Dropout(0.1)))
+                m = self.mlp
+                self.mlpf = lambda x: m.dropout(m.c_proj(m.act(m.c_fc(x))))
+
+        mlpf = Block().mlpf
+        exact = Block(act=nn.GELU()).mlpf
+        ''')
+    report = check(f"{path}:mlpf", preset="tiny")
+    assert report.passed and "a function of x over m (the modules it closes over)" in report.format(), report.format()
+    wrong = check(f"{path}:exact", preset="tiny")
+    assert not wrong.passed and "exact GELU (erf)" in wrong.verdict, wrong.verdict

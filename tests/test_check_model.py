@@ -608,3 +608,22 @@ def test_logits_past_the_prompt_are_judged_teacher_forced(old, new, passes, tmp_
     assert "a causal mask or position that goes wrong only past the prompt's length?" in report["verdict"]
     assert report["first_divergence"]["stage"] == "logits_forced"
     assert all(r["status"] != "FAIL" for r in report["rows"] if r is not forced)
+
+
+@pytest.mark.parametrize("flag, value, block, says", [
+    ("scale_attn_by_inverse_layer_idx", True, 1, "where the reference's config sets scale_attn_by_inverse_layer_idx"),
+    ("scale_attn_weights", False, 0, "where the reference's config sets scale_attn_weights=False"),
+])
+def test_a_reference_with_hfs_attention_options_is_named(flag, value, block, says, tmp_path, capsys):
+    """A checkpoint whose config asks for HF's other attention scales: a right GPT-2 failed 'matches no known
+    mistake' at the first block they change; the config's flag is named, with the way to follow it."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+    torch.manual_seed(0)
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64, **{flag: value})
+    GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "ref")
+    path = tmp_path / "learner.py"
+    path.write_text(NANOGPT)
+    code = main(["check", f"{path}:GPT", "--model", str(tmp_path / "ref"), "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert code == 1 and report["diagnosis"]["key"] == f"ref_{flag}", report["verdict"]
+    assert report["first_divergence"]["layer"] == block and says in report["verdict"], report["verdict"]

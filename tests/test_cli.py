@@ -379,3 +379,20 @@ def test_fit_vocab_with_no_bos_and_a_partly_outside_eos_list(default_ids):
     said = str(w[0].message)
     assert "eos_token_id 50256 is outside vocab_size 300" in said and "using EOS 7 (the rest of the config's)" in said
     assert "bos_token_id" not in said and "<|endoftext|>" not in said, said
+
+
+def test_a_prompt_that_fills_the_context_is_named_as_such(capsys):
+    """generate with no --max-new-tokens and a prompt as long as the context said 'prompt (N tokens) +
+    max_new_tokens (1) exceeds the context', a 1 the user never gave; generate(model, []) said 'every prompt needs
+    at least one token' of no prompt at all."""
+    from gpt2ffn import Gpt2ffnError, generate
+    from gpt2ffn.model import parse_random
+    ctx = parse_random("random:tiny")[0].n_positions
+    assert main(["generate", "--model", "random:tiny", "--ids", ",".join(["1"] * ctx)]) == 2
+    err = capsys.readouterr().err
+    assert err == (f"error: gpt2ffn generate: the prompt ({ctx} tokens) fills the context of {ctx} positions: no "
+                   "room for a new token\n"), err
+    from gpt2ffn.generate import load
+    model, _, _ = load("random:tiny")
+    with pytest.raises(Gpt2ffnError, match=r"generate was given no prompts: give a list of token-id lists"):
+        generate(model, [], max_new_tokens=3)

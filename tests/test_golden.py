@@ -241,7 +241,7 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     assert rows["h0_ffn"]["note"] == "dtype bfloat16, expected float32"
     save_file({"block0.ffn": g.load("h0_ffn")}, st)
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st)], capsys)
-    assert code == 1 and out.rstrip().endswith("see manifest.json); found block0.ffn")
+    assert code == 2 and out.rstrip().endswith("see manifest.json); found block0.ffn")
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     for bad, says in ((tmp_path / "junk.safetensors", "is not a readable .safetensors file"),
                       (tmp_path / "nothere", "does not exist"),
@@ -463,3 +463,16 @@ def test_verify_needs_no_tokenizer(hf_dir, tmp_path, capsys):
     code, text, err = run(["verify", "--golden", str(out)], capsys)
     assert code == 0 and err == "", err
     assert "logits " in text and "SKIP" not in text
+
+
+def test_nothing_judged_exits_2_and_a_plot_path_is_checked_first(tiny_golden, tmp_path, capsys):
+    """A candidate none of whose tensors has a golden name (a checkpoint's weights file) exited 1, the code of a
+    FAIL: nothing was judged, so it is 2, as a run that could not be made; a --plot into a directory that does not
+    exist failed only after the whole run."""
+    from safetensors.torch import save_file
+    save_file({"transformer.h.0.mlp.c_fc.weight": torch.zeros(4, 16)}, str(tmp_path / "model.safetensors"))
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(tmp_path / "model.safetensors")],
+                       capsys)
+    assert code == 2 and "nothing was judged" in out, out
+    code, out, err = run(["verify", "--golden", str(tiny_golden), "--plot", str(tmp_path / "no" / "x.png")], capsys)
+    assert code == 2 and out == "" and err.startswith("error: gpt2ffn verify: --plot ") and "no directory" in err, err

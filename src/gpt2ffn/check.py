@@ -44,6 +44,7 @@ from .config import Config
 from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
 from .errors import Gpt2ffnError
 from .learner import CheckError, build, load_object, super_message, super_missing
+from .linear import packed_precisions, unpacked_copy
 from .tolerances import GOLDEN_ATOL
 
 __all__ = ["CheckError", "Report", "Row", "check", "check_ffn", "check_function", "check_gelu", "load_object"]
@@ -141,6 +142,8 @@ def layout(m: nn.Module, d: int, side: str) -> tuple:
 def _width(n: int) -> str:
     if n in GPT2_WIDTHS:
         return ""
+    if n < 1:
+        return f"; a width of {n} is no model's: look at what it was built with (--config)"
     tiny = " or --preset tiny (n_embd 64; check(obj, preset='tiny') in Python)" if n == 64 else ""
     return (f"; {n} fits no GPT-2 width ({', '.join(map(str, GPT2_WIDTHS))}): judge it against a checkpoint of "
             f"width {n}, --model DIR (check(obj, model=DIR)){tiny}")
@@ -226,9 +229,22 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
             module, how = build(obj, ref_cfg, config, qkv_bias=True)
         built = [f"built as {how}"]
     elif isinstance(obj, nn.Module):
-        built = [f"an instance of {type(obj).__name__}"]
+        built = [f"a function of x over {', '.join(obj.held)} (the modules it closes over), judged as a module holding "
+                 f"them" if isinstance(obj, Closure) else f"an instance of {type(obj).__name__}"]
+        meta = next((n for n, t in [*obj.named_parameters(), *obj.named_buffers()] if t.is_meta), None)
+        if meta is not None:
+            raise CheckError(f"{name}'s {meta} is on the meta device (a shape with no values): build it on the CPU "
+                             f"(check loads GPT-2's weights into it), or give check the class")
+        packed = packed_precisions(obj)
+        if packed:  # gpt2ffn's own layers, whose packed weights may be their only copy: judged on a plain copy
+            built.append(f"its layers compute with gpt2ffn's packed {' and '.join(packed)} weights: judged on a copy "
+                         f"unpacked to fp32 Parameters (GPT-2's math, at 1e-4; the packed kernels are checked by "
+                         f"`gpt2ffn verify` and the tests); the module itself is left as it is")
+            return _check_built(unpacked_copy(obj), name, built, source, case_of, ref_cfg, layer)
         with kept(obj):  # the caller's own module: its weights, dtypes and buffers come back as they were
             return _check_built(obj, name, built, source, case_of, ref_cfg, layer)
+    elif callable(obj) and (held := closure_modules(obj)):  # minGPT's mlpf: a lambda over its mlp ModuleDict
+        return check(Closure(obj, held), golden=golden, layer=layer, config=config, name=name, model=model)
     elif callable(obj):
         names = weight_params(obj)
         if is_model_function(names):
@@ -242,6 +258,31 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         raise CheckError(f"{name if name != kind else repr(obj)[:40]} is {article} {kind}; check takes an nn.Module "
                          "class or instance, a GELU or FFN function, or 'FILE.py:NAME'")
     return _check_built(module, name, built, source, case_of, ref_cfg, layer)
+
+
+class Closure(nn.Module):
+    """A function of x alone that runs modules it closes over (minGPT's `self.mlpf = lambda x:
+    m.dropout(m.c_proj(m.act(m.c_fc(x))))`, m its mlp ModuleDict), as a module holding them, so check judges it as
+    an FFN: its layers loaded, hooked and run in eval()."""
+
+    def __init__(self, fn, held: dict):
+        super().__init__()
+        self.fn, self.held = fn, nn.ModuleDict(held)
+
+    def forward(self, x):
+        return self.fn(x)
+
+
+def closure_modules(fn) -> dict:
+    """The nn.Modules holding linear layers that a one-argument function closes over (its free variables), by
+    name; {} for any other callable."""
+    if not inspect.isfunction(fn) or len(weight_params(fn)) > 0:
+        return {}
+    try:
+        free = inspect.getclosurevars(fn).nonlocals
+    except (TypeError, ValueError):
+        return {}
+    return {k: v for k, v in free.items() if isinstance(v, nn.Module) and linear_layers(v)}
 
 
 @contextlib.contextmanager
@@ -278,8 +319,10 @@ def _check_built(module: nn.Module, name: str, built: list, source: str, case_of
                      if p.is_floating_point() and p.dtype != torch.float32})
     if halves:  # GPT-2's math is what is judged, at the fp32 bar: in bf16 itself every stage is ~1e-2 off
         module = module.float()
+        low = [h for h in halves if h != "float64"]
         built.append(f"its parameters are {' and '.join(halves)}: judged in float32 (module.float()), as GPT-2's "
-                     f"math is checked at 1e-4; in {halves[0]} itself every stage differs by ~1e-2")
+                     + (f"math is checked at 1e-4; in {low[0]} itself every stage differs by ~1e-2" if low else
+                        "weights and HF's stages are"))
         try:
             return _check_module(module, name, built, source, case_of, ref_cfg, layer)
         except CheckError as e:
@@ -817,13 +860,27 @@ def check_picogpt(fn, name: str, names: list, source: str, case_of, cfg: Config)
     return report
 
 
+def _scalars(fn, x):
+    """fn on each element as a Python float (a GELU written with math.tanh / math.erf), as a float64 array."""
+    return np.array([float(fn(v)) for v in x.tolist()])
+
+
 def _apply(fn, x, name):
-    try:
-        with torch.no_grad():
-            y = fn(x)
-    except Exception as e:
+    """fn on the float32 tensor x; a GELU that takes only numpy arrays (np.vectorize) or only Python floats (math's
+    functions) is called so, its output judged as a tensor of the same points."""
+    y, first = None, None
+    with torch.no_grad():
+        for arg in (lambda: fn(x), lambda: fn(x.numpy().copy()), lambda: _scalars(fn, x)):
+            try:
+                y = arg()
+                break
+            except Exception as e:
+                first = first or e
+    if y is None:
         raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but it fails on a float "
-                         f"tensor of shape {tuple(x.shape)}: {type(e).__name__}: {e}".splitlines()[0]) from None
+                         f"tensor of shape {tuple(x.shape)}: {type(first).__name__}: {first}".splitlines()[0])
+    if isinstance(y, np.ndarray) and y.dtype.kind == "f":
+        y = torch.from_numpy(np.asarray(y, np.float64))
     if not isinstance(y, torch.Tensor) or y.shape != x.shape:
         got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
         raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but it maps a tensor of "

@@ -13,6 +13,7 @@ the FFN's stages, block output; ln_f; logits; greedy next tokens. The first stag
 block and checkpoint, and compared with each known mistake computed from HF's weights and its input there.
 """
 
+import dataclasses
 import re
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -581,6 +582,9 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
         x = _float64(t["embeddings"] if layer == 0 else t[f"h{layer - 1}_block"])
         for k in MISTAKES:
             offer(k, block_forward(x, w, cfg, k, layer)[stage])
+        for flag, usual in (("scale_attn_by_inverse_layer_idx", False), ("scale_attn_weights", True)):
+            if getattr(cfg, flag) != usual:  # the reference's HF option, where the learner wrote GPT-2 as usual
+                offer(f"ref_{flag}", block_forward(x, w, dataclasses.replace(cfg, **{flag: usual}), None, layer)[stage])
         if stage == "ln_2":
             norm_alone(t[f"h{layer}_attn_resid"], w["ln_2.weight"], w["ln_2.bias"])
         if stage in ("c_fc", "gelu", "ffn"):

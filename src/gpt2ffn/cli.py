@@ -184,6 +184,8 @@ def cmd_verify(args):
 
     from . import golden as g
 
+    if args.plot and not Path(args.plot).resolve().parent.is_dir():  # before the run, not after it
+        raise UsageError(f"gpt2ffn verify: --plot {args.plot}: no directory {Path(args.plot).parent} to write it in")
     gold = g.Golden(args.golden)
     tolerances = dict(args.tol)
     known = set(gold.tensors) | {e["stage"] for e in gold.tensors.values()} | set(g.CHECKPOINTS)
@@ -258,7 +260,7 @@ def cmd_verify(args):
         from .plot import plot_verify
         plot_verify(rows, args.plot, f"{title} vs golden {Path(args.golden).name} ({gold.manifest['model']['source']})")
         print(f"wrote {args.plot}", file=sys.stderr)
-    return 1 if failed or not judged else 0
+    return 1 if failed else 2 if not judged else 0  # nothing judged: it could not run, as a bad argument
 
 
 def cmd_check(args):
@@ -349,7 +351,10 @@ def cmd_generate(args):
         ids = model.config.eos_ids[:1] or [model.config.bos_token_id or 0]
     new = args.max_new_tokens
     if new is None:  # not given: 50, or what the context has room for (an 8-position model's 2-token prompt: 6)
-        new = max(1, min(50, model.config.n_positions - len(ids)))
+        if len(ids) >= model.config.n_positions:
+            raise UsageError(f"gpt2ffn generate: the prompt ({len(ids)} tokens) fills the context of "
+                             f"{model.config.n_positions} positions: no room for a new token")
+        new = min(50, model.config.n_positions - len(ids))
     s = Sampling(max_new_tokens=new, temperature=args.temperature, top_k=args.top_k or None,
                  top_p=args.top_p, seed=args.seed, eos_token_id=model.config.eos_token_id, stop=args.stop)
     if rank != 0:  # --tp: the other ranks run rank 0's forward passes on their shards

@@ -159,6 +159,8 @@ class Config:
         """From an HF config.json, or a checkpoint directory holding one."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
+        if not path.exists():
+            raise ConfigError(f"{path} does not exist (a checkpoint directory holding config.json, or the file)")
         if not file.is_file():
             raise ConfigError(f"no config.json at {file}")
         try:

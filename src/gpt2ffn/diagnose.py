@@ -419,6 +419,15 @@ MODEL_MISTAKES = {
                             "logits = ln_f(x) @ wte.weight.T"),
     "lm_head_as_d_by_vocab": ("the LM head read as [d, vocab]: wte's (vocab, d) data used as a (d, vocab) matrix",
                               "logits = ln_f(x) @ wte.T: wte is (vocab, d), row i token i's embedding"),
+    "ref_scale_attn_by_inverse_layer_idx": (
+        "GPT-2's attention scale, where the reference's config sets scale_attn_by_inverse_layer_idx=True (HF then "
+        "divides block i's scores by i + 1 as well: the Stanford CRFM GPT-2s)",
+        "the checkpoint asks for it: divide block i's q @ k^T by (i + 1) too, or judge against a checkpoint without "
+        "the flag"),
+    "ref_scale_attn_weights": (
+        "scores scaled by 1/sqrt(d_head), where the reference's config sets scale_attn_weights=False (HF then does "
+        "not scale them)", "the checkpoint asks for unscaled scores: leave out the 1/sqrt(d_head), or judge against a "
+        "checkpoint without the flag"),
     "ids_off_by_one": ("token ids off by one: wte rows ids + 1 (or - 1) looked up", "x = wte[ids] + wpe[0 .. T - 1], "
                        "the ids exactly as token_ids.txt gives them"),
 }

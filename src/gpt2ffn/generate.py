@@ -73,7 +73,7 @@ def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invar
     model (ranks > 0 call its follow() while rank 0 streams)."""
     loaded(model)
     if not prompts:
-        raise Gpt2ffnError("every prompt needs at least one token")
+        raise Gpt2ffnError("generate was given no prompts: give a list of token-id lists, [[ids]] for one prompt")
     longest = max(len(p) for p in prompts) + s.max_new_tokens
     max_len = min(longest, model.config.n_positions) if longest > 0 else 1
     return make_engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,

@@ -274,3 +274,22 @@ class Conv1D(PackedLayer, nn.Module):
 
     def extra_repr(self):
         return f"n_in={self.weight.shape[0]}, n_out={self.weight.shape[1]}"
+
+
+def packed_precisions(module: nn.Module) -> list:
+    """The precisions of the packed weights that `module`'s layers compute with ([] where none is packed)."""
+    return sorted({m.packed.precision for m in module.modules() if isinstance(m, PackedLayer) and m.packed is not None})
+
+
+def unpacked_copy(module: nn.Module) -> nn.Module:
+    """A deep copy of `module` whose packed layers are plain fp32 layers again: each Parameter holds the values
+    its kernels computed with (fp32 exactly, bf16 the bf16 values, int8/int4 the dequantized q * s) and the
+    layer runs torch's ops on them. The module itself is left as it is."""
+    copy_ = __import__("copy").deepcopy(module)
+    for m in copy_.modules():
+        if isinstance(m, PackedLayer) and m.packed is not None:
+            if m.dropped:
+                m.restore_weight()
+            m.packed, m.hold_once, m._stash, m.rounded = None, False, None, None
+            m.__dict__.pop("_reload", None)
+    return copy_
