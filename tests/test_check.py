@@ -1183,3 +1183,52 @@ def test_mingpts_mlpf_lambda_is_judged_as_the_ffn_it_runs(tmp_path):
     assert report.passed and "a function of x over m (the modules it closes over)" in report.format(), report.format()
     wrong = check(f"{path}:exact", preset="tiny")
     assert not wrong.passed and "exact GELU (erf)" in wrong.verdict, wrong.verdict
+
+
+def test_review_round_doors(tmp_path):
+    """From the review of the doors above: a closure over gpt2ffn's packed FFN judged its copy's layers but ran the
+    originals (FAIL, 'no known mistake'); a closure straight over two nn.Linear was taken for a GELU; a GELU closing
+    over a module with one Linear (reading its flag) was taken for an FFN; a GELU that works in place and returns
+    None was told 'fails ... NoneType: None'; a numpy-only GELU (.astype) is called with an array; a pointwise
+    Conv1d with padding='same' was refused; a packed fp32 model in train() still crashed writing its weights."""
+    import torch.nn.functional as F
+
+    from gpt2ffn import GPT2, Config, FeedForward, check, quantize
+    ffn = quantize(FeedForward(Config(n_embd=64, n_head=4)), "int8")
+    wrapped = (lambda m: lambda x: m(x))(ffn)
+    report = check(wrapped, preset="tiny")
+    assert report.passed and "packed int8 weights" in report.format(), report.format()
+    fc, proj = nn.Linear(64, 256), nn.Linear(256, 64)
+    assert check(lambda x: proj(F.gelu(fc(x), approximate="tanh")), preset="tiny").passed
+    flag = nn.Sequential(nn.Linear(2, 2)).eval()
+    gelu = check(lambda x: F.gelu(x, approximate="tanh") if not flag.training else x, preset="tiny")
+    assert gelu.kind == "gelu" and gelu.passed, gelu.format()
+
+    def in_place(x):
+        x.mul_(torch.sigmoid(1.702 * x))
+    with pytest.raises(CheckError, match="maps a tensor of shape \\(2003,\\) to NoneType"):
+        check(in_place)
+
+    def numpy_only(x):
+        x = x.astype(np.float64)
+        return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+    assert check(numpy_only).passed
+
+    class Same(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.c1, self.c2 = nn.Conv1d(64, 256, 1, padding="same"), nn.Conv1d(256, 64, 1, padding="same")
+
+        def forward(self, x):
+            return self.c2(F.gelu(self.c1(x.transpose(1, 2)), approximate="tanh")).transpose(1, 2)
+    assert check(Same(), preset="tiny").passed
+    from transformers import GPT2Config
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64)).save_pretrained(
+        tmp_path)
+    training = GPT2.from_pretrained(tmp_path).train()
+    report = check(training, model=str(tmp_path))
+    assert report.passed and "packed fp32 weights" in report.format(), report.format()
+    assert training.training and training.lm_head.weight.stride() != (0, 0)
+    training.eval()
+    assert training.lm_head.weight.stride() == (0, 0)  # re-packs as it would have

@@ -580,6 +580,17 @@ def test_an_ffn_module_that_is_not_gpt2s_ffn_alone_is_said_unprobed(quiet_dir, t
     assert code == 0 and "known FFN mistakes also pass within 1e-04" in out and "check the FFN by itself" in out, out
 
 
+def forced_report(source, every, tmp_path, capsys, passes):
+    if every:
+        source = source.replace("logits = self.lm_head(x[:, [-1], :])", "logits = self.lm_head(x)")
+    code, out, err = run(tmp_path, capsys, source, "GPT", "--json")
+    report = json.loads(out)
+    forced = next(r for r in report["rows"] if r["stage"] == "logits on prompt + 4 (forced)")
+    assert forced["shape"][1] == (10 if every else 1) and forced["status"] == ("PASS" if passes else "FAIL"), forced
+    assert code == (0 if passes else 1), report["verdict"]
+    return report
+
+
 @pytest.mark.parametrize("old, new, passes", [
     ("self.bias[:, :, :T, :T] == 0", "self.bias[:, :, :T, :T] == 0", True),  # the control: nanoGPT as written
     # rows from 6 on (past the 6-token prompt) see later positions: every stage on the prompt passes, and so did
@@ -594,15 +605,14 @@ def test_logits_past_the_prompt_are_judged_teacher_forced(old, new, passes, tmp_
     the logits' tolerance (checkpoint 10), every position the model returns."""
     source = NANOGPT.replace(old, new)
     assert source != NANOGPT or passes
-    source = source.replace("logits = self.lm_head(x[:, [-1], :])", "logits = self.lm_head(x)")  # every position
-    code, out, err = run(tmp_path, capsys, source, "GPT", "--json")
-    report = json.loads(out)
+    for every in (False, True):  # nanoGPT as written returns the last position's logits; then every position's
+        report = forced_report(source, every, tmp_path, capsys, passes)
     forced = next(r for r in report["rows"] if r["stage"] == "logits on prompt + 4 (forced)")
     assert forced["checkpoint"] == "10" and forced["shape"][1] == 10, forced
     if passes:
-        assert code == 0 and report["passed"] and forced["status"] == "PASS", report["verdict"]
+        assert report["passed"], report["verdict"]
         return
-    assert code == 1 and not report["passed"] and forced["status"] == "FAIL", report["verdict"]
+    assert not report["passed"], report["verdict"]
     assert report["verdict"].startswith("FAIL (logits past the prompt, checkpoint 10): position "), report["verdict"]
     assert int(report["verdict"].split("position ")[1].split()[0]) >= 6, report["verdict"]
     assert "a causal mask or position that goes wrong only past the prompt's length?" in report["verdict"]
@@ -613,13 +623,16 @@ def test_logits_past_the_prompt_are_judged_teacher_forced(old, new, passes, tmp_
 @pytest.mark.parametrize("flag, value, block, says", [
     ("scale_attn_by_inverse_layer_idx", True, 1, "where the reference's config sets scale_attn_by_inverse_layer_idx"),
     ("scale_attn_weights", False, 0, "where the reference's config sets scale_attn_weights=False"),
+    ("scale_attn_both", None, 0, "sets scale_attn_weights=False and scale_attn_by_inverse_layer_idx=True"),
 ])
 def test_a_reference_with_hfs_attention_options_is_named(flag, value, block, says, tmp_path, capsys):
     """A checkpoint whose config asks for HF's other attention scales: a right GPT-2 failed 'matches no known
     mistake' at the first block they change; the config's flag is named, with the way to follow it."""
     from transformers import GPT2Config, GPT2LMHeadModel
     torch.manual_seed(0)
-    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64, **{flag: value})
+    flags = ({"scale_attn_weights": False, "scale_attn_by_inverse_layer_idx": True} if value is None
+             else {flag: value})
+    cfg = GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=512, n_positions=64, **flags)
     GPT2LMHeadModel(cfg).save_pretrained(tmp_path / "ref")
     path = tmp_path / "learner.py"
     path.write_text(NANOGPT)
@@ -627,3 +640,16 @@ def test_a_reference_with_hfs_attention_options_is_named(flag, value, block, say
     report = json.loads(capsys.readouterr().out)
     assert code == 1 and report["diagnosis"]["key"] == f"ref_{flag}", report["verdict"]
     assert report["first_divergence"]["layer"] == block and says in report["verdict"], report["verdict"]
+
+
+def test_a_one_position_reference_has_no_greedy_tokens(tmp_path):
+    """greedy(..., 0) returned the whole prompt (ids[-0:]): with n_positions 1 the reference then ran 2 tokens
+    through a 1-position model (an IndexError traceback)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpt2ffn.check_model import reference
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=512, n_positions=1)).save_pretrained(
+        tmp_path)
+    ref = reference(str(tmp_path))
+    assert ref.ids == [15496 % 512] and ref.tokens == [] and ref.forced.shape == (1, 1, 512)

@@ -12,9 +12,11 @@ which form it computes.
 """
 
 import contextlib
+import copy
 import dataclasses
 import inspect
 import sys
+import types
 from dataclasses import dataclass, field
 from functools import lru_cache
 
@@ -114,7 +116,7 @@ def pointwise_conv(m: nn.Module) -> bool:
     """An nn.Conv1d of kernel size 1 (weight [out, in, 1]): a linear layer over channels, as the Transformer paper
     describes the FFN ("two convolutions with kernel size 1")."""
     return (isinstance(m, nn.Conv1d) and m.kernel_size == (1,) and m.stride == (1,) and m.dilation == (1,)
-            and m.groups == 1 and m.padding in ((0,), "valid"))
+            and m.groups == 1 and m.padding in ((0,), "valid", "same"))  # "same" pads 0 at kernel size 1
 
 
 def linear_layers(module: nn.Module) -> list:
@@ -272,17 +274,35 @@ class Closure(nn.Module):
     def forward(self, x):
         return self.fn(x)
 
+    def __deepcopy__(self, memo):
+        """A copy whose function runs the copied modules (copy.deepcopy hands a function back as it is, still
+        closing over the originals): its closure cells are rebuilt over the copies."""
+        held = copy.deepcopy(self.held, memo)
+        swap = {id(self.held[k]): held[k] for k in self.held}
+        cells = tuple(types.CellType(swap.get(id(c.cell_contents), c.cell_contents)) for c in self.fn.__closure__)
+        fn = types.FunctionType(self.fn.__code__, self.fn.__globals__, self.fn.__name__, self.fn.__defaults__, cells)
+        return Closure(fn, dict(held.items()))
+
+
+def _linear_count(m: nn.Module) -> int:
+    """The linear layers in m, m itself counted (a closure over an nn.Linear holds one)."""
+    own = isinstance(m._parameters.get("weight"), torch.Tensor) and (m._parameters["weight"].dim() == 2
+                                                                     or pointwise_conv(m))
+    return len(linear_layers(m)) + own
+
 
 def closure_modules(fn) -> dict:
-    """The nn.Modules holding linear layers that a one-argument function closes over (its free variables), by
-    name; {} for any other callable."""
+    """The nn.Modules that a one-argument function closes over (its free variables), by name, where they hold two
+    linear layers or more between them (an FFN's; a GELU reading a module's flag closes over fewer); {} for any
+    other callable."""
     if not inspect.isfunction(fn) or len(weight_params(fn)) > 0:
         return {}
     try:
         free = inspect.getclosurevars(fn).nonlocals
     except (TypeError, ValueError):
         return {}
-    return {k: v for k, v in free.items() if isinstance(v, nn.Module) and linear_layers(v)}
+    held = {k: v for k, v in free.items() if isinstance(v, nn.Module)}
+    return held if sum(_linear_count(v) for v in held.values()) >= 2 else {}
 
 
 @contextlib.contextmanager
@@ -868,15 +888,15 @@ def _scalars(fn, x):
 def _apply(fn, x, name):
     """fn on the float32 tensor x; a GELU that takes only numpy arrays (np.vectorize) or only Python floats (math's
     functions) is called so, its output judged as a tensor of the same points."""
-    y, first = None, None
+    y = first = failed = object()  # `failed`: no way of calling it ran (None is a GELU's answer, judged below)
     with torch.no_grad():
         for arg in (lambda: fn(x), lambda: fn(x.numpy().copy()), lambda: _scalars(fn, x)):
             try:
                 y = arg()
                 break
             except Exception as e:
-                first = first or e
-    if y is None:
+                first = e if first is failed else first
+    if y is failed:
         raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but it fails on a float "
                          f"tensor of shape {tuple(x.shape)}: {type(first).__name__}: {first}".splitlines()[0])
     if isinstance(y, np.ndarray) and y.dtype.kind == "f":

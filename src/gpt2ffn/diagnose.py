@@ -428,6 +428,11 @@ MODEL_MISTAKES = {
         "scores scaled by 1/sqrt(d_head), where the reference's config sets scale_attn_weights=False (HF then does "
         "not scale them)", "the checkpoint asks for unscaled scores: leave out the 1/sqrt(d_head), or judge against a "
         "checkpoint without the flag"),
+    "ref_scale_attn_both": (
+        "GPT-2's attention scale, where the reference's config sets scale_attn_weights=False and "
+        "scale_attn_by_inverse_layer_idx=True (HF then divides block i's unscaled scores by i + 1)",
+        "the checkpoint asks for it: q @ k^T / (i + 1) in block i, without 1/sqrt(d_head), or judge against a "
+        "checkpoint without the flags"),
     "ids_off_by_one": ("token ids off by one: wte rows ids + 1 (or - 1) looked up", "x = wte[ids] + wpe[0 .. T - 1], "
                        "the ids exactly as token_ids.txt gives them"),
 }

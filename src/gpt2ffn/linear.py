@@ -277,19 +277,22 @@ class Conv1D(PackedLayer, nn.Module):
 
 
 def packed_precisions(module: nn.Module) -> list:
-    """The precisions of the packed weights that `module`'s layers compute with ([] where none is packed)."""
-    return sorted({m.packed.precision for m in module.modules() if isinstance(m, PackedLayer) and m.packed is not None})
+    """The precisions of the packed weights that `module`'s layers compute with, or hold in eval() (an fp32 layer
+    training on its Parameter re-packs then); [] where none is packed."""
+    return sorted({m.packed.precision if m.packed is not None else m._stash[0] for m in module.modules()
+                   if isinstance(m, PackedLayer) and (m.packed is not None or m._stash is not None)})
 
 
 def unpacked_copy(module: nn.Module) -> nn.Module:
     """A deep copy of `module` whose packed layers are plain fp32 layers again: each Parameter holds the values
     its kernels computed with (fp32 exactly, bf16 the bf16 values, int8/int4 the dequantized q * s) and the
-    layer runs torch's ops on them. The module itself is left as it is."""
+    layer runs torch's ops on them, in train() and eval() alike. The module itself is left as it is."""
     copy_ = __import__("copy").deepcopy(module)
     for m in copy_.modules():
-        if isinstance(m, PackedLayer) and m.packed is not None:
+        if isinstance(m, PackedLayer) and (m.packed is not None or m._stash is not None):
             if m.dropped:
                 m.restore_weight()
-            m.packed, m.hold_once, m._stash, m.rounded = None, False, None, None
+            m.__dict__.pop("_packed", None)  # not the `packed` setter: no kernel generation bumped for a copy
+            m.hold_once, m._stash, m.rounded = False, None, None
             m.__dict__.pop("_reload", None)
     return copy_

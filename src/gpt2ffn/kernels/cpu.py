@@ -80,11 +80,11 @@ GEMMS = {"torch": ffn_torch, "numpy": ffn_numpy}
 PATHS = {f"{g}+{a}": (GEMMS[g], GELUS[a]) for g in GEMMS for a in GELUS}
 # The path FeedForward's CPU fp32 inference runs above DECODE_TOKENS (kernels.choose): torch's GEMMs and the sigmoid
 # form, whose GELU takes half aten's time (0.49 against 1.02 ms at 512 x 3072, AMD EPYC Zen 5;
-# benchmarks/gelu_forms.py). It used to race
-# "torch+aten" per process, but the two round differently and won by turns within the noise (the GEMMs are ~98% of
-# the time), so two runs could give different bits. numpy's OpenBLAS is not taken: after each call its worker
-# threads busy-wait (~0.1 s) and take both cores from torch's OpenMP pool, so one numpy GEMM slows every torch op
-# around it (measured: torch.mm at 768x64 from 2.4 to 6.6 ms; HF generate with the numpy path chosen fell to 0.15x).
+# benchmarks/gelu_forms.py). The two forms used to race per process ("torch+aten" against this one), but they round
+# differently and won by turns within the noise (the GEMMs are ~98% of the time), so two runs could give different
+# bits. numpy's OpenBLAS is not taken: after each call its worker threads busy-wait (~0.1 s) and take both cores
+# from torch's OpenMP pool, so one numpy GEMM slows every torch op around it (measured: torch.mm at 768x64 from 2.4
+# to 6.6 ms; HF generate with the numpy path chosen fell to 0.15x).
 DEFAULT = "torch+sigmoid"
 
 
