@@ -265,3 +265,34 @@ def test_transformers_gpt2config_builds_it():
     with pytest.raises(ConfigError, match="transformers' GPT2Config, got LlamaConfig"):
         from transformers import LlamaConfig
         FeedForward(LlamaConfig())
+
+
+def test_the_reference_reads_hfs_activation_and_names_bad_input():
+    """From an outside round: FFN.from_module(HF's GPT2MLP) took tanh whatever its activation (2.4e-3 off for
+    'gelu'); approximate='exact' was a bare KeyError; a block's 'mlp.'-prefixed state dict, a 1-D weight, torch
+    weights, nn.Linear's [out, in] weights and token ids as input each failed unnamed."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
+
+    from gpt2ffn.errors import ShapeError
+    x = np.random.default_rng(0).standard_normal((3, 8)).astype(np.float32) * 3
+    for act, form in (("gelu", "none"), ("gelu_new", "tanh"), ("gelu_pytorch_tanh", "tanh"), ("relu", "relu")):
+        mlp = GPT2MLP(32, GPT2Config(n_embd=8, n_inner=32, activation_function=act)).eval()
+        with torch.no_grad():
+            mlp.c_fc.bias.normal_(), mlp.c_proj.bias.normal_()
+            want = mlp(torch.from_numpy(x)).numpy()
+        ref = reference.FFN.from_module(mlp)
+        assert ref.approximate == form and np.abs(ref(x) - want).max() <= 1e-5, act
+    sd = {f"mlp.{k}": v for k, v in mlp.state_dict().items()}
+    assert np.abs(reference.FFN.from_state_dict(sd, "relu")(x) - want).max() <= 1e-5
+    w = {k: v.numpy() for k, v in mlp.state_dict().items()}
+    args = (w["c_fc.weight"], w["c_fc.bias"], w["c_proj.weight"], w["c_proj.bias"])
+    assert np.abs(reference.ffn_forward(x, *map(torch.from_numpy, args), "relu") - want).max() <= 1e-5
+    with pytest.raises(ValueError, match="approximate must be 'tanh' .*, 'none' .* or 'relu', got 'exact'"):
+        reference.ffn_forward(x, *args, approximate="exact")
+    with pytest.raises(ShapeError, match=r"the weights look like nn.Linear's \[out, in\]"):
+        reference.ffn_forward(x[:, :1].repeat(32, 1), args[0].T, args[1], args[2].T, args[3])
+    with pytest.raises(ShapeError, match=r"c_fc.weight has shape \(32,\); expected 2 dimensions"):
+        reference.ffn_forward(x, args[0][0], *args[1:])
+    with pytest.raises(ShapeError, match="input has dtype int64; the FFN takes float activations"):
+        reference.ffn_forward(np.ones((2, 8), np.int64), *args)

@@ -255,6 +255,8 @@ def test_what_hf_scripts_read_off_the_model(hf, hf_dir, tmp_path):
     assert GPT2.from_pretrained(hf_dir, torch_dtype=torch.bfloat16, precision=None).dtype == torch.bfloat16
     with pytest.raises(Gpt2ffnError, match=r"dtype='int8' is not a float dtype \(int8 weights: precision='int8'\)"):
         GPT2.from_pretrained(hf_dir, dtype="int8")
+    with pytest.raises(Gpt2ffnError, match=r"dtype=torch.int8 is not a float dtype \(int8 weights: precision='int8'"):
+        GPT2.from_pretrained(hf_dir, dtype=torch.int8)  # was torch's TypeError from nn.Module.to
 
 
 def test_a_model_id_is_read_from_the_local_hf_cache(hf_dir, tmp_path, monkeypatch):

@@ -200,3 +200,16 @@ def test_import_sets_a_short_openmp_spin_unless_told():
     assert spin(GOMP_SPINCOUNT="100") == "100"
     assert spin(OMP_WAIT_POLICY="active") == "None"
     assert spin("import torch; ") == "None"  # libgomp has read its variables: setting one now would mislead
+
+
+def test_torch_compile_fullgraph_of_a_plain_gpt2(hf_dir, small_model):
+    """torch.compile(GPT2, fullgraph=True) of a model of plain torch modules (precision=None) stopped at check_ids'
+    int(ids.min()) (a data-dependent value) and then at the native causal attention: under compile the range check
+    is left to the embedding, and attention is SDPA; the logits equal HF's."""
+    from gpt2ffn import GPT2
+    torch._dynamo.reset()
+    model = GPT2.from_pretrained(hf_dir, precision=None).eval()
+    ids = torch.randint(0, small_model.config.vocab_size, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        torch.testing.assert_close(compiled(ids), small_model.eval()(ids).logits, atol=1e-5, rtol=1e-5)

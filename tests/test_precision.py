@@ -169,8 +169,12 @@ def test_bad_requests_name_the_thing():
         quantize(copy.deepcopy(ffn), "bf16", group=32)
     with pytest.raises(ConfigError, match=r"packs fp32 Parameters; Conv1D weight is torch.bfloat16"):
         quantize(copy.deepcopy(ffn).to(torch.bfloat16), "int8")
-    with pytest.raises(ConfigError, match=r"Linear has no GPT-2 linear layers"):
+    with pytest.raises(ConfigError, match=r"Linear has no GPT-2 linear layers \(Conv1D, lm_head\) to quantize$"):
         quantize(torch.nn.Linear(4, 4), "int8")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    hf = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=4, vocab_size=100))
+    with pytest.raises(ConfigError, match=r"quantize takes gpt2ffn's modules; load the checkpoint with GPT2"):
+        quantize(hf, "int8")  # HF's own Conv1D: its layers are there, but not gpt2ffn's
 
 
 def test_widths_int8_words_cannot_hold_take_fp32_activations_by_default():

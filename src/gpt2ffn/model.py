@@ -597,7 +597,8 @@ class GPT2(TrainChecked):
         if ids.dim() != 2 or ids.shape[1] == 0 or ids.shape[0] == 0:
             raise ShapeError(f"ids has shape {tuple(ids.shape)}; expected (batch, tokens), both >= 1")
         V = self.config.vocab_size
-        if int(ids.min()) < 0 or int(ids.max()) >= V:
+        # (not under torch.compile: reading the values would end a fullgraph trace; HF's embedding raises there)
+        if not torch.compiler.is_compiling() and (int(ids.min()) < 0 or int(ids.max()) >= V):
             raise InputError(f"token ids must be in [0, {V}); got min {int(ids.min())}, max {int(ids.max())}")
         if cache is not None:
             cache.check_room(ids.shape[1])
@@ -798,9 +799,9 @@ def _short(value) -> str:
 def torch_dtype_of(dtype, path) -> torch.dtype:
     """from_pretrained's dtype as HF takes it: a torch dtype, its name, or 'auto' (the checkpoint's config.json
     dtype / torch_dtype, else float32)."""
-    if isinstance(dtype, torch.dtype):
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
         return dtype
-    name = dtype
+    name = str(dtype).removeprefix("torch.") if isinstance(dtype, torch.dtype) else dtype
     if dtype == "auto":
         file = Path(path) / "config.json" if Path(path).is_dir() else Path(path).parent / "config.json"
         try:
@@ -810,7 +811,8 @@ def torch_dtype_of(dtype, path) -> torch.dtype:
         name = (d.get("dtype") or d.get("torch_dtype") or "float32") if isinstance(d, dict) else "float32"
     value = getattr(torch, name.removeprefix("torch."), None) if isinstance(name, str) else None
     if not isinstance(value, torch.dtype) or not value.is_floating_point:
-        hint = f" ({dtype} weights: precision={dtype!r})" if dtype in ("bf16", "int8", "int4") else ""
+        short = name if isinstance(name, str) else None
+        hint = f" ({short} weights: precision={short!r})" if short in ("bf16", "int8", "int4") else ""
         raise ConfigError(f"dtype={_short(dtype)} is not a float dtype{hint}: give torch.float32, torch.bfloat16, "
                           "torch.float16, their names ('bfloat16') or 'auto'")
     return value

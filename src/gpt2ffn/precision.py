@@ -96,7 +96,10 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
         raise ConfigError(f"group applies to int8 and int4, not {precision}")
     layers = packable(module)
     if not layers:
-        raise ConfigError(f"{type(module).__name__} has no GPT-2 linear layers (Conv1D, lm_head) to quantize")
+        hf = type(module).__module__.startswith("transformers.")
+        raise ConfigError(f"{type(module).__name__} has no GPT-2 linear layers (Conv1D, lm_head) to quantize"
+                          + (": quantize takes gpt2ffn's modules; load the checkpoint with GPT2.from_pretrained(dir, "
+                             "precision=...), or patch_hf(model) then quantize(model, ...)" if hf else ""))
     for m in layers:
         held, target = m.held_at(), "int8" if precision == "int4" and m.keeps_int8 else precision
         if held and held != target:

@@ -19,7 +19,7 @@ def _float(x):
     """x as a float array; float16 is computed in float32 so x**3 cannot overflow."""
     x = np.asarray(x)
     if x.dtype.kind != "f":
-        raise InputError(f"GELU input must be a float array, got dtype {x.dtype}")
+        raise InputError(f"the activation's input must be a float array, got dtype {x.dtype}")
     return x.astype(np.float32) if x.dtype == np.float16 else x
 
 
@@ -54,19 +54,59 @@ def gelu(x, approximate="tanh"):
     return ACTIVATIONS[approximate](x)
 
 
+def _activation(approximate: str) -> str:
+    if approximate not in ACTIVATIONS:
+        raise ValueError(f"approximate must be 'tanh' (GPT-2's GELU), 'none' (exact, erf) or 'relu', got "
+                         f"{approximate!r}")
+    return approximate
+
+
+def _array(name: str, a, ndim: int):
+    """A weight as a numpy array of `ndim` dimensions (torch tensors and lists taken), else ShapeError."""
+    a = np.asarray(a.detach().cpu().numpy() if hasattr(a, "detach") else a)
+    if a.ndim != ndim:
+        raise ShapeError(f"{name} has shape {tuple(a.shape)}; expected {ndim} dimension{'s' * (ndim > 1)}")
+    return a
+
+
 def ffn_forward(x, c_fc_weight, c_fc_bias, c_proj_weight, c_proj_bias, approximate="tanh"):
-    """The FFN on x (..., d): c_fc -> GELU -> c_proj, each token on its own. Returns (..., d)."""
-    x = np.asarray(x)
+    """The FFN on x (..., d): c_fc -> GELU -> c_proj, each token on its own. Returns (..., d).
+    Weights in HF's Conv1D layout, [in, out]: c_fc.weight (d, hidden), c_proj.weight (hidden, d)."""
+    _activation(approximate)
+    x = np.asarray(x.detach().cpu().numpy() if hasattr(x, "detach") else x)
+    c_fc_weight, c_proj_weight = _array("c_fc.weight", c_fc_weight, 2), _array("c_proj.weight", c_proj_weight, 2)
+    c_fc_bias, c_proj_bias = _array("c_fc.bias", c_fc_bias, 1), _array("c_proj.bias", c_proj_bias, 1)
     d, hidden = c_fc_weight.shape
+    if c_fc_bias.shape == (d,) and c_proj_bias.shape == (hidden,) != (d,):  # both weights nn.Linear's [out, in]
+        raise ShapeError(f"c_fc.weight has shape {(d, hidden)} and c_fc.bias {(d,)}: the weights look like "
+                         f"nn.Linear's [out, in]; this FFN takes HF's Conv1D layout [in, out] (pass weight.T)")
     expected = {"c_fc.bias": (hidden,), "c_proj.weight": (hidden, d), "c_proj.bias": (d,)}
     for name, arr in (("c_fc.bias", c_fc_bias), ("c_proj.weight", c_proj_weight), ("c_proj.bias", c_proj_bias)):
         if arr.shape != expected[name]:
             raise ShapeError(f"{name} has shape {tuple(arr.shape)}; c_fc.weight {(d, hidden)} expects {expected[name]}")
+    if x.dtype.kind != "f":
+        raise ShapeError(f"input has dtype {x.dtype}; the FFN takes float activations (not token ids)")
     if x.ndim == 0 or x.shape[-1] != d:
         raise ShapeError(f"input has shape {tuple(x.shape)}; the FFN expects last dim n_embd={d}")
     h = x @ c_fc_weight + c_fc_bias          # (..., d) -> (..., hidden)
     h = ACTIVATIONS[approximate](h)          # (..., hidden)
     return h @ c_proj_weight + c_proj_bias   # (..., hidden) -> (..., d)
+
+
+# HF's activation modules (transformers.activations) by class name -> the form they compute
+HF_ACTIVATIONS = {"NewGELUActivation": "tanh", "GELUTanh": "tanh", "PytorchGELUTanh": "tanh",
+                  "FastGELUActivation": "tanh", "GELUActivation": "none", "ReLU": "relu"}
+
+
+def _hf_activation(act) -> str:
+    """The form an HF activation module computes (tanh when there is none: GPT-2's)."""
+    if act is None:
+        return "tanh"
+    name = type(act).__name__
+    if name not in HF_ACTIVATIONS:
+        raise ValueError(f"the module's activation {name} is none the reference computes ("
+                         f"{', '.join(sorted(HF_ACTIVATIONS))})")
+    return HF_ACTIVATIONS[name]
 
 
 class FFN:
@@ -75,20 +115,31 @@ class FFN:
     def __init__(self, c_fc_weight, c_fc_bias, c_proj_weight, c_proj_bias, approximate="tanh"):
         self.c_fc_weight, self.c_fc_bias = c_fc_weight, c_fc_bias
         self.c_proj_weight, self.c_proj_bias = c_proj_weight, c_proj_bias
-        self.approximate = approximate
+        self.approximate = _activation(approximate)
 
     @classmethod
     def from_state_dict(cls, sd, approximate="tanh"):
-        """From a GPT2MLP-style state dict (torch tensors or arrays): c_fc.weight, c_fc.bias, ..."""
+        """From a GPT2MLP-style state dict (torch tensors or arrays): c_fc.weight, c_fc.bias, ... (a block's
+        `mlp.c_fc.weight`, or a model's `transformer.h.0.mlp.c_fc.weight`, taken when it holds one FFN)."""
         arr = {k: np.asarray(v.detach().cpu().numpy() if hasattr(v, "detach") else v) for k, v in sd.items()}
+        names = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
+        if not all(n in arr for n in names):
+            prefixes = {k[:-len(n)] for k in arr for n in names if k.endswith("." + n)}
+            if len(prefixes) != 1:
+                found = f"FFNs under {sorted(prefixes)[:4]}: give one FFN's" if prefixes else "none of them"
+                raise ShapeError(f"the state dict has no {', '.join(names)} ({found})")
+            prefix = prefixes.pop()
+            arr = {n: arr[prefix + n] for n in names}
         return cls(arr["c_fc.weight"], arr["c_fc.bias"], arr["c_proj.weight"], arr["c_proj.bias"], approximate)
 
     @classmethod
     def from_module(cls, module):
         """From a gpt2ffn FeedForward (or any module with GPT2MLP's state dict and a gpt2ffn Config as .config),
-        with the activation its config names (a state dict alone does not say: from_state_dict takes tanh)."""
+        or HF's GPT2MLP (the activation from its `act`), with the activation it computes (a state dict alone does
+        not say: from_state_dict takes tanh)."""
         cfg = getattr(module, "config", None)
-        return cls.from_state_dict(module.state_dict(), getattr(cfg, "gelu_approximate", "tanh"))
+        approximate = getattr(cfg, "gelu_approximate", None) or _hf_activation(getattr(module, "act", None))
+        return cls.from_state_dict(module.state_dict(), approximate)
 
     def forward(self, x):
         return ffn_forward(x, self.c_fc_weight, self.c_fc_bias, self.c_proj_weight, self.c_proj_bias,

@@ -109,8 +109,9 @@ def native_args(ps) -> list:
 def runs_causal_attention(q, k, v, dropout: float) -> bool:
     """Whether gpt2ffn._C.causal_attention serves this call: native kernels, fp32 queries on the CPU with fp32 or
     fp16 keys and values (a KV cache's), a head width that is a multiple of 16, no dropout and no gradient asked
-    (SDPA does the rest)."""
+    (SDPA does the rest, and what torch.compile traces: it cannot trace into the native call)."""
     return (WHY_NOT_NATIVE is None and not dropout and q.device.type == "cpu" and q.shape[-1] % 16 == 0
+            and not torch.compiler.is_compiling()
             and q.dtype == torch.float32 and k.dtype == v.dtype and k.dtype in (torch.float32, torch.float16)
             and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)))
 
@@ -175,11 +176,12 @@ def cpuinfo() -> dict:
     none."""
     fields = {}
     try:
-        for line in open("/proc/cpuinfo"):
-            if not line.strip():
-                break  # the end of the first processor's block
-            key, _, value = line.partition(":")
-            fields.setdefault(key.strip(), value.strip())
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if not line.strip():
+                    break  # the end of the first processor's block
+                key, _, value = line.partition(":")
+                fields.setdefault(key.strip(), value.strip())
     except OSError:
         pass
     return fields
