@@ -137,7 +137,7 @@ def test_candidate_problems_are_named(tiny_golden, tmp_path, capsys):
     assert rows["h0_ln_1"]["status"] == "MISSING"
     assert rows["h0_c_fc"]["note"] == "dtype float64, expected float32: write float32 (arr.astype(np.float32))"
     assert rows["h0_gelu"]["note"] == "shape (1, 8, 128), expected (1, 8, 256)"
-    assert rows["h1_ffn"]["note"] == "1 NaN/Inf values"
+    assert rows["h1_ffn"]["note"] == "1 NaN value, the first at [0, 0, 0]"
     assert rows["h1_block"]["status"] == "PASS"
     # numpy's own words for a file that is no .npy advise allow_pickle=True: not what a user should do
     assert rows["ln_f"]["note"] == "ln_f.npy is not an .npy file (no NumPy header): write it with np.save"
@@ -215,11 +215,11 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     assert code == 1
     assert rows["h0_ln_2"]["note"] == ("h0_ln_2.bin holds 4096 bytes, expected 2048 (float32, 512 values, shape "
                                        "(1, 8, 64)) (as float32, 16 tokens where this golden set has 8: run the "
-                                       "engine on the golden set's ids or 8 bytes a value: float64? write float32)")
+                                       "engine on the golden set's ids; or 8 bytes a value: float64? write float32)")
     assert rows["h1_attn_out"]["note"] == ("h1_attn_out.bin holds 768 bytes, expected 2048 (float32, 512 values, "
                                            "shape (1, 8, 64)) (as float32, 3 tokens where this golden set has 8: "
                                            "run the engine on the golden set's ids)")  # another prompt's, not a dtype
-    assert rows["h0_c_fc"]["note"].endswith(" or 2 bytes a value: float16 or bfloat16? write float32)")
+    assert rows["h0_c_fc"]["note"].endswith("; or 2 bytes a value: float16 or bfloat16? write float32)")
     assert rows["h0_gelu"]["note"] == ("h0_gelu.bin holds 8196 bytes, expected 8192 (float32, 2048 values, shape "
                                        "(1, 8, 256))")
     assert rows["h1_ffn"]["note"] == "both h1_ffn.npy and h1_ffn.bin: keep one"
@@ -238,7 +238,7 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
     assert code == 1 and rows["h0_gelu"]["status"] == "PASS" \
         and rows["logits"]["note"] == "no logits in engine.safetensors"
-    assert rows["h0_ffn"]["note"] == "dtype bfloat16, expected float32"
+    assert rows["h0_ffn"]["note"].startswith("dtype bfloat16, expected float32: write float32 (tensor.float()")
     save_file({"block0.ffn": g.load("h0_ffn")}, st)
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(st)], capsys)
     assert code == 2 and out.rstrip().endswith("see manifest.json); found block0.ffn")
@@ -506,3 +506,58 @@ def test_a_tight_atol_names_no_mistake_that_changes_nothing_there(tiny_golden, t
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
     gelu = next(r for r in json.loads(out)["rows"] if r["name"] == "h0_gelu")
     assert gelu["status"] == "FAIL" and "exact GELU" in gelu["note"], gelu
+
+
+def test_other_engines_conventions_are_named(tiny_golden, tmp_path, capsys):
+    """From an outside round: logits written as log-probabilities, probabilities or less each row's max, q scaled
+    by 1/sqrt(d/H) before it was written and heads in reverse order got only their worst element; each is named.
+    The control: the right files pass."""
+    cand = candidate_from(tiny_golden, tmp_path / "cand")
+    logits = np.load(cand / "logits.npy").astype(np.float64)
+    shifted = logits - logits.max(-1, keepdims=True)
+    log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+    q, k = np.load(cand / "h0_q.npy"), np.load(cand / "h1_k.npy")
+    cases = {"logits": (log_probs, "these are log-probabilities (log_softmax of the logits)"),
+             "h0_q": (q / np.sqrt(q.shape[-1]), "q is scaled by 1/sqrt(d/H) = 1/sqrt(16)"),
+             "h1_k": (k[:, ::-1], "the heads are in reverse order")}
+    for probs, says in ((np.exp(log_probs), "probabilities (softmax"), (shifted, "the logits less each row's max")):
+        np.save(cand / "logits.npy", probs.astype(np.float32))
+        code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+        row = next(r for r in json.loads(out)["rows"] if r["name"] == "logits")
+        assert code == 1 and says in row["note"], row
+    for name, (values, _) in cases.items():
+        np.save(cand / f"{name}.npy", np.ascontiguousarray(values).astype(np.float32))
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+    rows = {r["name"]: r for r in json.loads(out)["rows"]}
+    for name, (_, says) in cases.items():
+        assert rows[name]["status"] == "FAIL" and says in rows[name]["note"], rows[name]
+    right = candidate_from(tiny_golden, tmp_path / "right")
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(right)], capsys)
+    assert code == 0, out
+
+
+def test_an_empty_bin_a_bf16_tensor_and_a_partial_sets_names(tmp_path, capsys):
+    """An empty .bin was '0 tokens'; a bf16 tensor in a .safetensors got no advice; against a set of block 1
+    only, unmatched h0_ names were told 'the golden names are h0_ln_2, ...', names that set does not have."""
+    from safetensors.torch import save_file
+    gold = tmp_path / "g1"
+    assert run(["extract", "--model", "random:tiny:3", "--ids", IDS, "--out", str(gold), "--layers", "1",
+                "--quiet"], capsys)[0] == 0
+    cand = tmp_path / "cand"
+    cand.mkdir()
+    (cand / "h1_ffn.bin").write_bytes(b"")
+    np.save(cand / "h0_ffn.npy", np.zeros((1, 8, 64), np.float32))
+    code, out, _ = run(["verify", "--golden", str(gold), "--candidate", str(cand), "--json"], capsys)
+    report = json.loads(out)
+    assert report["counts"] == {"pass": 0, "fail": 1, "missing": sum(r["status"] == "MISSING" for r in report["rows"]),
+                                "skip": 0} and report["counts"]["missing"] > 5, report["counts"]
+    row = next(r for r in report["rows"] if r["name"] == "h1_ffn")
+    assert row["note"] == "h1_ffn.bin is empty: expected 2048 bytes (float32, shape (1, 8, 64))", row
+    assert any("the golden names are h1_ln_2, h1_ffn, logits, ...: see manifest.json; this set holds block 1 only"
+               in n for n in report["notes"]), report["notes"]
+    save_file({"h1_ffn": torch.zeros(1, 8, 64, dtype=torch.bfloat16)}, str(tmp_path / "c.safetensors"))
+    code, out, _ = run(["verify", "--golden", str(gold), "--candidate", str(tmp_path / "c.safetensors"), "--json"],
+                       capsys)
+    row = next(r for r in json.loads(out)["rows"] if r["name"] == "h1_ffn")
+    assert row["note"] == "dtype bfloat16, expected float32: write float32 (tensor.float() before safetensors' " \
+                          "save_file)", row

@@ -226,8 +226,9 @@ def cmd_verify(args):
                                            "h1_ is GPT-2's h0_, so each block is judged against the next one's "
                                            "golden tensors") if t)
     if args.json:
+        counts = {k.lower(): sum(r.status == k for r in rows) for k in ("PASS", "FAIL", "MISSING", "SKIP")}
         print(json.dumps({"golden": str(args.golden), "mode": title, "passed": not failed and bool(judged),
-                          "first_failure": first.as_dict() if first else None, "notes": notes,
+                          "counts": counts, "first_failure": first.as_dict() if first else None, "notes": notes,
                           "rows": [r.as_dict() for r in rows]}, indent=1))
     else:
         print(g.format_rows(rows, f"{title} vs golden {args.golden} ({gold.manifest['model']['source']}, "

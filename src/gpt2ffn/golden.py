@@ -473,8 +473,10 @@ def compare(name, entry, actual, expected, atol) -> Row:
             return fail(f"shape {tuple(actual.shape)}, expected {shape}")
         actual = actual.reshape(expected.shape)  # only leading 1s differ, e.g. [T, d] for [1, T, d]
     if not np.isfinite(actual).all():
-        bad = int((~np.isfinite(actual)).sum())
-        return fail(f"{bad} NaN/Inf values")
+        bad = ~np.isfinite(actual)
+        first = tuple(int(i) for i in np.argwhere(bad)[0])
+        kinds = " and ".join(k for k, m in (("NaN", np.isnan(actual)), ("Inf", np.isinf(actual))) if m.any())
+        return fail(f"{int(bad.sum())} {kinds} value{'s' * (int(bad.sum()) > 1)}, the first at {list(first)}")
     diff = np.abs(actual.astype(np.float64) - expected.astype(np.float64))
     max_abs = float(diff.max()) if diff.size else 0.0
     scale = float(np.abs(expected).max()) if expected.size else 0.0
@@ -539,6 +541,34 @@ def layout_hint(entry: dict, actual, expected, atol: float) -> str | None:
             return f"the values are right in C order; only the shape differs: write shape {tuple(expected.shape)}"
         return (f"the values are right, stored as ({', '.join(labels[i] for i in perm)}) = {stored}: write them as "
                 f"({', '.join(labels)}) = {tuple(want.shape)}, C order")
+    return None
+
+
+def convention_hint(golden: "Golden", entry: dict, actual, expected, atol: float) -> str | None:
+    """Right values under another engine's convention: logits written as log-probabilities, probabilities or
+    shifted by each row's max (what a sampler wants); q scaled by 1/sqrt(d/H) before it was written (fused
+    attention kernels fold the scale into q); q, k or v with the heads in reverse order."""
+    a = np.asarray(actual, np.float64)
+    e = np.asarray(expected, np.float64)
+    if a.size != e.size:
+        return None
+    a = a.reshape(e.shape)
+    stage = entry["stage"]
+    near = lambda want: float(np.abs(a - want).max()) <= max(atol, 1e-6 * float(np.abs(want).max()))  # noqa: E731
+    if stage == "logits":
+        shifted = e - e.max(-1, keepdims=True)
+        log_probs = shifted - np.log(np.exp(shifted).sum(-1, keepdims=True))
+        for want, what in ((log_probs, "log-probabilities (log_softmax of the logits)"),
+                           (np.exp(log_probs), "probabilities (softmax of the logits)"),
+                           (shifted, "the logits less each row's max")):
+            if near(want):
+                return f"these are {what}: write the logits themselves, ln_f(x) @ wte^T, before any softmax"
+    if stage in ("q", "k", "v") and e.ndim == 4:  # (1, H, T, d/H)
+        if stage == "q" and near(e / np.sqrt(e.shape[-1])):
+            return ("q is scaled by 1/sqrt(d/H) = 1/sqrt({}) (the attention scale folded into q, as fused kernels do): "
+                    "write q as c_attn gives it; the scale applies to q @ k^T".format(e.shape[-1]))
+        if e.shape[1] > 1 and near(e[:, ::-1]):
+            return f"the heads are in reverse order: head h is c_attn's {stage} columns h*d/H .. (h+1)*d/H - 1"
     return None
 
 
@@ -829,6 +859,7 @@ def diagnosed(row: Row, golden: Golden, entry: dict, actual, expected=None, own=
             text = f"{hit[1]} (within {hit[0]:.1e} of it where finite; a query with no key divides 0 by 0): {hit[2]}"
     if text is None or "matches no known mistake" in text:
         hint = layout_hint(entry, a, expected, row.atol) if clean else None
+        hint = hint or (convention_hint(golden, entry, a, expected, row.atol) if clean else None)
         hint = hint or number_hint(a, expected, row.atol)
         if hint is None and clean and entry["kind"] != "weight":
             hint = same_as(golden, row.name.removesuffix(" (chain)"), a, row.atol)
@@ -900,7 +931,8 @@ class Candidate:
             with safe_open(self.path, framework="numpy") as f:
                 dtype = f.get_slice(name).get_dtype()
                 if dtype == "BF16":  # numpy has no bfloat16
-                    return None, "dtype bfloat16, expected float32"
+                    return None, ("dtype bfloat16, expected float32: write float32 (tensor.float() before "
+                                  "safetensors' save_file)")
                 try:
                     return f.get_tensor(name), None
                 except Exception as e:
@@ -924,6 +956,8 @@ class Candidate:
         if not raw.is_file():
             return None, None
         size, n = raw.stat().st_size, expected.size
+        if size == 0:
+            return None, f"{raw.name} is empty: expected {4 * n} bytes (float32, shape {tuple(expected.shape)})"
         if size == 4 * n:
             return np.fromfile(raw, dtype="<f4").reshape(expected.shape), None
         if name == "logits" and size == 4 * expected.shape[-1]:  # the last position's logits only
@@ -934,7 +968,7 @@ class Candidate:
         if per_token and size % per_token == 0 and size // per_token != expected.shape[1]:  # another prompt's
             guesses.insert(0, f"as float32, {size // per_token} tokens where this golden set has {expected.shape[1]}: "
                               f"run the engine on the golden set's ids")
-        hint = " or ".join(g for g in guesses if g)
+        hint = "; or ".join(g for g in guesses if g)
         return None, (f"{raw.name} holds {size} bytes, expected {4 * n} (float32, {n} values, shape "
                       f"{tuple(expected.shape)})" + (f" ({hint})" if hint else ""))
 
@@ -983,7 +1017,12 @@ def unmatched(golden: Golden, cand: Candidate) -> tuple:
     if shifted & set(golden.tensors) and not any(n.startswith("h0_") for n in have):
         hint = "layers count from 0 (h0_ is the first block); these look 1-based"
     elif names:
-        hint = "the golden names are h0_ln_2, h0_ffn, logits, ...: see manifest.json"
+        layers = golden.layers
+        first = f"h{layers[0]}_" if layers else ""
+        only = (f"; this set holds block{'s' * (len(layers) > 1)} {', '.join(map(str, layers))} only"
+                if layers and len(layers) < golden.config.n_layer else "")
+        hint = (f"the golden names are {first}ln_2, {first}ffn, logits, ...: see manifest.json" if first else
+                "the golden names are embeddings, ln_f, logits, ...: see manifest.json") + only
     return names, hint
 
 
