@@ -278,3 +278,20 @@ def test_a_model_id_is_read_from_the_local_hf_cache(hf_dir, tmp_path, monkeypatc
     with pytest.raises(Gpt2ffnError, match=r"nor is 'nobody/gpt9' in the local HF cache \(.*hub\); gpt2ffn never"):
         GPT2.from_pretrained("nobody/gpt9")
     assert GPT2.from_pretrained("gpt2", dtype="auto", precision=None).dtype == torch.float32  # read from the cache
+
+
+def test_save_pretrained_over_a_sharded_checkpoint_removes_its_shards(small_model, tmp_path):
+    """save_pretrained into a directory holding a sharded checkpoint left its shards and index beside the new
+    model.safetensors, another copy of older weights; they go, as HF's save_pretrained removes them; other files
+    stay."""
+    small_model.save_pretrained(tmp_path, max_shard_size="100KB")
+    shards = sorted(p.name for p in tmp_path.glob("model-*-of-*.safetensors"))
+    assert len(shards) > 1 and (tmp_path / "model.safetensors.index.json").is_file()
+    (tmp_path / "notes.txt").write_text("mine")
+    model = GPT2.from_pretrained(tmp_path)
+    model.save_pretrained(tmp_path)
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == ["config.json", "generation_config.json", "model.safetensors", "notes.txt"] or \
+        left == ["config.json", "model.safetensors", "notes.txt"], left
+    torch.testing.assert_close(GPT2.from_pretrained(tmp_path)(torch.tensor([[1, 2, 3]])),
+                               model(torch.tensor([[1, 2, 3]])))

@@ -9,6 +9,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import weakref
 import zlib
 from pathlib import Path
@@ -778,6 +779,12 @@ class GPT2(TrainChecked):
         parallel = getattr(self, "mesh", None) is not None
         if not parallel or torch.distributed.get_rank() == 0:  # one rank writes; the others wait for it below
             path.mkdir(parents=True, exist_ok=True)
+            # an earlier sharded save's files go, as HF's save_pretrained removes them: left beside the new file
+            # they are another copy of older weights
+            for old in [*path.glob("model-*-of-*.safetensors"), path / "model.safetensors.index.json"]:
+                if old.is_file() and re.fullmatch(r"model(-\d{5}-of-\d{5}\.safetensors|\.safetensors\.index\.json)",
+                                                  old.name):
+                    old.unlink()
             save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
             config = self.config.to_hf_dict()
             config.update(model_type="gpt2", architectures=["GPT2LMHeadModel"],  # dtype: the tensors', as HF writes
