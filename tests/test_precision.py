@@ -519,3 +519,78 @@ def test_dtype_changes_and_autocast_on_a_packed_model(precision):
         ours.train().to(torch.bfloat16).eval()
         with torch.no_grad():
             assert ours(ids).dtype == torch.bfloat16
+
+
+def test_a_weight_held_once_reads_as_its_values_and_refuses_writes(tmp_path):
+    """Two outside rounds read a held weight and got zeros (model.lm_head.weight.abs().sum() == 0, wte[ids] all
+    zeros) and an in-place write raised torch's 'more than one element ... single memory location'. The Parameter
+    is a HeldWeight while held: reads (ops, indexing, printing, .data, F.linear) see the values state_dict() gives,
+    writes in place raise PackedOnlyError, `w.data = values` gives it values (re-packed on the next call); the same
+    object, its storage still one element; pickling, deepcopy and train()/eval() keep all that."""
+    import pickle
+
+    import torch.nn.functional as F
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpt2ffn import GPT2, PackedOnlyError
+    from gpt2ffn.linear import HeldWeight
+    hf = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=64))
+    hf.save_pretrained(tmp_path)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    for precision in ("fp32", "int8"):
+        m = GPT2.from_pretrained(tmp_path, precision=precision)
+        sd = m.state_dict()
+        head, c_fc = m.lm_head.weight, m.transformer.h[0].mlp.c_fc.weight
+        assert type(head) is HeldWeight and isinstance(head, torch.nn.Parameter) and head.stride() == (0, 0)
+        assert head.untyped_storage().nbytes() == 4 and head is m.transformer.wte.weight
+        wte = sd["transformer.wte.weight"]
+        assert torch.equal(head.detach(), wte) and torch.equal(m.transformer.wte.weight[ids], wte[ids])
+        assert torch.equal(c_fc.data, sd["transformer.h.0.mlp.c_fc.weight"]) and float(c_fc.abs().sum()) > 0
+        x = torch.randn(2, 64)
+        assert torch.equal(F.linear(x, head), x @ wte.t())
+        assert "Parameter containing" in repr(head) and "0.0000" not in repr(head)[:60]
+        with torch.no_grad():
+            before = m(ids)
+            for write in (lambda: c_fc.mul_(0.5), lambda: c_fc.data.zero_(), lambda: c_fc.__setitem__(0, 1.0)):
+                with pytest.raises(PackedOnlyError, match=r"writing into its weight .* cannot run"):
+                    write()
+            assert torch.equal(m(ids), before)
+        for copy_ in (pickle.loads(pickle.dumps(m)), __import__("copy").deepcopy(m)):
+            assert type(copy_.lm_head.weight) is HeldWeight and copy_.lm_head.weight.stride() == (0, 0)
+            with torch.no_grad():
+                assert torch.equal(copy_(ids), before)
+            assert torch.equal(copy_.lm_head.weight.detach(), wte)
+    m = GPT2.from_pretrained(tmp_path).train()  # fp32: its Parameters get their values back
+    assert type(m.lm_head.weight) is torch.nn.Parameter
+    m.eval()
+    assert type(m.lm_head.weight) is HeldWeight
+    m = GPT2.from_pretrained(tmp_path)
+    c_fc = m.transformer.h[0].mlp.c_fc.weight
+    c_fc.data = 2 * sd["transformer.h.0.mlp.c_fc.weight"]  # its own values now: re-packed on the next call
+    assert type(c_fc) is torch.nn.Parameter
+    with torch.no_grad():
+        m(ids)
+    assert torch.equal(m.state_dict()["transformer.h.0.mlp.c_fc.weight"], 2 * sd["transformer.h.0.mlp.c_fc.weight"])
+    assert type(c_fc) is HeldWeight  # held once again
+
+
+def test_the_kernels_never_unpack_a_held_weight(tmp_path, monkeypatch):
+    """A HeldWeight unpacks on a read; gpt2ffn's own forward, prefill and decode read it only as stored (what its
+    packed copy was stamped with): weight_value, the unpacking, is never called there, at any precision."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpt2ffn import GPT2
+    from gpt2ffn.generate import generate
+    from gpt2ffn.linear import PackedLayer
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=64)).save_pretrained(
+        tmp_path)
+    models = [GPT2.from_pretrained(tmp_path, precision=p) for p in ("fp32", "bf16", "int8", "int4")]
+
+    def unpacked(self):
+        raise AssertionError(f"{type(self).__name__} unpacked its held weight")
+    monkeypatch.setattr(PackedLayer, "weight_value", unpacked)
+    for m in models:
+        with torch.no_grad():
+            m(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]))
+        generate(m, [[1, 2, 3], [4, 5]], max_new_tokens=4)
+        m(torch.tensor([[1, 2, 3]]))  # autograd on, in eval()

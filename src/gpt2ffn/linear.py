@@ -3,7 +3,8 @@ layer shares (PackedLayer). gpt2ffn.quantize packs any module that has `pack`; t
 
 Weights held once: a layer that `quantize` packs for inference (its default, `keep_fp32=False`) lets its
 fp32 weight go once the packed copy exists. The Parameter stays (same object, shape, dtype and device, so
-optimizers, tying and `named_parameters` see what they saw) over a single zero element, and
+optimizers, tying and `named_parameters` see what they saw) over a single zero element, as a HeldWeight whose
+reads see the unpacked values and whose writes in place raise PackedOnlyError, and
 `state_dict()` answers in HF's layout by unpacking the packed weights (exact for fp32 and bf16, the
 dequantized q * s for int8 and int4). An fp32 layer gets its Parameter back in train() and re-packs in eval()
 (one copy at any time); a bf16/int8/int4 layer has nothing to train and says so (PackedOnlyError).
@@ -13,12 +14,121 @@ the weights the layer computed with, and an fp32 weight held once gets its gradi
 (unpacked, exact) in the backward, so an optimizer can write them; the next packed call re-packs. The
 Parameters' requires_grad is the user's throughout."""
 
+import weakref
+from collections import OrderedDict
+
 import torch
 import torch.nn as nn
 
 from .errors import PackedOnlyError
 from .kernels.formats import Packed, changed, release_freed_memory
 from .kernels.packed import linear, regime
+
+# ---- a weight held once, as its Parameter shows it -------------------------------------------------------------
+
+# id of a held Parameter (or of its .data) -> (weakref to it, weakref to its layer, its class before): by id, as a
+# tensor's own hash and == would run through __torch_function__ below
+_HELD = {}
+
+
+def _hold(t, layer, cls):
+    key = id(t)
+    _HELD[key] = (weakref.ref(t, lambda _: _HELD.pop(key, None)), weakref.ref(layer), cls)
+
+
+def _held_entry(t):
+    entry = _HELD.get(id(t))
+    return entry if entry is not None and entry[0]() is t else None
+# what a held weight answers as it is: its metadata, identity and gradient, and what gpt2ffn itself reads of it
+_AS_IS = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "_version", "layout", "ndim",
+          "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "names", "_base", "_cdata",
+          "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous", "data_ptr",
+          "untyped_storage", "element_size", "is_floating_point", "is_complex", "get_device", "requires_grad_",
+          "__hash__", "__eq__", "__bool__", "__len__", "type", "new_zeros", "new_empty", "_is_view", "is_shared",
+          "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__reduce_ex__", "__deepcopy__",
+          "__setstate__", "__getstate__", "__format__", "is_inference", "is_pinned", "is_set_to"}
+_WRITES = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
+           "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "set_"}
+
+
+def _func_name(func) -> str:
+    """A torch function's name; a property's own name for its getter or setter (`shape` for Tensor.shape's)."""
+    name = getattr(func, "__name__", "")
+    return getattr(getattr(func, "__self__", None), "__name__", name) if name in ("__get__", "__set__") else name
+
+
+def _unhold(t) -> None:
+    """t a Parameter (or tensor) of its own class again, its values its own business (a HeldWeight's end)."""
+    entry = _held_entry(t)
+    _HELD.pop(id(t), None)
+    if type(t) in (HeldWeight, HeldData):
+        t.__class__ = entry[2] if entry else nn.Parameter if type(t) is HeldWeight else torch.Tensor
+
+
+def raw(t):
+    """A held weight as it is stored (one element expanded), for gpt2ffn's own bookkeeping (storage, version,
+    views of it); any other tensor as it is."""
+    if type(t) not in (HeldWeight, HeldData):
+        return t
+    with torch._C.DisableTorchFunctionSubclass():
+        return t.detach()
+
+
+def _held_layer(t):
+    """The layer whose packed copy holds t's values, where t is a weight it let go (or that weight's .data)."""
+    entry = _held_entry(t) if isinstance(t, torch.Tensor) else None
+    layer = entry[1]() if entry else None
+    return layer if layer is not None and layer.dropped else None
+
+
+class HeldWeight(nn.Parameter):
+    """The class of a Parameter while its layer holds the weight once (drop_weight): one zero element expanded
+    to the weight's shape, with the values in the packed copy. Reads (printing, indexing, .sum(), F.linear, ...)
+    see the values the kernels compute with, unpacked as state_dict() gives them; writes in place raise
+    PackedOnlyError with the way back; shape, dtype, device and the like answer as they are. The same object
+    throughout: restore_weight gives it back its class."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = _func_name(func)
+        if name == "data" and getattr(func, "__name__", "") == "__set__":  # `w.data = values`: its own values now
+            _unhold(args[0])                                                # (pack() sees them and re-packs)
+            return func(*args, **kwargs)
+        if name == "data" and getattr(func, "__name__", "") == "__get__":  # .data: the same, one level down
+            layer = _held_layer(args[0])
+            with torch._C.DisableTorchFunctionSubclass():
+                data = func(*args, **kwargs)
+            if layer is not None:
+                data.__class__ = HeldData
+                _hold(data, layer, torch.Tensor)
+            return data
+        held = [a for a in (*args, *kwargs.values()) if _held_layer(a) is not None]
+        if held and name not in _AS_IS and getattr(func, "__self__", None) is not PackedMatmul:
+            layer = _held_layer(held[0])
+            writes = name in _WRITES or (name.endswith("_") and not name.startswith("_")) or any(
+                _held_layer(o) is not None for o in (kwargs.get("out") if isinstance(kwargs.get("out"), tuple)
+                                                     else (kwargs.get("out"),)))
+            if writes and (args and _held_layer(args[0]) is not None or kwargs.get("out") is not None):
+                raise layer.packed_only(f"writing into its weight ({name})", layer.packed.precision)
+            values = {id(a): _held_layer(a).weight_value() for a in held}
+            args = tuple(values.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
+            kwargs = {k: values.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+
+
+    def __reduce_ex__(self, proto):
+        """Pickled as the Parameter it stands for, over its one-element storage: the layer's __setstate__ holds it
+        again (its packed copy travels with the layer)."""
+        with torch._C.DisableTorchFunctionSubclass():
+            return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
+
+
+class HeldData(torch.Tensor):
+    """`.data` of a HeldWeight: reads see the values, writes raise, as the weight's own."""
+
+    __torch_function__ = HeldWeight.__torch_function__
 
 
 class PackedLayer:
@@ -64,15 +174,23 @@ class PackedLayer:
             self.drop_weight()                                                # keeps its values writable)
 
     def drop_weight(self):
-        """Let the fp32 weight go; the packed weights become the only copy."""
+        """Let the fp32 weight go; the packed weights become the only copy (the Parameter a HeldWeight)."""
         w = self.weight
+        cls = _held_entry(w)[2] if _held_entry(w) else type(w)
+        _unhold(w)
         w.data = w.new_zeros(()).expand(w.shape)   # same Parameter, shape, dtype and device; 4 bytes of storage
         self.dropped = True
         self.packed.made_from(self.weight_kn(), self.bias)
+        _hold(w, self, cls)
+        w.__class__ = HeldWeight
 
     def restore_weight(self, values=None):
         """Give the Parameter its fp32 values back: `values` in its layout, or the packed weights unpacked."""
-        self.weight.data = values if values is not None else self.param_layout(self.packed.weights())
+        if values is None:
+            values = self.param_layout(self.packed.weights())
+        w = self.weight
+        _unhold(w)
+        w.data = values
         if values is None and self.packed.precision != "fp32":
             self.rounded = self.packed.precision
         self.dropped = False
@@ -81,9 +199,13 @@ class PackedLayer:
         """copy.deepcopy and pickle clone the one-element placeholder of a weight let go to its full shape: let
         it go again (a weight with storage of its own means values the user gave)."""
         super().__setstate__(state)
-        if self.dropped and any(self.weight.stride()):
+        if self.dropped:
             w = self.weight
-            w.data = w.new_zeros(()).expand(w.shape)
+            _unhold(w)  # a copy made as its original's class (HeldWeight), not yet held
+            if any(w.stride()):
+                w.data = w.new_zeros(()).expand(w.shape)
+            _hold(w, self, type(w))
+            w.__class__ = HeldWeight
 
     def weight_value(self) -> torch.Tensor:
         """The weight in the Parameter's layout, unpacked from the packed copy if the layer holds only that."""

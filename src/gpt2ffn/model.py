@@ -23,7 +23,7 @@ from .errors import ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
 from .kernels import add_layer_norm
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
-from .linear import Conv1D, PackedLayer, TrainChecked, check_trainable
+from .linear import Conv1D, PackedLayer, TrainChecked, check_trainable, raw
 from .precision import quantize
 from .weights import IGNORED, Checkpoint, cached_snapshot, hub_cache, load_tensors, resolve_checkpoint
 
@@ -148,7 +148,7 @@ class LMHead(PackedLayer, nn.Linear):
     keeps_int8 = True
 
     def weight_kn(self):
-        return self.weight.t()
+        return raw(self.weight).t()  # (a weight held once as stored: what its packed copy was stamped with)
 
     def param_layout(self, w_kn):
         return w_kn.t().contiguous()
