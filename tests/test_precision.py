@@ -551,9 +551,9 @@ def test_a_weight_held_once_reads_as_its_values_and_refuses_writes(tmp_path):
         assert "Parameter containing" in repr(head) and "0.0000" not in repr(head)[:60]
         with torch.no_grad():
             before = m(ids)
-            for write in (lambda: c_fc.mul_(0.5), lambda: c_fc.data.zero_(), lambda: c_fc.__setitem__(0, 1.0)):
+            for write in (lambda w: w.mul_(0.5), lambda w: w.data.zero_(), lambda w: w.__setitem__(0, 1.0)):
                 with pytest.raises(PackedOnlyError, match=r"writing into its weight .* cannot run"):
-                    write()
+                    write(c_fc)
             assert torch.equal(m(ids), before)
         for copy_ in (pickle.loads(pickle.dumps(m)), __import__("copy").deepcopy(m)):
             assert type(copy_.lm_head.weight) is HeldWeight and copy_.lm_head.weight.stride() == (0, 0)
