@@ -296,3 +296,14 @@ def test_the_reference_reads_hfs_activation_and_names_bad_input():
         reference.ffn_forward(x, args[0][0], *args[1:])
     with pytest.raises(ShapeError, match="input has dtype int64; the FFN takes float activations"):
         reference.ffn_forward(np.ones((2, 8), np.int64), *args)
+
+
+def test_the_reference_takes_a_blocks_state_dict():
+    """A block's state dict (attn.c_proj beside mlp.c_proj) was refused as holding two FFNs."""
+    from transformers import GPT2Config
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+    block = GPT2Block(GPT2Config(n_embd=8, n_head=2, n_inner=32)).eval()
+    x = np.random.default_rng(1).standard_normal((2, 8)).astype(np.float32)
+    with torch.no_grad():
+        want = block.mlp(torch.from_numpy(x)).numpy()
+    assert np.abs(reference.FFN.from_state_dict(block.state_dict())(x) - want).max() <= 1e-5

@@ -594,3 +594,41 @@ def test_the_kernels_never_unpack_a_held_weight(tmp_path, monkeypatch):
             m(torch.tensor([[1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20]]))
         generate(m, [[1, 2, 3], [4, 5]], max_new_tokens=4)
         m(torch.tensor([[1, 2, 3]]))  # autograd on, in eval()
+
+
+def test_held_weights_review_round(tmp_path):
+    """From the review of HeldWeight: torch.compile of a held model failed (AOTAutograd's fake tensors unpacked
+    it); nn.init's functions (tensor= as a keyword) and torch._foreach_add_ wrote into a copy, silently; == and
+    f-strings read the placeholder; torch.cat([w, w]) read zeros; a held weight pickled alone came back zeros; one
+    held weight's .data given to another gave it the placeholder; restore_weight stopped marking int8-rounded values
+    (so .half() then .float().train() of an int8 model trained on rounded weights)."""
+    import pickle
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpt2ffn import GPT2, PackedOnlyError
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=64)).save_pretrained(
+        tmp_path)
+    m = GPT2.from_pretrained(tmp_path)
+    w = m.transformer.h[0].mlp.c_fc.weight
+    want = m.state_dict()["transformer.h.0.mlp.c_fc.weight"]
+    assert bool((w == want).all()) and not bool((w == 0).all()) and "0.0000, 0.0000" not in f"{w}"
+    assert torch.equal(torch.cat([w, w]), torch.cat([want, want])) and torch.equal(w.type(torch.float64),
+                                                                                   want.double())
+    for write in (lambda t: torch.nn.init.normal_(t), lambda t: torch.nn.init.constant_(t, 1.0),
+                  lambda t: torch._foreach_add_([t], 1.0)):
+        with pytest.raises(PackedOnlyError):
+            write(w)
+    assert torch.equal(pickle.loads(pickle.dumps(w)).detach(), want)
+    other = GPT2.from_pretrained(tmp_path).transformer.h[0].mlp.c_fc.weight
+    other.data = w.data
+    assert torch.equal(other.detach(), want)
+    ids = torch.tensor([[1, 2, 3, 4]])
+    with torch.no_grad():
+        eager = m(ids)
+        torch._dynamo.reset()
+        torch.testing.assert_close(torch.compile(m, backend="aot_eager")(ids), eager, atol=1e-5, rtol=1e-5)
+    int8 = GPT2.from_pretrained(tmp_path, precision="int8").half()
+    assert int8.transformer.h[0].mlp.c_fc.held_at() == "int8"
+    with pytest.raises(PackedOnlyError, match="int8"):
+        int8.float().train()

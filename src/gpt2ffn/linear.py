@@ -33,7 +33,7 @@ _HELD = {}
 
 def _hold(t, layer, cls):
     key = id(t)
-    _HELD[key] = (weakref.ref(t, lambda _: _HELD.pop(key, None)), weakref.ref(layer), cls)
+    _HELD[key] = (weakref.ref(t, lambda _, held=_HELD: held.pop(key, None)), weakref.ref(layer), cls)
 
 
 def _held_entry(t):
@@ -44,9 +44,9 @@ _AS_IS = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_
           "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "names", "_base", "_cdata",
           "size", "dim", "numel", "nelement", "stride", "storage_offset", "is_contiguous", "data_ptr",
           "untyped_storage", "element_size", "is_floating_point", "is_complex", "get_device", "requires_grad_",
-          "__hash__", "__eq__", "__bool__", "__len__", "type", "new_zeros", "new_empty", "_is_view", "is_shared",
+          "__hash__", "__len__", "type", "new_zeros", "new_empty", "_is_view", "is_shared",
           "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__reduce_ex__", "__deepcopy__",
-          "__setstate__", "__getstate__", "__format__", "is_inference", "is_pinned", "is_set_to"}
+          "__setstate__", "__getstate__", "is_inference", "is_pinned", "is_set_to"}
 _WRITES = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
            "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "set_"}
 
@@ -92,9 +92,19 @@ class HeldWeight(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _func_name(func)
+        # what answers as stored: metadata, and any call while torch.compile traces or a dispatch mode (a fake
+        # tensor's) runs, where the packed kernels read the weight as stored, as before it was held
+        if (name in _AS_IS and not (name == "type" and (len(args) > 1 or kwargs))) or torch.compiler.is_compiling() \
+                or torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
         if name == "data" and getattr(func, "__name__", "") == "__set__":  # `w.data = values`: its own values now
             _unhold(args[0])                                                # (pack() sees them and re-packs)
-            return func(*args, **kwargs)
+            value = args[1]
+            if _held_layer(value) is not None:  # another held weight's: its values, not its placeholder
+                value = _held_layer(value).weight_value()
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(args[0], value)
         if name == "data" and getattr(func, "__name__", "") == "__get__":  # .data: the same, one level down
             layer = _held_layer(args[0])
             with torch._C.DisableTorchFunctionSubclass():
@@ -103,26 +113,30 @@ class HeldWeight(nn.Parameter):
                 data.__class__ = HeldData
                 _hold(data, layer, torch.Tensor)
             return data
-        held = [a for a in (*args, *kwargs.values()) if _held_layer(a) is not None]
-        if held and name not in _AS_IS and getattr(func, "__self__", None) is not PackedMatmul:
+        flat = torch.utils._pytree.tree_leaves((args, kwargs))  # tensors in lists too (torch.cat([w, w]))
+        held = [a for a in flat if _held_layer(a) is not None]
+        if held and getattr(func, "__self__", None) is not PackedMatmul:
             layer = _held_layer(held[0])
-            writes = name in _WRITES or (name.endswith("_") and not name.startswith("_")) or any(
-                _held_layer(o) is not None for o in (kwargs.get("out") if isinstance(kwargs.get("out"), tuple)
-                                                     else (kwargs.get("out"),)))
-            if writes and (args and _held_layer(args[0]) is not None or kwargs.get("out") is not None):
+            target = args[0] if args else kwargs.get("tensor", kwargs.get("input", kwargs.get("self")))
+            outs = kwargs.get("out")
+            outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+            in_place = name in _WRITES or (name.endswith("_") and not name.startswith("__"))
+            if (in_place and (_held_layer(target) is not None or isinstance(target, (list, tuple)) and any(
+                    _held_layer(t) is not None for t in target))) or any(_held_layer(o) is not None for o in outs):
                 raise layer.packed_only(f"writing into its weight ({name})", layer.packed.precision)
             values = {id(a): _held_layer(a).weight_value() for a in held}
-            args = tuple(values.get(id(a), a) if isinstance(a, torch.Tensor) else a for a in args)
-            kwargs = {k: values.get(id(v), v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            args, kwargs = torch.utils._pytree.tree_map(
+                lambda a: values.get(id(a), a) if isinstance(a, torch.Tensor) else a, (args, kwargs))
         with torch._C.DisableTorchFunctionSubclass():
             return func(*args, **kwargs)
 
-
     def __reduce_ex__(self, proto):
-        """Pickled as the Parameter it stands for, over its one-element storage: the layer's __setstate__ holds it
-        again (its packed copy travels with the layer)."""
+        """Pickled as a Parameter of the values it stands for (alone, it reads back right; in its layer,
+        __setstate__ holds it again)."""
+        layer = _held_layer(self)
         with torch._C.DisableTorchFunctionSubclass():
-            return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
+            values = layer.weight_value() if layer is not None else self.data
+            return torch._utils._rebuild_parameter, (values, self.requires_grad, OrderedDict())
 
 
 class HeldData(torch.Tensor):
@@ -186,12 +200,13 @@ class PackedLayer:
 
     def restore_weight(self, values=None):
         """Give the Parameter its fp32 values back: `values` in its layout, or the packed weights unpacked."""
+        given = values
         if values is None:
             values = self.param_layout(self.packed.weights())
         w = self.weight
         _unhold(w)
         w.data = values
-        if values is None and self.packed.precision != "fp32":
+        if given is None and self.packed.precision != "fp32":
             self.rounded = self.packed.precision
         self.dropped = False
 

@@ -125,6 +125,7 @@ class FFN:
         names = ("c_fc.weight", "c_fc.bias", "c_proj.weight", "c_proj.bias")
         if not all(n in arr for n in names):
             prefixes = {k[:-len(n)] for k in arr for n in names if k.endswith("." + n)}
+            prefixes = {p for p in prefixes if all(p + n in arr for n in names)}  # (attn.c_proj is not an FFN's)
             if len(prefixes) != 1:
                 found = f"FFNs under {sorted(prefixes)[:4]}: give one FFN's" if prefixes else "none of them"
                 raise ShapeError(f"the state dict has no {', '.join(names)} ({found})")
