@@ -632,3 +632,31 @@ def test_held_weights_review_round(tmp_path):
     assert int8.transformer.h[0].mlp.c_fc.held_at() == "int8"
     with pytest.raises(PackedOnlyError, match="int8"):
         int8.float().train()
+
+
+def test_held_weights_second_review_round(tmp_path):
+    """From the second review: under a user's own dispatch mode (FlopCounterMode) and in the user's own compiled
+    function a held weight read zeros (the bypass took any mode); `w.data = values` left the layer held, so
+    state_dict() gave the old values; w.data pickled or deep-copied alone read zeros or raised."""
+    import copy
+    import pickle
+
+    from torch.utils.flop_counter import FlopCounterMode
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from gpt2ffn import GPT2
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=300, n_positions=64)).save_pretrained(
+        tmp_path)
+    m = GPT2.from_pretrained(tmp_path)
+    w, sd = m.lm_head.weight, m.state_dict()
+    want = sd["transformer.wte.weight"]
+    with FlopCounterMode(display=False):
+        assert torch.equal(w.abs().sum(), want.abs().sum())
+    torch._dynamo.reset()
+    assert torch.equal(torch.compile(lambda t: t.abs().sum(), backend="eager")(w.detach()), want.abs().sum())
+    data = m.transformer.h[1].mlp.c_proj.weight.data
+    key = "transformer.h.1.mlp.c_proj.weight"
+    assert torch.equal(pickle.loads(pickle.dumps(data)), sd[key]) and torch.equal(copy.deepcopy(data), sd[key])
+    c_fc = m.transformer.h[0].mlp.c_fc
+    c_fc.weight.data = 2 * sd["transformer.h.0.mlp.c_fc.weight"]
+    assert torch.equal(m.state_dict()["transformer.h.0.mlp.c_fc.weight"], 2 * sd["transformer.h.0.mlp.c_fc.weight"])

@@ -46,7 +46,7 @@ _AS_IS = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_
           "untyped_storage", "element_size", "is_floating_point", "is_complex", "get_device", "requires_grad_",
           "__hash__", "__len__", "type", "new_zeros", "new_empty", "_is_view", "is_shared",
           "retain_grad", "register_hook", "register_post_accumulate_grad_hook", "__reduce_ex__", "__deepcopy__",
-          "__setstate__", "__getstate__", "is_inference", "is_pinned", "is_set_to"}
+          "__setstate__", "__getstate__", "is_inference", "is_pinned", "is_set_to", "share_memory_"}
 _WRITES = {"__setitem__", "__iadd__", "__isub__", "__imul__", "__itruediv__", "__ifloordiv__", "__imod__",
            "__ipow__", "__iand__", "__ior__", "__ixor__", "__ilshift__", "__irshift__", "set_"}
 
@@ -92,14 +92,16 @@ class HeldWeight(nn.Parameter):
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = _func_name(func)
-        # what answers as stored: metadata, and any call while torch.compile traces or a dispatch mode (a fake
-        # tensor's) runs, where the packed kernels read the weight as stored, as before it was held
-        if (name in _AS_IS and not (name == "type" and (len(args) > 1 or kwargs))) or torch.compiler.is_compiling() \
-                or torch.utils._python_dispatch._get_current_dispatch_mode() is not None:
+        # what answers as stored: metadata, and any call while torch.compile's fake tensors trace a model (its
+        # packed kernels read the weight as stored, as before it was held)
+        if (name in _AS_IS and not (name == "type" and (len(args) > 1 or kwargs))) or _tracing():
             with torch._C.DisableTorchFunctionSubclass():
                 return func(*args, **kwargs)
         if name == "data" and getattr(func, "__name__", "") == "__set__":  # `w.data = values`: its own values now
-            _unhold(args[0])                                                # (pack() sees them and re-packs)
+            layer = _held_layer(args[0])                                    # (the next packed call re-packs them)
+            _unhold(args[0])
+            if layer is not None:
+                layer.dropped, layer.rounded = False, None
             value = args[1]
             if _held_layer(value) is not None:  # another held weight's: its values, not its placeholder
                 value = _held_layer(value).weight_value()
@@ -131,18 +133,46 @@ class HeldWeight(nn.Parameter):
             return func(*args, **kwargs)
 
     def __reduce_ex__(self, proto):
-        """Pickled as a Parameter of the values it stands for (alone, it reads back right; in its layer,
-        __setstate__ holds it again)."""
+        """Pickled as its layer's packed copy (shared with the layer's own pickle by the memo, so a model's file
+        holds its weights once); unpickled alone it is a Parameter of the values, in a model its layer's
+        __setstate__ holds it again."""
         layer = _held_layer(self)
-        with torch._C.DisableTorchFunctionSubclass():
-            values = layer.weight_value() if layer is not None else self.data
-            return torch._utils._rebuild_parameter, (values, self.requires_grad, OrderedDict())
+        if layer is None:
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch._utils._rebuild_parameter, (self.data, self.requires_grad, OrderedDict())
+        transposed = layer.param_layout(torch.empty(2, 3)).shape == (3, 2)
+        return _rebuild_held, (layer.packed, transposed, self.requires_grad)
+
+
+def _rebuild_held(packed, transposed: bool, requires_grad: bool):
+    values = packed.weights()
+    return nn.Parameter((values.t() if transposed else values).contiguous(), requires_grad)
+
+
+def _tracing() -> bool:
+    """Whether torch.compile's fake tensors (or its functionalization or proxies) are tracing: a user's own
+    dispatch mode (FlopCounterMode, ...) reads values as anyone."""
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+    return any(type(m).__name__ in ("FakeTensorMode", "FunctionalTensorMode", "ProxyTorchDispatchMode")
+               for m in _get_current_dispatch_mode_stack())
 
 
 class HeldData(torch.Tensor):
-    """`.data` of a HeldWeight: reads see the values, writes raise, as the weight's own."""
+    """`.data` of a HeldWeight: reads see the values, writes raise, as the weight's own; copied or pickled it is a
+    plain tensor of the values."""
 
     __torch_function__ = HeldWeight.__torch_function__
+
+    def _values(self):
+        layer = _held_layer(self)
+        with torch._C.DisableTorchFunctionSubclass():
+            return layer.weight_value() if layer is not None else self.detach().clone()
+
+    def __reduce_ex__(self, proto):
+        return self._values().__reduce_ex__(proto)
+
+    def __deepcopy__(self, memo):
+        return self._values()
 
 
 class PackedLayer:
@@ -281,7 +311,8 @@ class PackedLayer:
         return super().train(mode)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+        with torch._C.DisableTorchFunctionSubclass():  # (a held weight as stored: its values come below, once)
+            super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.dropped:
             destination[prefix + "weight"] = self.weight_value()
 

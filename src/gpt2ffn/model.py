@@ -223,7 +223,8 @@ class TiedEmbedding(nn.Embedding):
         return super().train(mode)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
-        super()._save_to_state_dict(destination, prefix, keep_vars)
+        with torch._C.DisableTorchFunctionSubclass():  # (a held weight as stored: its values come below, once)
+            super()._save_to_state_dict(destination, prefix, keep_vars)
         if self.head.dropped:
             destination[prefix + "weight"] = self.head.weight_value()
 
