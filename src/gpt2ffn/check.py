@@ -119,12 +119,15 @@ def pointwise_conv(m: nn.Module) -> bool:
             and m.groups == 1 and m.padding in ((0,), "valid", "same"))  # "same" pads 0 at kernel size 1
 
 
+def is_linear(m: nn.Module) -> bool:
+    """A module holding a 2-D `weight` (nn.Linear, Conv1D-style), or a pointwise nn.Conv1d."""
+    return isinstance(m._parameters.get("weight"), torch.Tensor) and (m._parameters["weight"].dim() == 2
+                                                                      or pointwise_conv(m))
+
+
 def linear_layers(module: nn.Module) -> list:
-    """(name, submodule) of every submodule holding a 2-D `weight` (nn.Linear, Conv1D-style) or a pointwise
-    nn.Conv1d, in order."""
-    return [(n, m) for n, m in module.named_modules()
-            if m is not module and isinstance(m._parameters.get("weight"), torch.Tensor)
-            and (m._parameters["weight"].dim() == 2 or pointwise_conv(m))]
+    """(name, submodule) of every linear submodule (is_linear), in order."""
+    return [(n, m) for n, m in module.named_modules() if m is not module and is_linear(m)]
 
 
 def layout(m: nn.Module, d: int, side: str) -> tuple:
@@ -284,13 +287,6 @@ class Closure(nn.Module):
         return Closure(fn, dict(held.items()))
 
 
-def _linear_count(m: nn.Module) -> int:
-    """The linear layers in m, m itself counted (a closure over an nn.Linear holds one)."""
-    own = isinstance(m._parameters.get("weight"), torch.Tensor) and (m._parameters["weight"].dim() == 2
-                                                                     or pointwise_conv(m))
-    return len(linear_layers(m)) + own
-
-
 def closure_modules(fn) -> dict:
     """The nn.Modules that a one-argument function closes over (its free variables), by name, where they hold two
     linear layers or more between them (an FFN's; a GELU reading a module's flag closes over fewer); {} for any
@@ -302,7 +298,8 @@ def closure_modules(fn) -> dict:
     except (TypeError, ValueError):
         return {}
     held = {k: v for k, v in free.items() if isinstance(v, nn.Module)}
-    return held if sum(_linear_count(v) for v in held.values()) >= 2 else {}
+    # (m itself counted: a closure straight over an nn.Linear holds one)
+    return held if sum(len(linear_layers(v)) + is_linear(v) for v in held.values()) >= 2 else {}
 
 
 @contextlib.contextmanager

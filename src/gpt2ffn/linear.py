@@ -14,11 +14,13 @@ the weights the layer computed with, and an fp32 weight held once gets its gradi
 (unpacked, exact) in the backward, so an optimizer can write them; the next packed call re-packs. The
 Parameters' requires_grad is the user's throughout."""
 
+import copy
 import weakref
 from collections import OrderedDict
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from .errors import PackedOnlyError
 from .kernels.formats import Packed, changed, release_freed_memory
@@ -31,14 +33,18 @@ from .kernels.packed import linear, regime
 _HELD = {}
 
 
-def _hold(t, layer, cls):
+def _hold(t, layer, cls, held_cls):
+    """t held by layer: of class held_cls until _unhold gives it back cls."""
     key = id(t)
     _HELD[key] = (weakref.ref(t, lambda _, held=_HELD: held.pop(key, None)), weakref.ref(layer), cls)
+    t.__class__ = held_cls
 
 
 def _held_entry(t):
     entry = _HELD.get(id(t))
     return entry if entry is not None and entry[0]() is t else None
+
+
 # what a held weight answers as it is: its metadata, identity and gradient, and what gpt2ffn itself reads of it
 _AS_IS = {"shape", "dtype", "device", "requires_grad", "is_leaf", "grad", "grad_fn", "_version", "layout", "ndim",
           "is_cuda", "is_cpu", "is_meta", "is_sparse", "is_quantized", "is_mkldnn", "names", "_base", "_cdata",
@@ -112,8 +118,7 @@ class HeldWeight(nn.Parameter):
             with torch._C.DisableTorchFunctionSubclass():
                 data = func(*args, **kwargs)
             if layer is not None:
-                data.__class__ = HeldData
-                _hold(data, layer, torch.Tensor)
+                _hold(data, layer, torch.Tensor, HeldData)
             return data
         flat = torch.utils._pytree.tree_leaves((args, kwargs))  # tensors in lists too (torch.cat([w, w]))
         held = [a for a in flat if _held_layer(a) is not None]
@@ -152,7 +157,6 @@ def _rebuild_held(packed, transposed: bool, requires_grad: bool):
 def _tracing() -> bool:
     """Whether torch.compile's fake tensors (or its functionalization or proxies) are tracing: a user's own
     dispatch mode (FlopCounterMode, ...) reads values as anyone."""
-    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
     return any(type(m).__name__ in ("FakeTensorMode", "FunctionalTensorMode", "ProxyTorchDispatchMode")
                for m in _get_current_dispatch_mode_stack())
 
@@ -220,13 +224,13 @@ class PackedLayer:
     def drop_weight(self):
         """Let the fp32 weight go; the packed weights become the only copy (the Parameter a HeldWeight)."""
         w = self.weight
-        cls = _held_entry(w)[2] if _held_entry(w) else type(w)
+        entry = _held_entry(w)
+        cls = entry[2] if entry else type(w)
         _unhold(w)
         w.data = w.new_zeros(()).expand(w.shape)   # same Parameter, shape, dtype and device; 4 bytes of storage
         self.dropped = True
         self.packed.made_from(self.weight_kn(), self.bias)
-        _hold(w, self, cls)
-        w.__class__ = HeldWeight
+        _hold(w, self, cls, HeldWeight)
 
     def restore_weight(self, values=None):
         """Give the Parameter its fp32 values back: `values` in its layout, or the packed weights unpacked."""
@@ -249,8 +253,7 @@ class PackedLayer:
             _unhold(w)  # a copy made as its original's class (HeldWeight), not yet held
             if any(w.stride()):
                 w.data = w.new_zeros(()).expand(w.shape)
-            _hold(w, self, type(w))
-            w.__class__ = HeldWeight
+            _hold(w, self, type(w), HeldWeight)
 
     def weight_value(self) -> torch.Tensor:
         """The weight in the Parameter's layout, unpacked from the packed copy if the layer holds only that."""
@@ -455,7 +458,7 @@ def unpacked_copy(module: nn.Module) -> nn.Module:
     """A deep copy of `module` whose packed layers are plain fp32 layers again: each Parameter holds the values
     its kernels computed with (fp32 exactly, bf16 the bf16 values, int8/int4 the dequantized q * s) and the
     layer runs torch's ops on them, in train() and eval() alike. The module itself is left as it is."""
-    copy_ = __import__("copy").deepcopy(module)
+    copy_ = copy.deepcopy(module)
     for m in copy_.modules():
         if isinstance(m, PackedLayer) and (m.packed is not None or m._stash is not None):
             if m.dropped:
