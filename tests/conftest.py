@@ -1,6 +1,8 @@
 """Shared helpers: seeded random HF GPT-2 parts (our reference), and checkpoints the tests make themselves."""
 
+import atexit
 import os
+import shutil
 import signal
 import tempfile
 from pathlib import Path
@@ -12,8 +14,11 @@ from transformers.models.gpt2.modeling_gpt2 import GPT2MLP
 
 from gpt2ffn import Config
 
-# The kernel probe's cache (gpt2ffn.kernels.packed) in a directory of this test run, not the user's.
-os.environ.setdefault("GPT2FFN_CACHE", tempfile.mkdtemp(prefix="gpt2ffn-cache-"))
+# The kernel probe's cache (gpt2ffn.kernels.packed) in a directory of this test run, not the user's, removed when the
+# run ends (each run once left one behind in /tmp).
+if "GPT2FFN_CACHE" not in os.environ:
+    os.environ["GPT2FFN_CACHE"] = tempfile.mkdtemp(prefix="gpt2ffn-cache-")
+    atexit.register(shutil.rmtree, os.environ["GPT2FFN_CACHE"], ignore_errors=True)
 
 # A suite started as a background job (`nohup bash .ci/run &`) begins with SIGINT ignored, and the servers the
 # Ctrl-C tests start would inherit that: they then exited 0 (or aborted) where a Ctrl-C ends them with 130.

@@ -540,7 +540,7 @@ def ffn_six(x, a, b, c, d, e):
 
 
 def ffn_keyerror(x, c_fc, c_proj):
-    return x @ c_fc["kernel"]
+    return x @ c_fc["W"]
 
 
 def ffn_torch_reshaped(x, w1, b1, w2, b2):  # a reshape where a transpose was meant: fails in every style
@@ -567,11 +567,12 @@ def test_picogpt_style_functions_given_their_weights(name, code, says, golden, t
 
 
 @pytest.mark.parametrize("name, message", [
-    ("ffn_six", "learner.py:ffn_six(x, a, b, c, d, e) takes 5 weight arguments; check calls a GELU f(x), "
-                "picoGPT's ffn(x, c_fc, c_proj) or ffn(x, w1, b1, w2, b2)"),
-    ("ffn_keyerror", "failed in every calling style check knows (picoGPT's dicts {'w', 'b'}; dicts {'weight', "
-                     "'bias'}; numpy or torch; weights [in, out] or [out, in]); with numpy arrays first: "
-                     "KeyError: 'kernel'; with torch tensors first: KeyError: 'kernel'"),
+    ("ffn_six", "learner.py:ffn_six(x, a, b, c, d, e) takes 5 weight arguments after the input; check calls a GELU "
+                "f(x), picoGPT's ffn(x, c_fc, c_proj), ffn(x, w1, b1, w2, b2) or ffn(x, params) (a dict)"),
+    ("ffn_keyerror", "learner.py:ffn_keyerror(x, c_fc, c_proj) failed in every calling style check knows (picoGPT's "
+                     "dicts {'w', 'b'}; dicts {'weight', 'bias'}; flax's dicts {'kernel', 'bias'}; numpy or torch; "
+                     "weights [in, out] or [out, in]; input (T, d), (1, T, d) or a token at a time); with numpy "
+                     "arrays first: KeyError: 'W'; with torch tensors first: KeyError: 'W'"),
     # a torch-only function: its own error in the torch styles is shown, not only numpy's TypeError
     ("ffn_torch_reshaped", "; with torch tensors first: RuntimeError: mat1 and mat2 shapes cannot be multiplied"),
 ])
@@ -847,7 +848,7 @@ def test_own_parameters_pair_their_biases_not_a_norm_gain():
     assert pairs["in"] is None and pairs["out"] is own[3][1]
     w1, b1, w2, b2 = torch.zeros(d, 4 * d), torch.zeros(4 * d), torch.zeros(4 * d, d), torch.zeros(d)
     pairs = {k: b for k, _, b in own_linears([("W1", w1), ("W2", w2), ("b2", b2), ("b1", b1)], d)}
-    assert pairs["1"] is b1 and pairs["2"] is b2
+    assert pairs["W1"] is b1 and pairs["W2"] is b2  # named as written (a stem "1" said nothing)
 
 
 @pytest.fixture(scope="module")
@@ -1232,3 +1233,132 @@ def test_review_round_doors(tmp_path):
     assert training.training and training.lm_head.weight.stride() != (0, 0)
     training.eval()
     assert training.lm_head.weight.stride() == (0, 0)  # re-packs as it would have
+
+
+OUTSIDE_ROUND = '''
+import numpy as np
+
+
+class Square(nn.Module):  # its own Parameters [out, in], F.linear: right, and square when n_inner == n_embd
+    def __init__(self, n_embd, n_inner, exact=False):
+        super().__init__()
+        self.exact = exact
+        self.w1, self.b1 = nn.Parameter(torch.empty(n_inner, n_embd)), nn.Parameter(torch.zeros(n_inner))
+        self.w2, self.b2 = nn.Parameter(torch.empty(n_embd, n_inner)), nn.Parameter(torch.zeros(n_embd))
+
+    def forward(self, x):
+        h = F.linear(x, self.w1, self.b1)
+        return F.linear(F.gelu(h) if self.exact else F.gelu(h, approximate="tanh"), self.w2, self.b2)
+
+
+def gelu(x):
+    return 0.5 * x * (1 + np.tanh(np.sqrt(2 / np.pi) * (x + 0.044715 * x ** 3)))
+
+
+def ffn_t(x, w1, b1, w2, b2):  # numpy, weights [out, in]
+    return gelu(x @ w1.T + b1) @ w2.T + b2
+
+
+def mlp_apply(params, x):  # JAX / flax: params first, kernels [in, out]
+    return gelu(x @ params["c_fc"]["kernel"] + params["c_fc"]["bias"]) @ params["c_proj"]["kernel"] \\
+        + params["c_proj"]["bias"]
+
+
+def mlp_flat(x, params):  # HF's state-dict keys
+    return gelu(x @ params["c_fc.weight"] + params["c_fc.bias"]) @ params["c_proj.weight"] + params["c_proj.bias"]
+
+
+def ffn_btc(x, w1, b1, w2, b2):  # (B, T, C) only
+    B, T, C = x.shape
+    return (F.gelu(x.reshape(B * T, C) @ w1 + b1, approximate="tanh") @ w2 + b2).reshape(B, T, C)
+
+
+def ffn_vec(x, w1, b1, w2, b2):  # one token's vector only
+    assert x.ndim == 1
+    return gelu(x @ w1 + b1) @ w2 + b2
+
+
+def ffn_bf16(x, w1, b1, w2, b2):
+    x, w1, b1, w2, b2 = (t.bfloat16() for t in (x, w1, b1, w2, b2))
+    return (F.gelu(x @ w1 + b1, approximate="tanh") @ w2 + b2).float()
+
+
+def ffn_gelu_twice(x, w1, b1, w2, b2):
+    return gelu(gelu(x @ w1 + b1) @ w2 + b2)
+
+
+class NumpyFFN:  # seed 001's FFN struct, in numpy
+    def __init__(self, fc_weight, fc_bias, proj_weight, proj_bias):
+        self.w1, self.b1, self.w2, self.b2 = fc_weight, fc_bias, proj_weight, proj_bias
+
+    def forward(self, x):
+        return gelu(x @ self.w1 + self.b1) @ self.w2 + self.b2
+
+
+class MatmulOnly2D(nn.Module):  # torch.mm: (T, C) input only; returns (out, hidden) as some courses do
+    def __init__(self, d=64):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x):
+        h = F.gelu(torch.mm(x, self.c_fc.weight.T) + self.c_fc.bias, approximate="tanh")
+        return torch.mm(h, self.c_proj.weight.T) + self.c_proj.bias, h
+'''
+
+
+def test_outside_round_doors(tmp_path, capsys):
+    """From an outside round: square weights (n_inner == n_embd), whose layout the shape cannot tell, were taken as
+    [in, out] and a right [out, in] FFN told to transpose; a params dict (JAX's apply(params, x), HF's flat keys),
+    (B, T, C)-only and vector-only functions, a plain numpy class, a torch.mm module returning a tuple were refused;
+    GELU after c_proj as well, and an FFN computed in bf16, were 'no known mistake'; TorchScript was a traceback
+    (exit 1); --golden beside --preset was ignored without a word."""
+    from transformers import GPT2Config
+    path = learner_file(tmp_path, OUTSIDE_ROUND)
+    sq = tmp_path / "square"
+    torch.manual_seed(1)
+    m = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=64, n_head=4, n_inner=64, vocab_size=100, n_positions=32))
+    with torch.no_grad():
+        for n, p in m.named_parameters():
+            if ".mlp." in n:
+                p.normal_(0, 0.3 if n.endswith("weight") else 0.1)
+    m.save_pretrained(sq)
+    mod = load_object(f"{path}:Square")[0]
+    right, wrong = check(mod(64, 64), model=str(sq)), check(mod(64, 64, exact=True), model=str(sq))
+    assert right.passed and "[out, in]" in right.format(), right.format()
+    assert not wrong.passed and wrong.diagnosis.key == "gelu_exact", wrong.format()
+    assert "w1 and w2 are square (n_inner == n_embd)" in wrong.format() and "the layout is not the mistake" in \
+        wrong.format()
+    assert check(load_object(f"{path}:ffn_t")[0], model=str(sq)).passed
+    for name in ("mlp_apply", "mlp_flat", "ffn_btc", "ffn_vec", "NumpyFFN", "MatmulOnly2D"):
+        report = check(f"{path}:{name}", preset="tiny")
+        assert report.passed, report.format()
+    assert "fed one token's (d,) at a time" in check(f"{path}:ffn_vec", preset="tiny").format()
+    assert "returns a tuple: its first element is judged" in check(f"{path}:MatmulOnly2D", preset="tiny").format()
+    twice = check(f"{path}:ffn_gelu_twice", preset="tiny")
+    assert twice.diagnosis.key == "gelu_also_after_c_proj", twice.format()
+    assert "every value is a bfloat16" in check(f"{path}:ffn_bf16", preset="tiny").verdict
+    scripted = torch.jit.script(nn.Sequential(nn.Linear(64, 256), nn.GELU(approximate="tanh"), nn.Linear(256, 64)))
+    with pytest.raises(CheckError, match="is TorchScript .* check the nn.Module"):
+        check(scripted, preset="tiny")
+    code, out, err = run(["check", f"{path}:ffn_t", "--preset", "tiny", "--golden", "random:gpt2:0"], capsys)
+    assert code == 2 and "give golden or model (--preset), not both" in err, err
+
+
+def test_a_models_own_loading_mistakes_are_said_beside_its_pass(tmp_path):
+    """An instance is judged with the reference's weights loaded into it; where its own loader had run (some of
+    its tensors held GPT-2's values already) the ones it got wrong were hidden by that (a PASS for a model 0.68
+    off HF's logits as loaded): they are now named, and the verdict says so. An unloaded model gets no note."""
+    from transformers import GPT2Config
+    torch.manual_seed(0)
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32)).save_pretrained(
+        tmp_path)
+    mine = GPT2LMHeadModel.from_pretrained(tmp_path)
+    with torch.no_grad():
+        w = mine.transformer.h[1].mlp.c_proj.weight
+        w.copy_(w.T.reshape(w.shape))  # a reshape where the loader meant a transpose
+    report = check(mine, model=str(tmp_path))
+    assert report.passed and "its own loading got 1 weight tensor wrong" in report.verdict, report.format()
+    assert "transformer.h.1.mlp.c_proj.weight (h.1.mlp.c_proj): other values" in report.format(), report.format()
+    fresh = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32))
+    report = check(fresh, model=str(tmp_path))
+    assert report.passed and "own loading" not in report.format(), report.format()

@@ -22,6 +22,14 @@ def tiny_golden(tmp_path_factory):
     return out
 
 
+def bin_candidate(g, directory):
+    """An engine's right answer: every activation of golden set g as NAME.bin in directory."""
+    directory.mkdir(exist_ok=True)
+    for name in g.activations():
+        g.load(name).tofile(directory / f"{name}.bin")
+    return directory
+
+
 def run(argv, capsys):
     code = main(argv)
     captured = capsys.readouterr()
@@ -195,10 +203,7 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     from safetensors.numpy import save_file
     from safetensors.torch import save_file as save_torch
     g = golden.Golden(tiny_golden)
-    cand = tmp_path / "bin"
-    cand.mkdir()
-    for name in g.activations():
-        g.load(name).tofile(cand / f"{name}.bin")
+    cand = bin_candidate(g, tmp_path / "bin")
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand)], capsys)
     assert code == 0 and " 0 failed" in out and "missing" not in out
     g.load("h0_ln_2").astype(np.float64).tofile(cand / "h0_ln_2.bin")
@@ -213,9 +218,10 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
     rows = {r["name"]: r for r in json.loads(out)["rows"]}
     assert code == 1
+    # float64 values: read as float64 they are of the expected scale, read as float32 not: said first
     assert rows["h0_ln_2"]["note"] == ("h0_ln_2.bin holds 4096 bytes, expected 2048 (float32, 512 values, shape "
-                                       "(1, 8, 64)) (as float32, 16 tokens where this golden set has 8: run the "
-                                       "engine on the golden set's ids; or 8 bytes a value: float64? write float32)")
+                                       "(1, 8, 64)) (8 bytes a value: float64? write float32; or as float32, 16 tokens "
+                                       "where this golden set has 8: run the engine on the golden set's ids)")
     assert rows["h1_attn_out"]["note"] == ("h1_attn_out.bin holds 768 bytes, expected 2048 (float32, 512 values, "
                                            "shape (1, 8, 64)) (as float32, 3 tokens where this golden set has 8: "
                                            "run the engine on the golden set's ids)")  # another prompt's, not a dtype
@@ -284,10 +290,11 @@ def test_negative_variants_all_fail_and_are_named(tiny_golden, capsys):
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--negative", "--json"], capsys)
     rows = json.loads(out)["rows"]
     known = golden.Golden(tiny_golden).ffn_case(0).known
-    assert code == 0 and len(known) == 31 and len(rows) == 2 * 31
+    assert code == 0 and len(known) == 32 and len(rows) == 2 * 32
     assert all(r["status"] == "PASS" and r["max_abs"] > 1e-4 and r["note"].endswith("; named") for r in rows)
     labels = {r["name"] for r in rows}
     assert {"exact GELU (erf) where the config says tanh GELU", "cubic coefficient 0.055715 instead of 0.044715",
+            "GELU applied after c_proj as well as between c_fc and c_proj",
             "sqrt(2)/pi instead of sqrt(2/pi)", "sqrt(2/pi) left out",
             "hidden width 128 (2x n_embd) instead of 256 (4x)",
             "c_fc weight not transposed ([in, out] data read as [out, in])", "c_proj bias missing", "c_fc bias missing",
@@ -561,3 +568,38 @@ def test_an_empty_bin_a_bf16_tensor_and_a_partial_sets_names(tmp_path, capsys):
     row = next(r for r in json.loads(out)["rows"] if r["name"] == "h1_ffn")
     assert row["note"] == "dtype bfloat16, expected float32: write float32 (tensor.float() before safetensors' " \
                           "save_file)", row
+
+
+def test_a_set_that_cannot_tell_mistakes_apart_says_so(tiny_golden, tmp_path, capsys):
+    """A set extracted from a checkpoint at HF's init (biases zero, c_fc's outputs small) passed an exact-GELU
+    engine and a bias-less one without a word (`check` widened such sets, verify --negative listed them): extract
+    and verify --candidate now say what it cannot tell. A float32 file of twice the tokens is told as that first;
+    float64 values (read as float64 they are of the expected scale) as float64 first; and --negative's summary
+    no longer says 'max abs 1e-6 > 1e-4' of a mistake it did not catch."""
+    transformers.set_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=64, n_head=4, vocab_size=100,
+                                                                 n_positions=32))
+    model.save_pretrained(tmp_path / "init")
+    weak = tmp_path / "weak"
+    code, out, _ = run(["extract", "--model", str(tmp_path / "init"), "--ids", "5,17,42,8,99,3", "--out", str(weak),
+                        "--layers", "all", "--quiet"], capsys)
+    assert code == 0 and "note: this golden set cannot tell" in out and "exact GELU (erf)" in out, out
+    cand = bin_candidate(golden.Golden(weak), tmp_path / "cand")
+    code, out, _ = run(["verify", "--golden", str(weak), "--candidate", str(cand)], capsys)
+    assert code == 0 and "a pass here does not rule them out" in out, out
+    code, out, _ = run(["verify", "--golden", str(weak), "--negative"], capsys)
+    assert code == 1 and "against the tolerance 0.0001; NOT caught" in out.splitlines()[-1], out
+    assert golden.Golden(tiny_golden).weak_note() is None
+    tg = golden.Golden(tiny_golden)
+    bin_candidate(tg, cand)
+    np.concatenate([tg.load("h0_ln_2")] * 2, axis=1).tofile(cand / "h0_ln_2.bin")
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+    note = {r["name"]: r for r in json.loads(out)["rows"]}["h0_ln_2"]["note"]
+    assert note.endswith("(as float32, 16 tokens where this golden set has 8: run the engine on the golden set's "
+                         "ids; or 8 bytes a value: float64? write float32)"), note
+    (cand / "h0_ffn.bin").unlink()
+    np.save(cand / "h0_ffn.npy", tg.load("h0_ffn")[0, -1])  # the last token's alone
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(cand), "--json"], capsys)
+    note = {r["name"]: r for r in json.loads(out)["rows"]}["h0_ffn"]["note"]
+    assert note == "shape (64,), expected (1, 8, 64): one token's values? write every one of the 8 tokens' (only " \
+                   "logits may be the last position's alone)", note

@@ -97,6 +97,22 @@ def test_context_overflow_is_an_error():
         generate(ours, [[1] * 100], Sampling(max_new_tokens=50))
 
 
+@pytest.mark.parametrize("grad", [False, True])
+def test_a_cache_for_other_sequences_or_another_model_is_named(grad):
+    """A KVCache made for B rows takes B rows (1 row into a cache of 2 once ran, or failed deep in a kernel)."""
+    cfg = CONFIGS[0]
+    _, ours = pair(cfg)
+    with torch.set_grad_enabled(grad):
+        for batch, rows, tokens in [(2, 1, 1), (2, 1, 3), (2, 3, 3)]:
+            with pytest.raises(Gpt2ffnError, match=f"ids hold {rows} sequences? but the KV cache holds {batch}: "
+                               rf"make it with KVCache\(model.config, {rows}, "):
+                ours(ids_of(tokens, cfg.vocab_size).expand(rows, tokens), KVCache(cfg, batch))
+        other = Config(n_layer=cfg.n_layer + 1, n_embd=cfg.n_embd, n_head=cfg.n_head, n_positions=cfg.n_positions,
+                       vocab_size=cfg.vocab_size)
+        with pytest.raises(Gpt2ffnError, match=f"the KV cache was made for {cfg.n_layer + 1} layers"):
+            ours(ids_of(3, cfg.vocab_size), KVCache(other, 1))
+
+
 def test_batch_with_left_padding_equals_one_at_a_time():
     cfg = CONFIGS[1]
     _, ours = pair(cfg, seed=4)
@@ -153,7 +169,10 @@ def test_eos_and_stop_strings():
 @pytest.mark.parametrize("kwargs, message", [
     ({"max_new_tokens": -1}, "max_new_tokens must be an int >= 0"),
     ({"temperature": -1}, "temperature must be in"),
-    ({"top_k": 0}, "top_k must be >= 1"),
+    ({"top_k": -2}, r"top_k must be >= 1 \(0 or -1: off\)"),
+    ({"logit_bias": {-3: 1.0}}, "logit_bias: key -3 is not a token id"),
+    ({"logit_bias": {"x": 1.0}}, "logit_bias: key 'x' is not a token id"),
+    ({"logit_bias": {3: "big"}}, "logit_bias: value 'big' for token 3 is not a number"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
 ])
 def test_bad_sampling(kwargs, message):

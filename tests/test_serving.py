@@ -6,7 +6,7 @@ import torch
 
 import gpt2ffn.serving.engine as engine_mod
 from gpt2ffn.errors import Gpt2ffnError
-from gpt2ffn.generate import load
+from gpt2ffn.generate import generate, load
 from gpt2ffn.serving.engine import Engine, QueueFull, Request
 from gpt2ffn.serving.sampling import Sampling
 
@@ -118,6 +118,23 @@ def test_stop_eos_min_tokens_ignore_eos_logit_bias(model):
     held = alone(model, p, Sampling(**s, eos_token_id=eos, min_tokens=k + 2))
     assert held[:k] == free[:k] and held[k] != eos and len(held) >= k + 2
     assert alone(model, p, Sampling(max_new_tokens=5, logit_bias={7: 100.0})) == [7] * 5
+
+
+def test_sampling_as_a_python_user_writes_it(model):
+    """Int biases (once torch's dtype error), OpenAI's string keys, top_k 0 / -1 as off; what generate() cannot
+    do (stop strings without the text, log-probs) is named, not skipped (a stop once ran to max_new_tokens)."""
+    p = prompts(1, seed=5)[0]
+    s = dict(max_new_tokens=6, temperature=1.0, seed=3)
+    assert generate(model, [p], Sampling(**s, logit_bias={7: 100})) == [[7] * 6]
+    assert Sampling(logit_bias={"7": 5}).logit_bias == {7: 5.0}
+    assert [generate(model, [p], Sampling(**s, top_k=k)) for k in (0, -1)] == [generate(model, [p], Sampling(**s))] * 2
+    with pytest.raises(Gpt2ffnError, match=r"logit_bias: key 512 is not a token id in \[0, 512\)"):
+        generate(model, [p], Sampling(max_new_tokens=2, logit_bias={512: 1.0}))
+    with pytest.raises(Gpt2ffnError, match=r"Sampling.stop \(\['e t'\]\) needs the text: pass decode="):
+        generate(model, [p], Sampling(max_new_tokens=2, stop=["e t"]))
+    for bad in (dict(logprobs=2), dict(prompt_logprobs=True)):
+        with pytest.raises(Gpt2ffnError, match="generate\\(\\) and stream\\(\\) give token ids only"):
+            generate(model, [p], Sampling(max_new_tokens=2, **bad))
 
 
 @pytest.mark.parametrize("static", [False, True])

@@ -143,8 +143,14 @@ def test_missing_empty_corrupt(tmp_path):
     with pytest.raises(CheckpointError, match="is not a valid safetensors file"):
         FeedForward.from_pretrained(tmp_path)
     (tmp_path / "x.bin").write_bytes(b"not a pickle at all")
+    with pytest.raises(CheckpointError, match="x.bin is not a PyTorch checkpoint: give the checkpoint's directory"):
+        FeedForward.from_pretrained(tmp_path / "x.bin")
+    (tmp_path / "x.bin").write_bytes(b"PK\x03\x04 a broken zip")
     with pytest.raises(CheckpointError, match="could not be read as a weights-only PyTorch checkpoint"):
         FeedForward.from_pretrained(tmp_path / "x.bin")
+    (tmp_path / "config.json").write_text('{"n_embd": 64}')  # a file of the directory given for the directory
+    with pytest.raises(CheckpointError, match=r"config.json is not a PyTorch checkpoint \(it reads as JSON"):
+        FeedForward.from_pretrained(tmp_path / "config.json")
 
 
 class Evil:

@@ -43,7 +43,7 @@ from .check_model import (
 from .check_model import Row as ModelRow
 from .check_model import reference as model_reference
 from .config import Config
-from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, fix_for, named
+from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, blind_to, fix_for, named
 from .errors import Gpt2ffnError
 from .learner import CheckError, build, load_object, super_message, super_missing
 from .linear import packed_precisions, unpacked_copy
@@ -221,14 +221,24 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         if model is not None:
             raise CheckError(f"give model or preset, not both (preset={preset!r} is model='random:{preset}:0')")
         model = f"random:{preset}:0"
+    if golden is not None and model is not None and model_source(golden) != str(model):  # one would be ignored
+        raise CheckError(f"give golden or model (--preset), not both: golden {str(golden)!r} is judged with the "
+                         f"weights it was taken from, model {str(model)!r} with its own")
+    if isinstance(obj, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
+        raise CheckError(f"{name} is TorchScript (torch.jit.script or trace), whose layers check cannot load or "
+                         f"hook: check the nn.Module (or function) before scripting it")
     source = model_source(golden, model)
     if model is not None and not str(model).startswith("random:"):  # a checkpoint: its FFNs computed here
         ref_cfg, case_of = Config.from_pretrained(model), lambda layer: random_case(source, layer)
     else:
         ref_cfg, case_of = reference(golden if model is None else source)
+    if inspect.isclass(obj) and not issubclass(obj, nn.Module) and (fn := plain_class(obj)) is not None:
+        return check_function(fn, name, case_of(layer))
     if inspect.isclass(obj):
         if not issubclass(obj, nn.Module):
-            raise CheckError(f"{name} is a class but not an nn.Module; check takes an FFN, GELU or GPT-2 module")
+            raise CheckError(f"{name} is a class but not an nn.Module, nor a plain FFN class built from its weights "
+                             f"(__init__(self, w1, b1, w2, b2) or (self, c_fc, c_proj), then forward(x) or "
+                             f"__call__(x)); check takes an FFN, GELU or GPT-2 module")
         module, how = build(obj, ref_cfg, config)
         if how.endswith("(GPT_CONFIG_124M)") and is_model(module):  # the book's dict turns off c_attn's bias
             module, how = build(obj, ref_cfg, config, qkv_bias=True)
@@ -414,7 +424,7 @@ def probe_ffn(report: ModelReport, module: nn.Module, name: str, source: str) ->
     ref = model_reference(source)
     block, case = find_structure(module, ref.cfg).blocks[0], ffn_case(ref, 0)
     def unprobed(why: str) -> ModelReport:
-        blind = blind_to(case)
+        blind = blind_to(case, GOLDEN_ATOL)
         if blind:
             report.info.append(f"note: on this prompt {len(blind)} known FFN mistake{'s' * (len(blind) > 1)} also "
                                f"pass within {GOLDEN_ATOL:.0e} ({'; '.join(blind)}), and {why}: check the FFN by "
@@ -485,18 +495,68 @@ def in_order(module: nn.Module, linears: list, d: int) -> list:
     return linears[::-1] if named or shaped else linears
 
 
+def square(m: nn.Module) -> bool:
+    """A linear layer whose weight's layout its shape cannot tell: square, and not nn.Linear's or a Conv1d's."""
+    a, b = m._parameters["weight"].shape[:2]
+    return a == b and not isinstance(m, nn.Linear) and not pointwise_conv(m)
+
+
 def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase,
               atol: float = GOLDEN_ATOL) -> Report:
-    """Load the case's weights into the two linear layers, run in eval(), judge and diagnose each stage."""
+    """Load the case's weights into the two linear layers, run in eval(), judge and diagnose each stage.
+    A layer of a square weight (n_inner == n_embd) not of nn.Linear is run in both layouts (the shape cannot tell
+    them apart): the first that passes is the report; where none does, the first whose mistake is not the
+    layout's (transposing was tried)."""
+    (n1, l1), (n2, l2) = linears
+    flips = [(False, False)] + [(f1, f2) for f1 in (False, True) for f2 in (False, True)
+                                if (f1 or f2) and (square(l1) or not f1) and (square(l2) or not f2)]
+    reports = []
+    for flip in flips:
+        report = _check_ffn(module, linears, name, list(built), case, atol, flip)
+        if report.passed:
+            return report
+        reports.append(report)
+    if len(reports) == 1:
+        return reports[0]
+    k = not_the_layout(reports)
+    if k != len(reports) - 1:  # run again, so that the module is left holding the weights of the layout reported
+        reports[k] = _check_ffn(module, linears, name, list(built), case, atol, flips[k])
+    squares = [n for n, m in linears if square(m)]
+    what = " and ".join(squares) + (" are" if len(squares) > 1 else " is")
+    reports[k].info.append(square_note(what, len(reports), k))
+    return reports[k]
+
+
+def not_the_layout(reports: list) -> int:
+    """Of failing reports in each layout of square weights: the first that names a mistake other than a layout's
+    (a transposed weight: transposing was tried), else the one whose output is nearest."""
+    def named(r):
+        key = r.diagnosis.key if r.diagnosis else None
+        return key is not None and not key.endswith(("not_transposed", "viewed"))
+    return min(range(len(reports)), key=lambda k: (not named(reports[k]), reports[k].rows[-1].max_abs, k))
+
+
+def square_note(what: str, tried: int, k: int) -> str:
+    return (f"note: {what} square (n_inner == n_embd), and a square weight's shape cannot tell [in, out] from "
+            f"[out, in]: check ran {tried} layouts and none matched" + (", so the layout is not the mistake" if k
+                                                                        else ""))
+
+
+def _check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase, atol: float,
+               flip: tuple) -> Report:
+    """check_ffn in one layout: each layer's as its shape says, or (flip) the other one of a square weight."""
+    other = {"[in, out]": "[out, in]", "[out, in]": "[in, out]"}
     (n1, l1), (n2, l2) = linears
     d, hidden = case.weights["c_fc.weight"].shape
     lay1, i1, o1 = layout(l1, d, "in")
+    lay1 = other[lay1] if flip[0] and lay1 else lay1
     if lay1 is None or i1 != d:
         shape = tuple(l1._parameters["weight"].shape)
         maps = f"maps {i1} -> {o1}" if lay1 else f"has weight {shape}, neither side n_embd={d}"
         raise CheckError(f"{name}'s first linear layer {n1} {maps}; GPT-2 here ({case.source}) has n_embd={d}, "
                          f"c_fc maps {d} -> {hidden}{_width(i1) if lay1 else ''}")
     lay2, i2, o2 = layout(l2, d, "out")
+    lay2 = other[lay2] if flip[1] and lay2 else lay2
     if lay2 is None or (i2, o2) != (o1, d):
         raise CheckError(f"{name}'s second linear layer {n2} has weight {tuple(l2._parameters['weight'].shape)}; "
                          f"after {n1} ({d} -> {o1}) c_proj maps {o1} -> {d}")
@@ -584,24 +644,10 @@ def check_no_proj(module: nn.Module, linear: tuple, name: str, built: list, case
 PROBE_REACH = 4.0  # |c_fc output| a widened check reaches: past 2.70, where exact and tanh GELU differ most
 
 
-def _within(stages: dict, expected: dict, atol: float) -> bool:
-    """Whether every stage of a known mistake equals the expected one within atol (the set cannot tell them)."""
-    for k, v in stages.items():
-        v, e = np.asarray(v), np.asarray(expected[k])
-        if v.shape != e.shape or not float(np.abs(v - e).max(initial=0.0)) <= atol:
-            return False
-    return True
-
-
-def blind_to(case: FFNCase, atol: float = GOLDEN_ATOL) -> list:
-    """The known FFN mistakes this case's input cannot tell from the right FFN within atol (their names)."""
-    return [v.name for v in case.known if _within(v.stages, case.expected, atol)]
-
-
 def _blind_at(case_of, layer: int) -> list:
     """blind_to of block `layer`'s case; [] where the reference has no such case (a golden set without it)."""
     try:
-        return blind_to(case_of(layer))
+        return blind_to(case_of(layer), GOLDEN_ATOL)
     except Gpt2ffnError:
         return []
 
@@ -650,7 +696,7 @@ def _widen(report: Report, case: FFNCase, atol: float, unseen: str, run, pass_th
 def _judge(name: str, info: list, first: dict, again: dict, case: FFNCase, atol: float, unseen: str) -> Report:
     """The Report of an FFN's stages from two runs (`first`, `again`: stage -> output; a stage not in them is
     reported as `unseen`): each stage against HF's, the known mistakes the failing ones show, determinism."""
-    from .golden import compare
+    from .golden import compare, number_hint
     rows, failing = [], []
     for stage in STAGES:
         label = STAGE_LABELS[stage]
@@ -671,7 +717,11 @@ def _judge(name: str, info: list, first: dict, again: dict, case: FFNCase, atol:
             rows.append(Row("2 runs identical", (), 0.0, None, "FAIL", "two runs gave different outputs"))
     else:
         bad = next(r for r in rows if r.status == "FAIL")
-        verdict = (f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if len(diagnoses) == 1
+        stage = next(k for k in STAGES if STAGE_LABELS[k] == bad.name)
+        named_one = diagnosis is not None and diagnosis.key is not None
+        encoded = None if named_one else number_hint(first[stage].astype(np.float32), case.expected[stage], atol)
+        verdict = (f"FAIL ({bad.name}): {encoded.replace('write float32', 'return float32')}" if encoded else
+                   f"FAIL ({STAGE_LABELS[diagnosis.stage]}): {diagnosis.text}" if len(diagnoses) == 1
                    else f"FAIL: {len(diagnoses)} known mistakes, most upstream first: " + "; ".join(
                        f"({i}) {STAGE_LABELS[d.stage]}: {d.text}" for i, d in enumerate(diagnoses, 1))
                    if diagnoses else f"FAIL ({bad.name}): {bad.note}")
@@ -714,41 +764,76 @@ def diagnose_stages(case: FFNCase, outputs: dict, failing: list, atol: float) ->
 
 def _run(module, l1, l2, x, name, info=None) -> dict:
     """One forward; the stages it passes through: c_fc's output, c_proj's input (l2 None: none), the output
-    (float32 numpy). info: where an output in another dtype than the input's is noted (it is judged in float32 all
-    the same)."""
+    (float32 numpy), each (1, T, width). A module that fails on (1, T, d) is fed (T, d), then one token's (d,) at
+    a time (torch.mm, or a vector-only FFN); a tuple's first element is its output. info: where either, or an
+    output in another dtype than the input's, is noted (it is judged in float32 all the same)."""
     seen = {}
 
     def keep(key, t, m):  # returns None: a hook that returns a value replaces the layer's output
         t = t.transpose(-1, -2) if pointwise_conv(m) else t  # a Conv1d's (B, channels, T) as (B, T, channels)
-        seen.setdefault(key, t.detach().float().numpy().copy())
+        seen.setdefault(key, []).append(t.detach().float().numpy().copy())
     hooks = [l1.register_forward_hook(lambda m, a, o: keep("c_fc", o, m))]
     if l2 is not None:
         hooks.append(l2.register_forward_pre_hook(lambda m, a: keep("gelu", a[0], m)))
+    ways = [("(1, T, d)", lambda: module(x))]
+    if x.dim() == 3 and x.shape[0] == 1:
+        ways += [("(T, d)", lambda: module(x[0])), ("one token's (d,) at a time",
+                                                     lambda: torch.stack([_first(module(v)) for v in x[0]]))]
+    first, way = None, None
     try:
-        with torch.no_grad():
-            out = module(x)
-    except Exception as e:
-        who = super_missing(e)
-        raise CheckError(super_message(who, e) if who else f"{name} failed on input of shape {tuple(x.shape)}: "
-                         f"{type(e).__name__}: {e}".splitlines()[0]) from None
+        for fed, call in ways:
+            seen.clear()
+            try:
+                with torch.no_grad():
+                    out = call()
+                way = fed
+                break
+            except Exception as e:
+                first = first or e
+        else:
+            who = super_missing(first)
+            raise CheckError(super_message(who, first) if who else f"{name} failed on input of shape "
+                             f"{tuple(x.shape)}: {type(first).__name__}: {first}".splitlines()[0]) from None
     finally:
         for h in hooks:
             h.remove()
+    tupled = isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)
+    out = _first(out)
     if not isinstance(out, torch.Tensor):
         raise CheckError(f"{name} returned a {type(out).__name__}; an FFN returns a tensor (B, T, n_embd)")
+    T = x.shape[-2] if x.dim() > 1 else 1
+    if info is not None and way != ways[0][0]:
+        info.append(f"note: {name} fails on (1, T, d) input ({type(first).__name__}: {first}".splitlines()[0]
+                    + f"), so it was fed {way}")
+    if info is not None and tupled:
+        info.append(f"note: {name} returns a tuple: its first element is judged as the output")
     if info is not None and out.dtype != x.dtype:
         info.append(f"note: {name} returns {str(out.dtype).removeprefix('torch.')} for "
                     f"{str(x.dtype).removeprefix('torch.')} input (its weights' dtype); GPT-2 keeps the residual "
                     f"stream in its weights' dtype, so a block adding this output would change it: judged in float32 "
                     f"all the same")
-    seen["ffn"] = out.detach().float().numpy()
-    return seen
+    per_token = way.startswith("one token")
+    stages = {k: (np.stack(v) if per_token else v[0]) for k, v in seen.items()}
+    stages["ffn"] = out.detach().float().numpy()
+    if way != ways[0][0]:  # as (1, T, width), the shape the stages are judged in
+        stages = {k: v.reshape(1, T, -1) if v.size % T == 0 else v for k, v in stages.items()}
+    return stages
+
+
+def _first(out):
+    """A module's output: a tensor, or a tuple's (list's) first element where that is one."""
+    return out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
 
 
 # A function given its weights, as from-scratch numpy GPT-2s write it: picoGPT's ffn(x, c_fc, c_proj) with
-# {"w": [in, out], "b": [out]} per layer (or HF's names, weight / bias), or ffn(x, w1, b1, w2, b2).
-ARG_STYLES = {2: ["picoGPT's dicts {'w', 'b'}", "dicts {'weight', 'bias'}"],  # by weight arguments
-              4: ["arrays w1, b1, w2, b2"]}
+# {"w": [in, out], "b": [out]} per layer (or HF's names, weight / bias), ffn(x, w1, b1, w2, b2), or one dict of
+# them all (JAX's mlp(params, x) too: the input named x, inputs, h, ... and the params first).
+ARG_STYLES = {1: ["a params dict of layer dicts {'c_fc': {'w', 'b'}, ...} (and HF's keys 'c_fc.weight', ...)",
+                  "a params dict of layer dicts {'c_fc': {'weight', 'bias'}, ...}",
+                  "a params dict of flax's layer dicts {'c_fc': {'kernel', 'bias'}, ...}"],
+              2: ["picoGPT's dicts {'w', 'b'}", "dicts {'weight', 'bias'}", "flax's dicts {'kernel', 'bias'}"],
+              4: ["arrays w1, b1, w2, b2"]}  # by weight arguments
+INPUT_NAMES = {"x", "xs", "inputs", "input", "h", "hidden", "hidden_states", "x_in", "tokens", "activations"}
 
 
 def _params(fn) -> list:
@@ -768,6 +853,28 @@ def weight_params(fn) -> list:
     return [p.name for p in params if p.kind in kinds and p.default is inspect.Parameter.empty][1:]
 
 
+def plain_class(cls):
+    """A plain (numpy) FFN class as a function of x and its weights, or None: seed 001's FFN struct written in
+    Python, `FFN(w1, b1, w2, b2).forward(x)` (or its __call__), its weights the __init__'s parameters."""
+    names = weight_params(cls.__init__)  # after self
+    run = "forward" if callable(getattr(cls, "forward", None)) else "__call__" if "__call__" in vars(cls) else None
+    if run is None or len(names) not in ARG_STYLES:
+        return None
+
+    def ffn(x, *weights):
+        return getattr(cls(*weights), run)(x)
+    kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
+    ffn.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in ["x", *names]])
+    return ffn
+
+
+def _signature(fn) -> str:
+    try:
+        return str(inspect.signature(fn))
+    except (TypeError, ValueError):
+        return "(...)"
+
+
 def _function_args(n: int, style: str, w: dict, lib: str, layout: str) -> list:
     """fn's weight arguments in one calling style: numpy or torch, weights [in, out] (x @ w) or [out, in]."""
     def arr(a, transpose=False):
@@ -777,65 +884,118 @@ def _function_args(n: int, style: str, w: dict, lib: str, layout: str) -> list:
     w1, b1, w2, b2 = arr(w["c_fc.weight"], t), arr(w["c_fc.bias"]), arr(w["c_proj.weight"], t), arr(w["c_proj.bias"])
     if n == 4:
         return [w1, b1, w2, b2]
-    keys = ("w", "b") if "'w'" in style else ("weight", "bias")
-    return [dict(zip(keys, (w1, b1))), dict(zip(keys, (w2, b2)))]
+    keys = ("w", "b") if "'w'" in style else ("kernel", "bias") if "'kernel'" in style else ("weight", "bias")
+    layers = [dict(zip(keys, (w1, b1))), dict(zip(keys, (w2, b2)))]  # each exactly its keys: linear(x, **c_fc)
+    if n == 2:
+        return layers
+    # one dict: the layer dicts, and every flat name a course gives the four (HF's keys, w1 ...), flax's variables
+    params = {"c_fc": layers[0], "c_proj": layers[1], "c_fc.weight": w1, "c_fc.bias": b1, "c_proj.weight": w2,
+              "c_proj.bias": b2, "w1": w1, "b1": b1, "w2": w2, "b2": b2}
+    return [{**params, "params": dict(params), "mlp": dict(params)}]
+
+
+FEEDS = ("(T, d)", "(1, T, d)", "one token's (d,) at a time")
+
+
+def _feed(call, x, feed: str):
+    """call(input) for x (T, d) fed one way (FEEDS), its output as a (T, width) float32 array."""
+    T = x.shape[0]
+    if feed == FEEDS[0]:
+        out = call(x)
+    elif feed == FEEDS[1]:
+        out = call(x[None])
+    else:
+        out = [np.asarray(call(v), dtype=np.float32) for v in x]
+        return np.stack(out).reshape(T, -1) if out and out[0].ndim == 1 else np.asarray(out)
+    out = np.asarray(out, dtype=np.float32)
+    return out.reshape(T, -1) if feed != FEEDS[0] and out.size % max(T, 1) == 0 else out
+
+
+def _beside_a_gpt2(fn) -> bool:
+    """Whether fn's file holds a whole GPT-2 function (picoGPT's gpt2(inputs, wte, wpe, blocks, ln_f, n_head)),
+    which calls an FFN with numpy arrays and weights [in, out]: an FFN that fails so is worth a note there."""
+    module = sys.modules.get(getattr(fn, "__module__", None))
+    return any(inspect.isfunction(f) and is_model_function(weight_params(f)) for f in vars(module).values()) \
+        if module is not None else False
 
 
 def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> Report:
     """An FFN written as a function of the input and its weights (ARG_STYLES), fed the case's weights in the first
     calling style it accepts (numpy before torch, weights [in, out] before [out, in]) and the block's ln_2
-    output as (T, n_embd); its output is judged and diagnosed as a module's (its inner stages are not seen)."""
+    output as (T, n_embd) (else (1, T, n_embd), else a token at a time); its output is judged and diagnosed as a
+    module's (its inner stages are not seen)."""
     names = weight_params(fn)
     styles = ARG_STYLES.get(len(names))
+    sig = f"{name}{_signature(fn)}"
     if styles is None:
-        raise CheckError(f"{name}({', '.join(['x', *names])}) takes {len(names)} weight arguments; check calls a "
-                         "GELU f(x), picoGPT's ffn(x, c_fc, c_proj) or ffn(x, w1, b1, w2, b2)")
+        raise CheckError(f"{sig} takes {len(names)} weight arguments after the input; check calls a GELU f(x), "
+                         "picoGPT's ffn(x, c_fc, c_proj), ffn(x, w1, b1, w2, b2) or ffn(x, params) (a dict)")
+    params_first = len(names) == 1 and names[0] in INPUT_NAMES  # JAX's apply(params, x)
+
+    def caller(args):
+        return (lambda x: fn(args[0], x)) if params_first else (lambda x: fn(x, *args))
     x2 = case.x[0]
     T, d = x2.shape
     hidden = case.weights["c_fc.weight"].shape[1]
     first_error, errors = None, {}  # errors: each library's first, so a torch-only function's own error is seen
     for style in styles:
         for lib in ("numpy", "torch"):
+            ran = []  # square weights (n_inner == n_embd): a layout's failing report, then the other's
             for layout in ("[in, out]", "[out, in]"):
-                args = _function_args(len(names), style, case.weights, lib, layout)
+                call = caller(_function_args(len(names), style, case.weights, lib, layout))
                 x = torch.from_numpy(x2.copy()) if lib == "torch" else x2.copy()
-                try:
-                    with torch.no_grad():
-                        out = [np.asarray(fn(x, *args), dtype=np.float32) for _ in range(2)]
-                    if out[0].shape == (T, hidden) and hidden != d:  # it stops after the activation
-                        info = [f"a function: {name}({', '.join(['x', *names])}), called with {lib} {style}, "
-                                f"weights {layout}", f"fed {case.source} layer {case.layer}'s ln_2 output ({T}, {d})"]
-                        return no_proj_report(name, info, [], out[0].shape, d)
-                    error = None if out[0].shape == (T, d) else f"it returned shape {out[0].shape} for input ({T}, {d})"
-                except Exception as e:
-                    error = f"{type(e).__name__}: {e}".splitlines()[0]
+                error = None
+                for feed in FEEDS:
+                    try:
+                        with torch.no_grad():
+                            out = [_feed(call, x, feed) for _ in range(2)]
+                        error = None
+                        break
+                    except Exception as e:
+                        error = error or f"{type(e).__name__}: {e}".splitlines()[0]
+                how = f"called with {lib} {style}, weights {layout}" + (f", input fed {feed}" if feed != FEEDS[0]
+                                                                        else "")
+                if not error and out[0].shape == (T, hidden) and hidden != d:  # it stops after the activation
+                    info = [f"a function: {sig}, {how}",
+                            f"fed {case.source} layer {case.layer}'s ln_2 output ({T}, {d})"]
+                    return no_proj_report(name, info, [], out[0].shape, d)
+                if not error and out[0].shape != (T, d):
+                    error = f"it returned shape {out[0].shape} for input ({T}, {d})"
                 if error:
                     first_error = first_error or error
                     errors.setdefault(lib, error)
                     continue
-                info = [f"a function: {name}({', '.join(['x', *names])}), called with {lib} {style}, weights "
-                        f"{layout}" + (" (F.linear's layout)" if layout == "[out, in]" else " (x @ w, HF's Conv1D)"),
+                info = [f"a function: {sig}, {how}" + (" (F.linear's layout)" if layout == "[out, in]" else
+                                                       " (x @ w, HF's Conv1D)"),
                         f"fed {case.source} layer {case.layer}'s ln_2 output ({T}, {d}); compared with HF GPT-2's "
                         f"own stages, tolerance {atol:.0e}"]
-                if first_error:  # picoGPT's own gpt2() calls it with numpy arrays, weights [in, out]
+                if first_error and _beside_a_gpt2(fn):  # picoGPT's gpt2() calls it with numpy arrays, [in, out]
                     info.append(f"note: called with numpy arrays and weights [in, out], as picoGPT's own gpt2() calls "
                                 f"it, it fails: {first_error}")
                 first, again = ({"ffn": o[None]} for o in out)
                 unseen = "not seen: a function's inner values"
                 report = _judge(name, info, first, again, case, atol, unseen)
-                def run(probe, style=style, lib=lib, layout=layout):
-                    args = _function_args(len(names), style, probe.weights, lib, layout)
+
+                def run(probe, style=style, lib=lib, layout=layout, feed=feed):
+                    call = caller(_function_args(len(names), style, probe.weights, lib, layout))
                     xs = torch.from_numpy(probe.x[0].copy()) if lib == "torch" else probe.x[0].copy()
                     try:
                         with torch.no_grad():
-                            return [{"ffn": np.asarray(fn(xs, *args), dtype=np.float32)[None]} for _ in range(2)]
+                            return [{"ffn": _feed(call, xs, feed)[None]} for _ in range(2)]
                     except Exception as e:
                         raise CheckError(f"{name} passed, then failed on the same tokens scaled (c_fc's outputs to "
                                          f"|x| ~ {PROBE_REACH:g}): {type(e).__name__}: {e}".splitlines()[0]) from None
-                return _widen(report, case, atol, unseen, run, pass_through=True)
-    raise CheckError(f"{name}({', '.join(['x', *names])}) failed in every calling style check knows "
-                     f"({'; '.join(styles)}; numpy or torch; weights [in, out] or [out, in]); with numpy arrays "
-                     f"first: {errors['numpy']}; with torch tensors first: {errors['torch']}")
+                report = _widen(report, case, atol, unseen, run, pass_through=True)
+                if report.passed or hidden != d:
+                    return report
+                ran.append(report)
+            if ran:
+                k = not_the_layout(ran)
+                ran[k].info.append(square_note("its weights are", len(ran), k))
+                return ran[k]
+    raise CheckError(f"{sig} failed in every calling style check knows ({'; '.join(styles)}; numpy or torch; "
+                     f"weights [in, out] or [out, in]; input (T, d), (1, T, d) or a token at a time); with numpy "
+                     f"arrays first: {errors['numpy']}; with torch tensors first: {errors['torch']}")
 
 
 def check_picogpt(fn, name: str, names: list, source: str, case_of, cfg: Config):

@@ -246,7 +246,7 @@ def own_linears(own: list, d: int) -> list:
         for i, (k, _) in enumerate(mats):
             fits = [p for _, p in vecs if (p.shape[0] == d) == (i == 1)]
             bias[k] = fits[0] if len(fits) == 1 else None
-    return [(stem(k, "weight|w") or k, w, bias[k]) for k, w in mats]
+    return [(s if (s := stem(k, "weight|w")) and not s.isdigit() else k, w, bias[k]) for k, w in mats]  # W1: W1
 
 
 def _own_layers(name: str, m: nn.Module, d: int) -> list:
@@ -345,20 +345,44 @@ def _params(part: Part, one_d: bool):
     return w, b
 
 
+def _own(param, value, raw) -> str | None:
+    """What the learner's own tensor held before check copied GPT-2's `value` in (raw: HF's tensor, [in, out]):
+    'same' (to bf16's rounding), how it differs, or None where GPT-2's tensor is one constant (a LayerNorm at its
+    init: every model holds that) or the shapes differ (_copy names it)."""
+    p, v = param.detach().float(), value.detach().float()
+    if p.shape != v.shape or not p.numel() or bool((v == v.flatten()[0]).all()):
+        return None
+    bar = 1e-2 * float(v.abs().max())
+
+    def near(a):
+        return a.shape == p.shape and bool(((p - a).abs() <= bar).all())
+    if near(v):
+        return "same"
+    if raw is not value and raw.numel() == p.numel() and near(raw.detach().float().reshape(p.shape)):
+        return "GPT-2's [in, out] data reshaped or viewed, not transposed"
+    if p.dim() == 2 and near(v.T):
+        return "transposed"
+    return "other values"
+
+
 def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
     """Copy HF's weights into the learner's model: (tensors copied, notes on what GPT-2 has and it lacks,
-    names of the learner's parameters left without a GPT-2 tensor)."""
+    names of the learner's parameters left without a GPT-2 tensor, the tensors its own loading got wrong:
+    [(name, how)] where some others held GPT-2's values already, else [])."""
     d = cfg.n_embd
-    tr, done, notes, unbiased = hf.transformer, set(), [], []
+    tr, done, notes, unbiased, own = hf.transformer, set(), [], [], []
 
     def put(part, key, w, b=None):
         weight, bias = _params(part, w.dim() == 1)
-        _copy(weight, w.T if part.layout == "[out, in]" else w, f"{part.name} ({key}) weight")
+        value = w.T if part.layout == "[out, in]" else w
+        own.append((f"{part.name}.weight ({key})", _own(weight, value, w)))
+        _copy(weight, value, f"{part.name} ({key}) weight")
         done.add(id(weight))
         if b is not None:
             if bias is None:
                 unbiased.append(f"{part.name} has no bias (GPT-2's {key} has one)")
             else:
+                own.append((f"{part.name}.bias ({key})", _own(bias, b, b)))
                 _copy(bias, b, f"{part.name} ({key}) bias")
                 done.add(id(bias))
 
@@ -385,7 +409,9 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
         put(s.lm_head, "lm_head", tr.wte.weight.T)  # lm_head.weight = wte, which nanoGPT's and minGPT's copy
         notes.append(f"{s.lm_head.name} is not tied to {s.wte.name}: given wte's values, as GPT-2 ties them "
                      "(HF's state_dict holds them as lm_head.weight)")
-    return len(done), notes, [n for n, p in model.named_parameters() if id(p) not in done]
+    loaded = any(how == "same" for _, how in own)  # its own loading ran: what it got wrong is worth saying
+    wrong = [(n, how) for n, how in own if loaded and how not in (None, "same")]
+    return len(done), notes, [n for n, p in model.named_parameters() if id(p) not in done], wrong
 
 
 # ---- running it: every stage, by forward hooks ----------------------------------------------------------
@@ -694,7 +720,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     ref = reference(source)
     cfg = ref.cfg
     s = find_structure(model, cfg)
-    n, notes = _load_all(s, model, ref, cfg)
+    n, notes, wrong = _load_all(s, model, ref, cfg)
     tied = "lm_head tied to wte" if s.lm_head is None else f"lm_head = {s.lm_head.name}"
     how = f"by name ({s.style} naming)" if s.style else "by shape and order within each block (names not HF's, " \
                                                          "nanoGPT's or the book's)"
@@ -704,6 +730,11 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                     f"fed token ids {ref.ids} in eval(); each stage compared with HF GPT-2's own modules, tolerance "
                     f"{atol:.0e} (the residual stream: {GOLDEN_SCALED['block']:.0e} x its max |value|, logits: "
                     f"{GOLDEN_SCALED['logits']:.0e} x max |logits|, when larger)"]
+    if wrong:  # its own loader ran (other tensors held GPT-2's values) and got these wrong: judged, they'd not show
+        shown = "; ".join(f"{n}: {how}" for n, how in wrong[:4]) + ("; ..." if len(wrong) > 4 else "")
+        info.append(f"note: {name}'s own weights were GPT-2's before check copied them in, but for {len(wrong)} "
+                    f"tensor{'s' * (len(wrong) != 1)} ({shown}); what follows judges the computation with GPT-2's "
+                    f"weights, so fix the loading there too")
     was_training = model.training
     model.eval()
     try:
@@ -768,7 +799,9 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                                                                  "checkpoint": ck, "what": forced_label})
         else:
             verdict = (f"PASS: {name} computes GPT-2 ({cfg.n_layer} blocks, every stage within {atol:.0e} of HF's, "
-                       f"same greedy tokens and logits past the prompt)")
+                       f"same greedy tokens and logits past the prompt)" + (
+                           f"; but its own loading got {len(wrong)} weight tensor{'s' * (len(wrong) != 1)} wrong "
+                           f"(the note above)" if wrong else ""))
         return ModelReport(name, info, rows, verdict)
     stage, L, mine, differ = first
     diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), differ, got)
@@ -817,10 +850,10 @@ def teacher_forced(model: nn.Module, s: Structure, ref: Reference, atol: float) 
 def _load_all(s: Structure, model: nn.Module, ref: Reference, cfg: Config) -> tuple:
     """Load every weight; refuse a model with parameters GPT-2 has no tensor for."""
     before = {id(p) for p in model.parameters()}
-    n, notes, left = load_weights(s, model, ref.model, cfg)
+    n, notes, left, wrong = load_weights(s, model, ref.model, cfg)
     if left:
         raise CheckError(f"{len(left)} of {len(before)} parameters have no GPT-2 tensor: {', '.join(left[:6])}")
-    return n, notes
+    return n, notes, wrong
 
 
 # ---- a whole GPT-2 written as a function of its weights (picoGPT) -----------------------------------------

@@ -167,7 +167,7 @@ def _atol(text):
 
 def cmd_extract(args):
     """Golden tensors from HF's own GPT-2 modules."""
-    from .golden import extract
+    from .golden import Golden, extract
     m = extract(args.model, args.out, ids=args.ids, prompt=args.prompt, layers=args.layers,
                 progress=not args.quiet, file_format=args.format)
     n, aliases = (sum((e["kind"] == "alias") == a for e in m["tensors"].values()) for a in (False, True))
@@ -175,6 +175,8 @@ def cmd_extract(args):
     print(f"wrote {n} tensors{f' (and {aliases} under seed 001 names)' if aliases else ''} for "
           f"{len(m['token_ids'])} tokens, layers {m['layers']}, "
           f"from {m['model']['source']} to {args.out} ({how}, manifest.json)")
+    if m["layers"] and (weak := Golden(args.out).weak_note()):
+        print(weak)
     return 0
 
 
@@ -212,6 +214,8 @@ def cmd_verify(args):
                              ".safetensors file is passed alone, as --candidate FILE.safetensors")
         if cand.path.resolve() == gold.dir.resolve() or cand.path.resolve() == (gold.dir / g.BUNDLE).resolve():
             notes.append("the candidate is the golden set itself: it passes by construction")
+        if gold.layers and (weak := gold.weak_note(args.atol)):
+            notes.append(weak)
     if args.negative:
         rows, title = g.verify_negative(gold, args.atol), "negative controls: each known-wrong FFN must FAIL"
     elif cand:
@@ -242,6 +246,8 @@ def cmd_verify(args):
             print(note)
         if first:
             size = f"max abs {first.max_abs:.3e} > {first.atol:g}" if first.max_abs == first.max_abs else ""
+            if args.negative:  # a negative row fails when its wrong FFN is not caught or not named: its note says
+                size = f"max abs {first.max_abs:.3e} against the tolerance {first.atol:g}"
             where = (f"checkpoint: {first.checkpoint} ({g.CHECKPOINTS.get(first.checkpoint, first.name)})"
                      + (f", layer {first.layer}" if first.layer is not None else "")
                      if first.checkpoint else "tensor: a weight as the engine loaded it")

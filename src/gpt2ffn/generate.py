@@ -74,6 +74,14 @@ def engine_for(model: GPT2, prompts: list, s: Sampling, decode=None, batch_invar
     loaded(model)
     if not prompts:
         raise Gpt2ffnError("generate was given no prompts: give a list of token-id lists, [[ids]] for one prompt")
+    if s.stop and decode is None:  # without the text no stop string can match: say so, not run to max_new_tokens
+        raise Gpt2ffnError(f"Sampling.stop ({s.stop!r}) needs the text: pass decode= (the tokenizer's decode, e.g. "
+                           "tok.decode from model, tok, name = gpt2ffn.generate.load(path)), or stop on ids with "
+                           "stop_token_ids")
+    if s.logprobs is not None or s.prompt_logprobs:
+        raise Gpt2ffnError("generate() and stream() give token ids only, not log-probs: Sampling.logprobs and "
+                           "prompt_logprobs are the serving engine's and the server's (logprobs, echo); a prompt's "
+                           "log-probs are model(ids).logits.log_softmax(-1)")
     longest = max(len(p) for p in prompts) + s.max_new_tokens
     max_len = min(longest, model.config.n_positions) if longest > 0 else 1
     return make_engine(model, decode, max_batch=len(prompts), max_waiting=len(prompts), max_len=max_len,

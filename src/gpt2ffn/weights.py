@@ -200,6 +200,12 @@ def _open_safetensors(file: Path):
 
 def _open_torch(file: Path):
     """pytorch_model.bin with weights_only=True (no pickled code runs), memory-mapped where the format allows."""
+    with open(file, "rb") as f:
+        head = f.read(2)
+    if head[:2] != b"PK" and head[:1] != b"\x80":  # neither torch.save's zip nor a legacy pickle
+        what = " (it reads as JSON: a config?)" if head[:1] in (b"{", b"[") else ""
+        raise CheckpointError(f"{file} is not a PyTorch checkpoint{what}: give the checkpoint's directory, or its "
+                              "model.safetensors / pytorch_model.bin")
     try:
         try:
             sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)

@@ -192,6 +192,9 @@ class Engine:
             raise Gpt2ffnError("every prompt needs at least one token")
         if min(prompt) < 0 or max(prompt) >= cfg.vocab_size:
             raise Gpt2ffnError(f"token ids must be in [0, {cfg.vocab_size}); got min {min(prompt)}, max {max(prompt)}")
+        bad = [t for t in s.logit_bias if t >= cfg.vocab_size]
+        if bad:
+            raise Gpt2ffnError(f"logit_bias: key {bad[0]} is not a token id in [0, {cfg.vocab_size})")
         if len(prompt) + s.max_new_tokens > self.max_len:
             raise Gpt2ffnError(f"prompt ({len(prompt)} tokens) + max_new_tokens ({s.max_new_tokens}) exceeds the "
                                f"context of {self.max_len} positions")

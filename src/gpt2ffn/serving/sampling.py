@@ -39,14 +39,17 @@ class Sampling:
             raise Gpt2ffnError(f"max_new_tokens must be an int >= 0, got {self.max_new_tokens!r}")
         if not 0 <= self.temperature <= 100:
             raise Gpt2ffnError(f"temperature must be in [0, 100], got {self.temperature!r}")
+        if self.top_k in (0, -1):  # off, as HF's top_k=0, vLLM's -1 and the CLI's --top-k 0 say
+            self.top_k = None
         if self.top_k is not None and self.top_k < 1:
-            raise Gpt2ffnError(f"top_k must be >= 1, got {self.top_k!r}")
+            raise Gpt2ffnError(f"top_k must be >= 1 (0 or -1: off), got {self.top_k!r}")
         if self.top_p is not None and not 0 < self.top_p <= 1:
             raise Gpt2ffnError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if self.repetition_penalty <= 0:
             raise Gpt2ffnError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.min_tokens < 0:
             raise Gpt2ffnError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
+        self.logit_bias = {_token_id(k): _bias(k, v) for k, v in dict(self.logit_bias).items()}
 
     @property
     def eos_ids(self) -> tuple:
@@ -64,6 +67,22 @@ class Sampling:
         """argmax of the raw logits: rows like this are picked together, in one call."""
         return (self.temperature == 0 and not self.logit_bias and self.presence_penalty == 0 and
                 self.frequency_penalty == 0 and self.repetition_penalty == 1 and self.min_tokens == 0)
+
+
+def _token_id(key) -> int:
+    """A logit_bias key: a token id, as an int or as OpenAI's JSON writes it ("50256")."""
+    if isinstance(key, str) and key.isascii() and key.isdigit():
+        return int(key)
+    if isinstance(key, (int, np.integer)) and not isinstance(key, bool) and key >= 0:
+        return int(key)
+    raise Gpt2ffnError(f"logit_bias: key {key!r} is not a token id (an int >= 0)")
+
+
+def _bias(key, value) -> float:
+    """A logit_bias value: any real number (an int too), as a float."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value != value:
+        raise Gpt2ffnError(f"logit_bias: value {value!r} for token {key!r} is not a number")
+    return float(value)
 
 
 # A logit a repetition penalty moves stays within +-1e20: a legal extreme (1e-300, 0 in float32) would make it
