@@ -1312,6 +1312,7 @@ def test_outside_round_doors(tmp_path, capsys):
     (B, T, C)-only and vector-only functions, a plain numpy class, a torch.mm module returning a tuple were refused;
     GELU after c_proj as well, and an FFN computed in bf16, were 'no known mistake'; TorchScript was a traceback
     (exit 1); --golden beside --preset was ignored without a word."""
+    import torch.nn.functional as F
     from transformers import GPT2Config
     path = learner_file(tmp_path, OUTSIDE_ROUND)
     sq = tmp_path / "square"
@@ -1342,6 +1343,28 @@ def test_outside_round_doors(tmp_path, capsys):
         check(scripted, preset="tiny")
     code, out, err = run(["check", f"{path}:ffn_t", "--preset", "tiny", "--golden", "random:gpt2:0"], capsys)
     assert code == 2 and "give golden or model (--preset), not both" in err, err
+    assert check(f"{path}:ffn_t", preset="tiny", golden="random:tiny").passed  # the same weights, spelled otherwise
+
+    class Mixed(nn.Module):  # nn.Linear c_fc (its layout fixed) and a square c_proj of its own, transposed wrong
+        def __init__(self):
+            super().__init__()
+            self.c_fc, self.w2 = nn.Linear(64, 64), nn.Parameter(torch.empty(64, 64))
+            self.b2 = nn.Parameter(torch.zeros(64))
+
+        def forward(self, x):
+            return F.gelu(self.c_fc(x), approximate="tanh") @ self.w2.reshape(64, 64).T + self.b2
+
+    class MM(nn.Module):  # layers used through torch.mm (never called: no hook sees the order), c_proj defined first
+        def __init__(self, d=64):
+            super().__init__()
+            self.down, self.up = nn.Linear(d, d), nn.Linear(d, d)
+
+        def forward(self, x):
+            h = F.gelu(torch.mm(x, self.up.weight.T) + self.up.bias, approximate="tanh")
+            return torch.mm(h, self.down.weight.T) + self.down.bias
+    mixed = check(Mixed(), model=str(sq))
+    assert "the layout is not the mistake" not in mixed.format(), mixed.format()
+    assert check(MM(), model=str(sq)).passed
 
 
 def test_a_models_own_loading_mistakes_are_said_beside_its_pass(tmp_path):
@@ -1361,4 +1384,12 @@ def test_a_models_own_loading_mistakes_are_said_beside_its_pass(tmp_path):
     assert "transformer.h.1.mlp.c_proj.weight (h.1.mlp.c_proj): other values" in report.format(), report.format()
     fresh = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32))
     report = check(fresh, model=str(tmp_path))
+    assert report.passed and "own loading" not in report.format(), report.format()
+    trained = GPT2LMHeadModel.from_pretrained(tmp_path)  # LayerNorm gains a short run from 1: a fresh model's ones
+    with torch.no_grad():                                 # are within 1% of them, and no sign of a loader
+        for n, p in trained.named_parameters():
+            if "ln" in n and n.endswith("weight"):
+                p.add_(torch.randn_like(p) * 1e-3)
+    trained.save_pretrained(tmp_path / "trained")
+    report = check(fresh, model=str(tmp_path / "trained"))
     assert report.passed and "own loading" not in report.format(), report.format()

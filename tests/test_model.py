@@ -172,7 +172,8 @@ def test_eos_and_stop_strings():
     ({"top_k": -2}, r"top_k must be >= 1 \(0 or -1: off\)"),
     ({"logit_bias": {-3: 1.0}}, "logit_bias: key -3 is not a token id"),
     ({"logit_bias": {"x": 1.0}}, "logit_bias: key 'x' is not a token id"),
-    ({"logit_bias": {3: "big"}}, "logit_bias: value 'big' for token 3 is not a number"),
+    ({"logit_bias": {3: "big"}}, "logit_bias: value 'big' for token 3 is not a finite number"),
+    ({"logit_bias": {3: float("inf")}}, r"logit_bias: value inf for token 3 is not a finite number \(-100 bans"),
     ({"top_p": 1.5}, r"top_p must be in \(0, 1\]"),
 ])
 def test_bad_sampling(kwargs, message):

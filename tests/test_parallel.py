@@ -13,6 +13,7 @@ import torch
 
 from gpt2ffn import Config, FeedForward, quantize
 from gpt2ffn.model import GPT2, random_weights_
+from gpt2ffn.serving.kv_cache import KVCache
 
 # n_head 4 and hidden 128 divide by 2 and 4; a vocabulary of 98 does not (uneven vocab-parallel shards).
 CFG = Config(n_embd=32, n_layer=2, n_head=4, n_positions=32, vocab_size=98, bos_token_id=0, eos_token_id=0)
@@ -99,6 +100,11 @@ def worker(rank, world, store, queue, cfg=CFG):
             out[f"attn_bytes_{vocab_parallel}"] = (sum(map(parallel.local_bytes, attn)) - bias,
                                                    sum(map(parallel.local_bytes, attn0)) - bias)
             out[f"head_{vocab_parallel}"] = model.lm_head.weight is model.transformer.wte.weight
+            with torch.no_grad():  # HF-style cached decode: a rank's cache holds its share of the heads
+                cache = KVCache(model.kv_config, 1)
+                model(ids[:, :5], cache)
+                steps = torch.cat([model(ids[:, t:t + 1], cache) for t in range(5, ids.shape[1])], 1)
+            out[f"kv_cache_{vocab_parallel}"] = excess(steps, logits0[:, 5:], 1e-5)
             saved = model.save_pretrained(f"{store}-saved-{vocab_parallel}")  # every rank gathers, rank 0 writes
             if rank == 0:
                 from safetensors.torch import load_file
@@ -177,9 +183,12 @@ def test_each_rank_holds_a_1_over_n_share(ranks):
 
 
 def test_sharded_model_logits_and_greedy_tokens(ranks):
+    """... and a cached decode through KVCache(model.kv_config, B) (once refused: the cache was checked against
+    the whole model's heads, not the rank's)."""
     world, results = ranks
     for r in results.values():
         assert r["logits_True"] <= 1e-5 and r["logits_False"] <= 1e-5, r
+        assert r["kv_cache_True"] <= 1e-5 and r["kv_cache_False"] <= 1e-5, r
     for vp in (True, False):
         got, expected = results[0][f"tokens_{vp}"]
         assert got == expected and len(got[0]) == NEW

@@ -126,7 +126,7 @@ def test_sampling_as_a_python_user_writes_it(model):
     p = prompts(1, seed=5)[0]
     s = dict(max_new_tokens=6, temperature=1.0, seed=3)
     assert generate(model, [p], Sampling(**s, logit_bias={7: 100})) == [[7] * 6]
-    assert Sampling(logit_bias={"7": 5}).logit_bias == {7: 5.0}
+    assert Sampling(logit_bias={"7": 5}).logit_bias == {7: 5.0} and Sampling(logit_bias=None).logit_bias == {}
     assert [generate(model, [p], Sampling(**s, top_k=k)) for k in (0, -1)] == [generate(model, [p], Sampling(**s))] * 2
     with pytest.raises(Gpt2ffnError, match=r"logit_bias: key 512 is not a token id in \[0, 512\)"):
         generate(model, [p], Sampling(max_new_tokens=2, logit_bias={512: 1.0}))

@@ -15,10 +15,12 @@ import contextlib
 import copy
 import dataclasses
 import inspect
+import re
 import sys
 import types
 from dataclasses import dataclass, field
 from functools import lru_cache
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -26,6 +28,7 @@ import torch.nn as nn
 
 from .check_model import (
     DEFAULT_MODEL,
+    LINEAR_HINTS,
     TOKEN_IDS,
     ModelReport,
     OwnLinear,
@@ -47,6 +50,7 @@ from .diagnose import FORMS, STAGES, TARGET, Diagnosis, FFNCase, blind_to, fix_f
 from .errors import Gpt2ffnError
 from .learner import CheckError, build, load_object, super_message, super_missing
 from .linear import packed_precisions, unpacked_copy
+from .model import parse_random
 from .tolerances import GOLDEN_ATOL
 
 __all__ = ["CheckError", "Report", "Row", "check", "check_ffn", "check_function", "check_gelu", "load_object"]
@@ -221,7 +225,7 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         if model is not None:
             raise CheckError(f"give model or preset, not both (preset={preset!r} is model='random:{preset}:0')")
         model = f"random:{preset}:0"
-    if golden is not None and model is not None and model_source(golden) != str(model):  # one would be ignored
+    if golden is not None and model is not None and not same_weights(model_source(golden), str(model)):
         raise CheckError(f"give golden or model (--preset), not both: golden {str(golden)!r} is judged with the "
                          f"weights it was taken from, model {str(model)!r} with its own")
     if isinstance(obj, (torch.jit.ScriptModule, torch.jit.ScriptFunction)):
@@ -273,6 +277,17 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         raise CheckError(f"{name if name != kind else repr(obj)[:40]} is {article} {kind}; check takes an nn.Module "
                          "class or instance, a GELU or FFN function, or 'FILE.py:NAME'")
     return _check_built(module, name, built, source, case_of, ref_cfg, layer)
+
+
+def same_weights(a: str, b: str) -> bool:
+    """Whether two model sources name the same weights: random:<preset>[:seed] as its canonical name, a directory
+    as its resolved path."""
+    def canonical(x):
+        return parse_random(x)[2] if x.startswith("random:") else str(Path(x).resolve())
+    try:
+        return canonical(a) == canonical(b)
+    except Gpt2ffnError:
+        return a == b
 
 
 class Closure(nn.Module):
@@ -340,8 +355,10 @@ def kept(module: nn.Module):
             m.training = training
 
 
-def _check_built(module: nn.Module, name: str, built: list, source: str, case_of, ref_cfg: Config, layer: int):
-    """check() of a module: a half-precision one judged in float32."""
+def _check_built(module: nn.Module, name: str, built: list, source: str, case_of, ref_cfg: Config, layer: int,
+                 fresh: bool = False):
+    """check() of a module: a half-precision one judged in float32. fresh: check built it (from a class), so its
+    weights are its init's, not a loader's."""
     halves = sorted({str(p.dtype).removeprefix("torch.") for p in module.parameters()
                      if p.is_floating_point() and p.dtype != torch.float32})
     if halves:  # GPT-2's math is what is judged, at the fp32 bar: in bf16 itself every stage is ~1e-2 off
@@ -351,21 +368,21 @@ def _check_built(module: nn.Module, name: str, built: list, source: str, case_of
                      + (f"math is checked at 1e-4; in {low[0]} itself every stage differs by ~1e-2" if low else
                         "weights and HF's stages are"))
         try:
-            return _check_module(module, name, built, source, case_of, ref_cfg, layer)
+            return _check_module(module, name, built, source, case_of, ref_cfg, layer, fresh)
         except CheckError as e:
             if "dtype" not in str(e).lower():
                 raise
             raise CheckError(f"{e} (check ran {name} in float32 with module.float(), its parameters being {halves[0]}: "
                              f"a forward that casts its input to {halves[0]} itself cannot run so; cast it to the "
                              f"weights' dtype instead, x.to(next(self.parameters()).dtype))") from None
-    return _check_module(module, name, built, source, case_of, ref_cfg, layer)
+    return _check_module(module, name, built, source, case_of, ref_cfg, layer, fresh)
 
 
 def _check_module(module: nn.Module, name: str, built: list, source: str, case_of, ref_cfg: Config,
-                  layer: int):
+                  layer: int, fresh: bool = False):
     """check() of a module (its parameters in float32): a whole model, an FFN or a GELU."""
     if is_model(module):
-        return probe_ffn(check_model(module, name, built, source), module, name, source)
+        return probe_ffn(check_model(module, name, built, source, fresh=fresh), module, name, source)
     linears = linear_layers(module)
     part = "GPT-2's FFN, its GELU or the whole model (the module holding the embeddings)"
     if isinstance(module, (nn.ModuleDict, nn.ModuleList)) and type(module).forward is nn.Module.forward:
@@ -472,7 +489,8 @@ def raw_linears(module: nn.Module, d: int) -> list:
 
 def in_order(module: nn.Module, linears: list, d: int) -> list:
     """The two linear layers in the order they run, c_fc first: a module may define c_proj first. Seen by one
-    forward on zeros with the module's own weights; where it does not run them both (or fails), by name, or by
+    forward on zeros with the module's own weights (fed as _run feeds it); where it does not run them both (or
+    fails), by name, or by
     nn.Linear layers whose first does not take n_embd while the second does."""
     (n1, l1), (n2, l2) = linears
     calls = []
@@ -480,17 +498,22 @@ def in_order(module: nn.Module, linears: list, d: int) -> list:
     was_training = module.training
     try:
         param = next(module.parameters())
-        with torch.no_grad():
-            module.eval()(torch.zeros(1, 1, d, dtype=param.dtype, device=param.device))
-    except Exception:
-        calls = []
+        for shape in ((1, 1, d), (1, d), (d,)):  # as _run feeds it: (1, T, d), else (T, d), else a token's vector
+            calls.clear()
+            try:
+                with torch.no_grad():
+                    module.eval()(torch.zeros(shape, dtype=param.dtype, device=param.device))
+                break
+            except Exception:
+                calls.clear()
     finally:
         for h in hooks:
             h.remove()
         module.train(was_training)
     if sorted(calls[:2]) == [0, 1]:
         return linears if calls[0] == 0 else linears[::-1]
-    named = (n1.rsplit(".", 1)[-1], n2.rsplit(".", 1)[-1]) == ("c_proj", "c_fc")
+    fc, proj = (re.compile(LINEAR_HINTS[k], re.I) for k in ("mlp.c_fc", "mlp.c_proj"))  # c_fc, up, fc1, w1, ...
+    named = bool(proj.search(n1) and fc.search(n2) and not (fc.search(n1) or proj.search(n2)))
     shaped = isinstance(l1, nn.Linear) and isinstance(l2, nn.Linear) and l1.in_features != d == l2.in_features
     return linears[::-1] if named or shaped else linears
 
@@ -505,9 +528,10 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
               atol: float = GOLDEN_ATOL) -> Report:
     """Load the case's weights into the two linear layers, run in eval(), judge and diagnose each stage.
     A layer of a square weight (n_inner == n_embd) not of nn.Linear is run in both layouts (the shape cannot tell
-    them apart): the first that passes is the report; where none does, the first whose mistake is not the
-    layout's (transposing was tried)."""
-    (n1, l1), (n2, l2) = linears
+    them apart): the first that passes is the report; where none does, the one naming a mistake other than the
+    layout's (transposing was tried), else the nearest (layout_choice). The module is left holding the weights
+    of the last layout run (check gives an instance back as it came, kept())."""
+    l1, l2 = (m for _, m in linears)
     flips = [(False, False)] + [(f1, f2) for f1 in (False, True) for f2 in (False, True)
                                 if (f1 or f2) and (square(l1) or not f1) and (square(l2) or not f2)]
     reports = []
@@ -518,28 +542,24 @@ def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FF
         reports.append(report)
     if len(reports) == 1:
         return reports[0]
-    k = not_the_layout(reports)
-    if k != len(reports) - 1:  # run again, so that the module is left holding the weights of the layout reported
-        reports[k] = _check_ffn(module, linears, name, list(built), case, atol, flips[k])
     squares = [n for n, m in linears if square(m)]
     what = " and ".join(squares) + (" are" if len(squares) > 1 else " is")
-    reports[k].info.append(square_note(what, len(reports), k))
-    return reports[k]
+    return layout_choice(reports, what, every_layer=len(squares) == 2)
 
 
-def not_the_layout(reports: list) -> int:
-    """Of failing reports in each layout of square weights: the first that names a mistake other than a layout's
-    (a transposed weight: transposing was tried), else the one whose output is nearest."""
+def layout_choice(reports: list, what: str, every_layer: bool) -> Report:
+    """Of failing reports, one per layout of square weights (`what`: which are square): the one that names a
+    mistake other than a layout's (a transposed weight: transposing was tried), else the one whose output is
+    nearest; with a note saying so (that the layout is not the mistake only where it named another mistake and
+    every layer's layout was tried)."""
     def named(r):
         key = r.diagnosis.key if r.diagnosis else None
         return key is not None and not key.endswith(("not_transposed", "viewed"))
-    return min(range(len(reports)), key=lambda k: (not named(reports[k]), reports[k].rows[-1].max_abs, k))
-
-
-def square_note(what: str, tried: int, k: int) -> str:
-    return (f"note: {what} square (n_inner == n_embd), and a square weight's shape cannot tell [in, out] from "
-            f"[out, in]: check ran {tried} layouts and none matched" + (", so the layout is not the mistake" if k
-                                                                        else ""))
+    report = min(reports, key=lambda r: (not named(r), r.rows[-1].max_abs))
+    report.info.append(f"note: {what} square (n_inner == n_embd), and a square weight's shape cannot tell [in, out] "
+                       f"from [out, in]: check ran it in each layout and none matched" +
+                       (", so the layout is not the mistake" if named(report) and every_layer else ""))
+    return report
 
 
 def _check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase, atol: float,
@@ -775,14 +795,20 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
     hooks = [l1.register_forward_hook(lambda m, a, o: keep("c_fc", o, m))]
     if l2 is not None:
         hooks.append(l2.register_forward_pre_hook(lambda m, a: keep("gelu", a[0], m)))
-    ways = [("(1, T, d)", lambda: module(x))]
+    tupled = []  # whether an output was a tuple (its first element judged)
+
+    def first_of(out):
+        tupled.append(isinstance(out, (tuple, list)) and bool(out) and isinstance(out[0], torch.Tensor))
+        return out[0] if tupled[-1] else out
+    ways = [("(1, T, d)", lambda: first_of(module(x)))]
     if x.dim() == 3 and x.shape[0] == 1:
-        ways += [("(T, d)", lambda: module(x[0])), ("one token's (d,) at a time",
-                                                     lambda: torch.stack([_first(module(v)) for v in x[0]]))]
+        ways += [("(T, d)", lambda: first_of(module(x[0]))),
+                 ("one token's (d,) at a time", lambda: torch.stack([first_of(module(v)) for v in x[0]]))]
     first, way = None, None
     try:
         for fed, call in ways:
             seen.clear()
+            tupled.clear()
             try:
                 with torch.no_grad():
                     out = call()
@@ -797,15 +823,13 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
     finally:
         for h in hooks:
             h.remove()
-    tupled = isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor)
-    out = _first(out)
     if not isinstance(out, torch.Tensor):
         raise CheckError(f"{name} returned a {type(out).__name__}; an FFN returns a tensor (B, T, n_embd)")
     T = x.shape[-2] if x.dim() > 1 else 1
     if info is not None and way != ways[0][0]:
         info.append(f"note: {name} fails on (1, T, d) input ({type(first).__name__}: {first}".splitlines()[0]
                     + f"), so it was fed {way}")
-    if info is not None and tupled:
+    if info is not None and any(tupled):
         info.append(f"note: {name} returns a tuple: its first element is judged as the output")
     if info is not None and out.dtype != x.dtype:
         info.append(f"note: {name} returns {str(out.dtype).removeprefix('torch.')} for "
@@ -818,11 +842,6 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
     if way != ways[0][0]:  # as (1, T, width), the shape the stages are judged in
         stages = {k: v.reshape(1, T, -1) if v.size % T == 0 else v for k, v in stages.items()}
     return stages
-
-
-def _first(out):
-    """A module's output: a tensor, or a tuple's (list's) first element where that is one."""
-    return out[0] if isinstance(out, (tuple, list)) and out and isinstance(out[0], torch.Tensor) else out
 
 
 # A function given its weights, as from-scratch numpy GPT-2s write it: picoGPT's ffn(x, c_fc, c_proj) with
@@ -857,14 +876,16 @@ def plain_class(cls):
     """A plain (numpy) FFN class as a function of x and its weights, or None: seed 001's FFN struct written in
     Python, `FFN(w1, b1, w2, b2).forward(x)` (or its __call__), its weights the __init__'s parameters."""
     names = weight_params(cls.__init__)  # after self
-    run = "forward" if callable(getattr(cls, "forward", None)) else "__call__" if "__call__" in vars(cls) else None
-    if run is None or len(names) not in ARG_STYLES:
+    called = any("__call__" in vars(k) for k in cls.__mro__ if k is not object)
+    run = "forward" if callable(getattr(cls, "forward", None)) else "__call__" if called else None
+    if run is None or len(names) not in (2, 4):  # one argument is a config's, not a params dict's
         return None
 
     def ffn(x, *weights):
         return getattr(cls(*weights), run)(x)
     kind = inspect.Parameter.POSITIONAL_OR_KEYWORD
     ffn.__signature__ = inspect.Signature([inspect.Parameter(n, kind) for n in ["x", *names]])
+    ffn.__module__ = cls.__module__  # its file, where a picoGPT gpt2() may call it
     return ffn
 
 
@@ -989,10 +1010,10 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 if report.passed or hidden != d:
                     return report
                 ran.append(report)
-            if ran:
-                k = not_the_layout(ran)
-                ran[k].info.append(square_note("its weights are", len(ran), k))
-                return ran[k]
+            if len(ran) == 2:
+                return layout_choice(ran, "its weights are", every_layer=True)
+            if ran:  # one layout ran and failed, the other raised
+                return ran[0]
     raise CheckError(f"{sig} failed in every calling style check knows ({'; '.join(styles)}; numpy or torch; "
                      f"weights [in, out] or [out, in]; input (T, d), (1, T, d) or a token at a time); with numpy "
                      f"arrays first: {errors['numpy']}; with torch tensors first: {errors['torch']}")

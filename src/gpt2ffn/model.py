@@ -603,7 +603,7 @@ class GPT2(TrainChecked):
         if not torch.compiler.is_compiling() and (int(ids.min()) < 0 or int(ids.max()) >= V):
             raise InputError(f"token ids must be in [0, {V}); got min {int(ids.min())}, max {int(ids.max())}")
         if cache is not None:
-            cache.check_room(ids.shape[1], ids.shape[0], self.config)
+            cache.check_room(ids.shape[1], ids.shape[0], self.kv_config)  # a tensor-parallel rank's heads
         elif ids.shape[1] > self.config.n_positions:
             raise Gpt2ffnError(f"{ids.shape[1]} tokens exceed the context of n_positions={self.config.n_positions}")
 

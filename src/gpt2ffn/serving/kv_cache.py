@@ -25,7 +25,8 @@ class KVCache:
         self.length = 0  # positions filled so far
 
     def check_room(self, new: int, batch: int, cfg: Config):
-        """A forward pass of (batch, new) ids of a model of cfg fits: its sequences, layers and heads, and room."""
+        """A forward pass of (batch, new) ids fits: its sequences, the layers and heads of cfg (the model's
+        kv_config: a tensor-parallel rank's share of the heads), and room."""
         B, H, _, hd = self.k[0].shape if self.k else (batch, cfg.n_head, 0, cfg.n_embd // cfg.n_head)
         if batch != B:
             raise Gpt2ffnError(f"ids hold {batch} sequence{'s' * (batch != 1)} but the KV cache holds {B}: make it "
@@ -33,7 +34,7 @@ class KVCache:
         if (len(self.k), H, hd) != (cfg.n_layer, cfg.n_head, cfg.n_embd // cfg.n_head):
             raise Gpt2ffnError(f"the KV cache was made for {len(self.k)} layers of {H} heads x {hd}, not this model's "
                                f"{cfg.n_layer} x {cfg.n_head} x {cfg.n_embd // cfg.n_head}: make it with "
-                               "KVCache(model.config, batch, ...)")
+                               "KVCache(model.kv_config, batch, ...) (model.config but on a tensor-parallel rank)")
         if self.length + new > self.max_len:
             raise Gpt2ffnError(f"{self.length} cached + {new} new tokens exceed the context of {self.max_len} "
                                f"positions (n_positions); GPT-2 cannot attend further back")

@@ -49,7 +49,7 @@ class Sampling:
             raise Gpt2ffnError(f"repetition_penalty must be > 0, got {self.repetition_penalty!r}")
         if self.min_tokens < 0:
             raise Gpt2ffnError(f"min_tokens must be >= 0, got {self.min_tokens!r}")
-        self.logit_bias = {_token_id(k): _bias(k, v) for k, v in dict(self.logit_bias).items()}
+        self.logit_bias = {_token_id(k): _bias(k, v) for k, v in dict(self.logit_bias or {}).items()}  # None: none
 
     @property
     def eos_ids(self) -> tuple:
@@ -79,9 +79,12 @@ def _token_id(key) -> int:
 
 
 def _bias(key, value) -> float:
-    """A logit_bias value: any real number (an int too), as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) or value != value:
-        raise Gpt2ffnError(f"logit_bias: value {value!r} for token {key!r} is not a number")
+    """A logit_bias value: a finite real number (an int too), as a float (an infinite one made sampling draw
+    another token without a word; -100 bans a token, +100 forces it, as OpenAI's)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)) \
+            or not np.isfinite(value):
+        raise Gpt2ffnError(f"logit_bias: value {value!r} for token {key!r} is not a finite number (-100 bans a "
+                           f"token, +100 forces it)")
     return float(value)
 
 
