@@ -323,6 +323,16 @@ MUTANTS = {
     "mask_excludes_self": (NANOGPT, "self.bias[:, :, :T, :T] == 0", "torch.ones(T, T).tril(diagonal=-1) == 0"),  # NaN
     "gelu_after_c_proj": (BOOK, "            GELU(),\n            nn.Linear(4 * cfg[\"emb_dim\"], cfg[\"emb_dim\"]),\n",
                           "            nn.Linear(4 * cfg[\"emb_dim\"], cfg[\"emb_dim\"]),\n            GELU(),\n"),
+    # from a second outside round (each failed unnamed before)
+    "scale_d_head": (NANOGPT, " * (1.0 / math.sqrt(k.size(-1)))", " * (1.0 / k.size(-1))"),
+    "softmax_heads": (NANOGPT, "att = F.softmax(att, dim=-1)", "att = F.softmax(att, dim=1)"),  # NaN
+    "mask_after_softmax_inf": (NANOGPT, "        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))\n"
+                               "        att = F.softmax(att, dim=-1)\n",
+                               "        att = F.softmax(att, dim=-1)\n"
+                               "        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))\n"),
+    "heads_reshaped": (NANOGPT, "".join(f"        {t} = {t}.view(B, T, self.n_head, C // self.n_head)"
+                                        f".transpose(1, 2){'  # (B, nh, T, hs)' if t == 'k' else ''}\n" for t in "kqv"),
+                       "".join(f"        {t} = {t}.reshape(B, self.n_head, T, C // self.n_head)\n" for t in "kqv")),
 }
 
 
@@ -588,6 +598,12 @@ MHA = (
     '        x = self.blocks(x)\n'
     '        return self.out_head(self.final_norm(x))\n'
 )
+
+MUTANTS.update({  # nn.MultiheadAttention's masks as tutorials get them wrong (a second outside round)
+    "mask_keeps_future": (MHA, 'self.register_buffer("mask", torch.triu(', 'self.register_buffer("mask", ~torch.triu('),
+    "mask_float_01": (MHA, 'torch.triu(torch.ones(cfg["context_length"], cfg["context_length"], dtype=torch.bool), '
+                           'diagonal=1)', 'torch.tril(torch.ones(cfg["context_length"], cfg["context_length"]))'),
+})
 
 
 # A GPT-2 whose attention holds its weights as its own Parameters in Conv1D's layout (c_attn_w [C, 3C], c_attn_b,

@@ -959,7 +959,8 @@ def test_json_errors_are_json_too(tmp_path, capsys):
     target = f"{tmp_path / 'nope.py'}:X"
     code, out, err = run(["check", target, "--json"], capsys)
     assert code == 2 and err == f"error: no file {tmp_path / 'nope.py'}\n", err
-    assert json.loads(out) == {"target": target, "passed": False, "error": f"no file {tmp_path / 'nope.py'}"}
+    assert json.loads(out) == {"kind": None, "subject": target, "target": target, "passed": False,
+                               "error": f"no file {tmp_path / 'nope.py'}"}  # a report's keys, and "target" as before
 
 
 def test_a_half_module_that_casts_its_input_is_told_why_it_cannot_run(golden, tmp_path, capsys):
@@ -1367,10 +1368,11 @@ def test_outside_round_doors(tmp_path, capsys):
     assert check(MM(), model=str(sq)).passed
 
 
-def test_a_models_own_loading_mistakes_are_said_beside_its_pass(tmp_path):
-    """An instance is judged with the reference's weights loaded into it; where its own loader had run (some of
+def test_a_models_own_loading_mistakes_fail_it(tmp_path):
+    """An instance is judged with the reference's weights loaded into it; where its own loader had run (most of
     its tensors held GPT-2's values already) the ones it got wrong were hidden by that (a PASS for a model 0.68
-    off HF's logits as loaded): they are now named, and the verdict says so. An unloaded model gets no note."""
+    off HF's logits as loaded): they are named, and fail it (as loaded it is not GPT-2). An unloaded model gets no
+    note; a checkpoint at HF's init (biases 0, LayerNorms the identity) is said to be blind to those."""
     from transformers import GPT2Config
     torch.manual_seed(0)
     GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32)).save_pretrained(
@@ -1380,11 +1382,14 @@ def test_a_models_own_loading_mistakes_are_said_beside_its_pass(tmp_path):
         w = mine.transformer.h[1].mlp.c_proj.weight
         w.copy_(w.T.reshape(w.shape))  # a reshape where the loader meant a transpose
     report = check(mine, model=str(tmp_path))
-    assert report.passed and "its own loading got 1 weight tensor wrong" in report.verdict, report.format()
+    assert not report.passed and report.verdict.startswith("FAIL (its own weights): ") and "its own loading left 1 " \
+        "weight tensor wrong" in report.verdict and report.first["stage"] == "own_weights", report.format()
     assert "transformer.h.1.mlp.c_proj.weight (h.1.mlp.c_proj): other values" in report.format(), report.format()
     fresh = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=100, n_positions=32))
     report = check(fresh, model=str(tmp_path))
     assert report.passed and "own loading" not in report.format(), report.format()
+    assert "but these weights cannot show 2 kinds of mistake" in report.verdict, report.verdict
+    assert "a linear layer's bias left out (every bias of this checkpoint is 0)" in report.format()
     trained = GPT2LMHeadModel.from_pretrained(tmp_path)  # LayerNorm gains a short run from 1: a fresh model's ones
     with torch.no_grad():                                 # are within 1% of them, and no sign of a loader
         for n, p in trained.named_parameters():

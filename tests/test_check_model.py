@@ -61,12 +61,14 @@ FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "at
          "heads_interleaved": "attn_probs", "q_k_swapped": "attn_probs", "ln_std_eps_biased": "ln_1",
          "positions_from_1": "embeddings", "logits_without_ln_f": "logits",
          "mask_zero_fill": "attn_probs", "ln_no_sqrt": "ln_1", "resid_normed": "attn_resid",
-         "qkv_per_head": "attn_probs", "mask_excludes_self": "attn_probs", "gelu_after_c_proj": "gelu"}
+         "qkv_per_head": "attn_probs", "mask_excludes_self": "attn_probs", "gelu_after_c_proj": "gelu",
+         "scale_d_head": "attn_probs", "softmax_heads": "attn_probs", "mask_after_softmax_inf": "attn_probs",
+         "heads_reshaped": "attn_probs", "mask_keeps_future": "attn_out", "mask_float_01": "attn_out"}
 
 
 @pytest.mark.parametrize("key", MUTANTS)
 def test_each_planted_mistake_is_named_at_its_first_divergence(key, tmp_path, capsys):
-    target = "GPT" if MUTANTS[key][0] is NANOGPT else "GPTModel"
+    target = "GPT" if MUTANTS[key][0] is NANOGPT else "GPTModel"  # the book's and the MultiheadAttention one's
     code, out, err = run(tmp_path, capsys, plant(key), target, "--json")
     report = json.loads(out)
     assert code == 1 and not report["passed"], err
@@ -111,8 +113,8 @@ def test_known_mistakes_are_computed_from_hf_and_differ_from_it():
                 continue
             stage = {"attn_c_proj_not_transposed": "attn_out", "c_attn_not_transposed": "q",
                      "qkv_bias_missing": "q"}.get(key, "ln_1" if key.startswith("ln_") else "block")
-            wrong = block_forward(x, w, cfg, key)[stage]
-            assert (wrong - right[stage]).abs().max() > 2 * GOLDEN_ATOL, key
+            wrong = block_forward(x, w, cfg, key)[stage]  # NaN (a row of -inf softmaxed) differs too
+            assert (wrong - right[stage]).abs().nan_to_num(nan=1.0).max() > 2 * GOLDEN_ATOL, key
 
 
 # ---- any config style ----------------------------------------------------------------------------------
@@ -617,7 +619,30 @@ def test_logits_past_the_prompt_are_judged_teacher_forced(old, new, passes, tmp_
     assert int(report["verdict"].split("position ")[1].split()[0]) >= 6, report["verdict"]
     assert "a causal mask or position that goes wrong only past the prompt's length?" in report["verdict"]
     assert report["first_divergence"]["stage"] == "logits_forced"
-    assert all(r["status"] != "FAIL" for r in report["rows"] if r is not forced)
+    assert all(r["status"] != "FAIL" for r in report["rows"]
+               if r is not forced and r["stage"] != "logits, a batch of 2 (forced)")  # the same positions there
+
+
+@pytest.mark.parametrize("merge", [
+    "y.permute(2, 0, 1, 3).reshape(B, T, C)",  # heads merged across the batch axis: right for one sequence alone
+    "y.transpose(1, 2).reshape(1, B * T, C).reshape(B, T, C)",  # the control: right for any batch
+])
+def test_a_batch_of_two_sequences_is_judged(merge, tmp_path, capsys):
+    """The stages and the forced logits see one sequence; a head merge that permutes the batch axis (or attention
+    or a LayerNorm over it) is right for one and wrong for a batch, and passed. Checkpoint 10 also judges the
+    logits of a batch of 2 sequences against HF's on the same batch."""
+    old = "y = y.transpose(1, 2).contiguous().view(B, T, C)"
+    source = NANOGPT.replace("logits = self.lm_head(x[:, [-1], :])", "logits = self.lm_head(x)")
+    assert old in source
+    code, out, _ = run(tmp_path, capsys, source.replace(old, f"y = {merge}"), "GPT", "--json")
+    report = json.loads(out)
+    batch = next(r for r in report["rows"] if r["stage"] == "logits, a batch of 2 (forced)")
+    if "permute" not in merge:
+        assert code == 0 and batch["status"] == "PASS" and batch["shape"] == [2, 10, 512], batch
+        return
+    assert code == 1 and batch["status"] == "FAIL" and report["first_divergence"]["stage"] == "logits_batch", report
+    assert report["verdict"].startswith("FAIL (a batch of 2 sequences, checkpoint 10): sequence "), report["verdict"]
+    assert all(r["status"] != "FAIL" for r in report["rows"] if r is not batch)
 
 
 @pytest.mark.parametrize("flag, value, block, says", [

@@ -442,11 +442,14 @@ def probe_ffn(report: ModelReport, module: nn.Module, name: str, source: str) ->
     block, case = find_structure(module, ref.cfg).blocks[0], ffn_case(ref, 0)
     def unprobed(why: str) -> ModelReport:
         blind = blind_to(case, GOLDEN_ATOL)
-        if blind:
-            report.info.append(f"note: on this prompt {len(blind)} known FFN mistake{'s' * (len(blind) > 1)} also "
-                               f"pass within {GOLDEN_ATOL:.0e} ({'; '.join(blind)}), and {why}: check the FFN by "
-                               f"itself")
-        return report
+        if not blind:
+            return report
+        report.info.append(f"note: on this prompt {len(blind)} known FFN mistake{'s' * (len(blind) > 1)} also "
+                           f"pass within {GOLDEN_ATOL:.0e} ({'; '.join(blind)}), and {why}: check the FFN by "
+                           f"itself, or the model against random:<preset> (--preset)")
+        but = "and" if "; but " in report.verdict else "but"
+        return dataclasses.replace(report, verdict=report.verdict + f"; {but} on this prompt {len(blind)} known FFN "
+                                   f"mistake{'s' * (len(blind) > 1)} would pass too (the note above)")
     if not all(k in block for k in ("mlp", "mlp.c_fc", "mlp.c_proj")) or not runs_alone(block):
         return unprobed("its FFN is not a module of its own that check could run alone on a wider input")
     mlp, fc, proj = block["mlp"], block["mlp.c_fc"], block["mlp.c_proj"]

@@ -23,7 +23,16 @@ import torch
 import torch.nn as nn
 
 from .config import PRESETS, Config
-from .diagnose import MISTAKES, MODEL_MISTAKES, FFNCase, block_forward, dropout_rate, layer_norm_mistakes, named
+from .diagnose import (
+    MISTAKES,
+    MODEL_MISTAKES,
+    NON_FINITE,
+    FFNCase,
+    block_forward,
+    dropout_rate,
+    layer_norm_mistakes,
+    named,
+)
 from .golden import CHECKPOINTS, DIAGNOSE_RTOL, NON_FINITE_MISTAKES, Golden, capture, compare, load_reference
 from .learner import CheckError
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
@@ -406,9 +415,14 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
     notes += unbiased if len(unbiased) <= 3 else [f"{len(unbiased)} layers have no bias where GPT-2's have one: "
                                                   f"{'; '.join(unbiased[:3])}; ..."]
     if s.lm_head is not None:  # [in, out]: the book's loader does out_head.weight = wte; HF's state_dict holds
-        put(s.lm_head, "lm_head", tr.wte.weight.T)  # lm_head.weight = wte, which nanoGPT's and minGPT's copy
+        biased = _params(s.lm_head, False)[1] is not None  # Karpathy's lecture: nn.Linear(n_embd, vocab_size)
+        put(s.lm_head, "lm_head", tr.wte.weight.T,  # lm_head.weight = wte, which nanoGPT's and minGPT's copy
+            torch.zeros(cfg.vocab_size) if biased else None)
         notes.append(f"{s.lm_head.name} is not tied to {s.wte.name}: given wte's values, as GPT-2 ties them "
                      "(HF's state_dict holds them as lm_head.weight)")
+        if biased:
+            notes.append(f"{s.lm_head.name} has a bias, which GPT-2's head has not: given zeros (GPT-2's is "
+                         "nn.Linear(n_embd, vocab_size, bias=False))")
     # its own loading ran (most tensors that are not one constant held GPT-2's values): what it got wrong is
     # worth saying; a few near-constant ones (LayerNorm gains a short run from their init) are no sign of it
     told = [how for _, how in own if how is not None]
@@ -437,14 +451,17 @@ def _head(model: nn.Module, s: Structure, cfg: Config) -> str | None:
                  and tuple(m.weight.shape) in shapes), None)
 
 
-def _logits(o, s: Structure, cfg: Config, head: str | None = None):
-    """(logits, note) from a model's output. A trunk with no LM head (HF's GPT2Model, a last_hidden_state of
-    (1, T, n_embd)) gets GPT-2's tied head, hidden @ wte.T, and a note saying so; a model that has a head
-    (`head`, its name) and returns the hidden state is refused: its forward never applies it."""
+def _logits(o, s: Structure, cfg: Config, head: str | None = None, rows: int = 1):
+    """(logits, note) from a model's output for `rows` sequences. A trunk with no LM head (HF's GPT2Model, a
+    last_hidden_state of (1, T, n_embd)) gets GPT-2's tied head, hidden @ wte.T, and a note saying so; a model
+    that has a head (`head`, its name) and returns the hidden state is refused: its forward never applies it.
+    2-D logits are the last position's, (rows, vocab), or one sequence's every position, (T, vocab)."""
     t = _tensor(o)
     if t is None:
         t = getattr(o, "last_hidden_state", None)
         t = t if isinstance(t, torch.Tensor) else None
+    if t is not None and t.dim() == 2 and t.shape[-1] == cfg.vocab_size:
+        t = t[:, None] if t.shape[0] == rows else t[None] if rows == 1 else t
     if t is None or t.dim() != 3 or t.shape[-1] != cfg.n_embd or cfg.n_embd == cfg.vocab_size:
         return t, None
     if head is not None:
@@ -542,6 +559,8 @@ class Reference:
     stages: dict
     tokens: list    # its greedy next tokens: NEW_TOKENS, fewer where the context is shorter than prompt + them
     forced: np.ndarray  # its logits (1, T, vocab) over the prompt and those tokens, one forward (teacher-forced)
+    batch: list     # two sequences of that length: the prompt and those tokens, and other ids
+    batched: np.ndarray  # its logits (2, T, vocab) over them, one forward
 
 
 @lru_cache(maxsize=2)
@@ -555,9 +574,24 @@ def reference(source: str) -> Reference:
         for j, role in enumerate("qkv"):
             t[f"h{L}_{role}"] = np.ascontiguousarray(t[f"h{L}_c_attn"][..., j * d:(j + 1) * d])
     tokens = greedy(lambda x: model(x).logits, ids, min(NEW_TOKENS, cfg.n_positions - len(ids)))
+    batch = [ids + tokens, [(7 * i + 3) % cfg.vocab_size for i in ids + tokens]]
     with torch.no_grad():
         forced = model(torch.tensor([ids + tokens])).logits.float().numpy()
-    return Reference(info["source"], model, cfg, ids, t, tokens, forced)
+        batched = model(torch.tensor(batch)).logits.float().numpy()
+    return Reference(info["source"], model, cfg, ids, t, tokens, forced, batch, batched)
+
+
+def blind_spots(ref: Reference) -> list:
+    """What the reference's weights cannot show: every linear-layer bias 0, every LayerNorm the identity (a
+    checkpoint saved from HF's init), so a bias or a LayerNorm's gain and shift left out computes the same."""
+    tr, out = ref.model.transformer, []
+    linears = [m for b in tr.h for m in (b.attn.c_attn, b.attn.c_proj, b.mlp.c_fc, b.mlp.c_proj)]
+    norms = [n for b in tr.h for n in (b.ln_1, b.ln_2)] + [tr.ln_f]
+    if all(m.bias is None or not bool(m.bias.any()) for m in linears):
+        out.append("a linear layer's bias left out (every bias of this checkpoint is 0)")
+    if all(bool((n.weight == 1).all()) and not bool(n.bias.any()) for n in norms):
+        out.append("a LayerNorm's gain and shift left out (every LayerNorm of this checkpoint has weight 1, bias 0)")
+    return out
 
 
 def ffn_case(ref: Reference, layer: int) -> FFNCase:
@@ -594,8 +628,12 @@ def diagnose(ref: Reference, stage: str, layer, got, atol: float, runs_differ=Fa
 
     def offer(k, want):
         want = want.detach().numpy() if isinstance(want, torch.Tensor) else want
-        if want.shape == got.shape and np.isfinite(want).all() and (finite.all() or k in NON_FINITE_MISTAKES
-                                                                    and 2 * finite.sum() >= finite.size):
+        if want.shape != got.shape:
+            return
+        sure = np.isfinite(want)  # a mistake whose values are NaN or Inf (NON_FINITE) where the learner's are
+        if sure.all() and (finite.all() or k in NON_FINITE_MISTAKES and 2 * finite.sum() >= finite.size) or (
+                k in NON_FINITE and finite.any() and np.array_equal(sure, finite)
+                and np.array_equal(got[~finite], want[~sure].astype(got.dtype), equal_nan=True)):
             dist = float(np.abs(got - want)[finite].max())
             if stage in GOLDEN_SCALED:  # logits O(100), the residual stream to ~3000: float32 rounding alone
                 dist *= atol / max(atol, DIAGNOSE_RTOL * float(np.abs(want).max()))  # reaches 1e-5 of max
@@ -699,6 +737,8 @@ class ModelReport:
                          f"{r.status}" + (f"  {r.note}" if r.note else ""))
         seen = {}
         for r in self.rows:
+            if r.checkpoint == "--":  # not one of seed 001's (its own weights)
+                continue
             seen[r.checkpoint] = "FAIL" if "FAIL" in (seen.get(r.checkpoint), r.status) else (
                 "PASS" if "PASS" in (seen.get(r.checkpoint), r.status) else "--")
         lines.append("seed 001's checkpoints: " + "  ".join(f"{ck} {st}" for ck, st in seen.items()))
@@ -767,6 +807,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                 break
         tokens = None if first else greedy(lambda x: _logits(model(x), s, cfg)[0], ref.ids, len(ref.tokens))
         forced = None if first else teacher_forced(model, s, ref, atol)
+        batch = None if first else teacher_forced(model, s, ref, atol, batch=True)
     finally:
         model.train(was_training)
     rows = []
@@ -784,29 +825,50 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     ck, label = MODEL_STAGES[3][1:]
     label = f"greedy next {len(ref.tokens)} token" + "s" * (len(ref.tokens) != 1)
     forced_label = f"logits on prompt + {len(ref.tokens)} (forced)"  # HF's greedy tokens, teacher-forced
+    batch_label = "logits, a batch of 2 (forced)"
     if tokens is None:
-        rows.append(Row(ck, label, "", (), float("nan"), None, "--", "not reached"))
-        rows.append(Row(ck, forced_label, "", (), float("nan"), None, "--", "not reached"))
+        for what in (label, forced_label, batch_label):
+            rows.append(Row(ck, what, "", (), float("nan"), None, "--", "not reached"))
     else:
         ok = tokens == ref.tokens
         rows.append(Row(ck, label, "", (len(tokens),), float("nan"), None, "PASS" if ok else "FAIL",
                         f"got {tokens}" + ("" if ok else f", expected {ref.tokens}")))
         rows.append(Row(ck, forced_label, "", *forced))
+        rows.append(Row(ck, batch_label, "", *batch))
+    if wrong:  # its computation may be GPT-2's, but not its weights as it loads them
+        rows.append(Row("--", "its own weights, as its loader left them", "", (len(wrong),), float("nan"), None,
+                        "FAIL", f"{len(wrong)} tensor{'s' * (len(wrong) != 1)} not GPT-2's: the note above"))
     if first is None:
-        tokens_row, forced_row = rows[-2], rows[-1]
+        tokens_row, forced_row, batch_row = rows[-3 - bool(wrong):len(rows) - bool(wrong)]
+        late = [  # (row, stage, checkpoint, what, verdict) of a failure after every stage passed, in this order
+            (forced_row, "logits_forced", ck, forced_label,
+             f"FAIL (logits past the prompt, checkpoint 10): {forced_row.note}, though every stage on the "
+             f"{len(ref.ids)}-token prompt is within tolerance and the greedy tokens agree: a causal mask or position "
+             f"that goes wrong only past the prompt's length?"),
+            (batch_row, "logits_batch", ck, batch_label,
+             f"FAIL (a batch of 2 sequences, checkpoint 10): {batch_row.note}, though one sequence alone is right at "
+             f"every stage: something mixes the batch's sequences (heads merged with a permute or reshape across the "
+             f"batch axis, attention or a LayerNorm over it)?"),
+            (rows[-1] if wrong else None, "own_weights", None, "its own weights",
+             f"FAIL (its own weights): {name} computes GPT-2 with GPT-2's weights (every stage within {atol:.0e} of "
+             f"HF's), but its own loading left {len(wrong)} weight tensor{'s' * (len(wrong) != 1)} wrong (the note "
+             f"above): as loaded, it is not GPT-2")]
+        failed = next((x for x in late if x[0] is not None and x[0].status == "FAIL"), None)
         if tokens_row.status == "FAIL":
             verdict = f"FAIL (greedy tokens): {tokens_row.note}, though every stage is within tolerance"
-        elif forced_row.status == "FAIL":
-            verdict = (f"FAIL (logits past the prompt, checkpoint 10): {forced_row.note}, though every stage on the "
-                       f"{len(ref.ids)}-token prompt is within tolerance and the greedy tokens agree: a causal mask "
-                       f"or position that goes wrong only past the prompt's length?")
-            return ModelReport(name, info, rows, verdict, None, {"layer": None, "stage": "logits_forced",
-                                                                 "checkpoint": ck, "what": forced_label})
+        elif failed:
+            _, stage, at, what, verdict = failed
+            return ModelReport(name, info, rows, verdict, None, {"layer": None, "stage": stage, "checkpoint": at,
+                                                                 "what": what})
         else:
             verdict = (f"PASS: {name} computes GPT-2 ({cfg.n_layer} blocks, every stage within {atol:.0e} of HF's, "
-                       f"same greedy tokens and logits past the prompt)" + (
-                           f"; but its own loading got {len(wrong)} weight tensor{'s' * (len(wrong) != 1)} wrong "
-                           f"(the note above)" if wrong else ""))
+                       f"same greedy tokens and logits past the prompt and in a batch)")
+            blind = blind_spots(ref)
+            if blind:
+                info.append(f"note: these weights cannot show {'; nor '.join(blind)}: judge against random:<preset> "
+                            f"too (--preset), whose biases and LayerNorms are not")
+                verdict += f"; but these weights cannot show {len(blind)} kind{'s' * (len(blind) > 1)} of mistake " \
+                           f"(the note above)"
         return ModelReport(name, info, rows, verdict)
     stage, L, mine, differ = first
     diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), differ, got)
@@ -818,38 +880,43 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
                                                                                       LABELS[stage])})
 
 
-def teacher_forced(model: nn.Module, s: Structure, ref: Reference, atol: float) -> tuple:
+def teacher_forced(model: nn.Module, s: Structure, ref: Reference, atol: float, batch: bool = False) -> tuple:
     """(shape, max_abs, tol, status, note) of the model's logits over the prompt and HF's greedy tokens, one
     forward, against HF's (every position it returns: nanoGPT's the last). The stages see only the prompt, and a
     token's argmax can hold through a wrong logit: a mask that lets rows past the prompt's length see later ones
-    changed nanoGPT's logits on the 2-block reference by 0.24 at position 9 of 10, the greedy tokens unchanged."""
-    ids = ref.ids + ref.tokens
+    changed nanoGPT's logits on the 2-block reference by 0.24 at position 9 of 10, the greedy tokens unchanged.
+    batch: the same sequence beside another one, as a batch of 2 (ref.batch): the stages see one sequence, and a
+    head merge that permutes the batch axis, attention or a LayerNorm over it, are right for one alone."""
+    rows, want = (ref.batch, ref.batched) if batch else ([ref.ids + ref.tokens], ref.forced)
+    what = "a batch of 2 sequences" if batch else "the prompt and HF's greedy tokens"
     try:
         with torch.no_grad():
-            got = _logits(model(torch.tensor([ids])), s, ref.cfg)[0]
+            got = _logits(model(torch.tensor(rows)), s, ref.cfg, rows=len(rows))[0]
     except CheckError:
         raise
     except Exception as e:
-        raise CheckError(f"the model failed on the prompt and HF's greedy tokens, token ids of shape (1, {len(ids)}): "
+        raise CheckError(f"the model failed on {what}, token ids of shape {tuple(want.shape[:2])}: "
                          f"{type(e).__name__}: {e}".splitlines()[0]) from None
-    want = ref.forced
-    if got is None or got.dim() != 3 or got.shape[-1] != want.shape[-1] or not 0 < got.shape[1] <= want.shape[1]:
+    if got is None or got.dim() != 3 or got.shape[0] != want.shape[0] or got.shape[-1] != want.shape[-1] \
+            or not 0 < got.shape[1] <= want.shape[1]:
         shape = tuple(got.shape) if isinstance(got, torch.Tensor) else ()
         return shape, float("nan"), None, "FAIL", f"logits of shape {shape}, expected {want.shape}"
     got = got.detach().float().numpy()
     want = want[:, -got.shape[1]:]
     tol = max(atol, GOLDEN_SCALED["logits"] * float(np.abs(want).max()))
     first = ref.forced.shape[1] - got.shape[1]  # the position of got's first row
+    where = ("sequence {b}: " if batch else "") + "position {pos}"
     prompt = f"positions 0-{len(ref.ids) - 1} are the prompt"
     if not np.isfinite(got).all():
-        pos = int((~np.isfinite(got)).any(-1)[0].argmax()) + first
-        return got.shape, float("nan"), tol, "FAIL", f"NaN/Inf at position {pos} ({prompt})"
+        b, pos = np.argwhere(~np.isfinite(got).all(-1))[0]
+        return got.shape, float("nan"), tol, "FAIL", f"NaN/Inf at {where.format(b=b, pos=pos + first)} ({prompt})"
     err = np.abs(got - want)
     worst = float(err.max())
     if worst <= tol:
         return got.shape, worst, tol, "PASS", ""
-    pos = int(err.max(-1)[0].argmax()) + first
-    return got.shape, worst, tol, "FAIL", f"position {pos} differs by {worst:.3g} (tolerance {tol:.1e}; {prompt})"
+    b, pos = np.unravel_index(int(err.max(-1).argmax()), err.shape[:2])
+    return got.shape, worst, tol, "FAIL", (f"{where.format(b=b, pos=pos + first)} differs by {worst:.3g} (tolerance "
+                                           f"{tol:.1e}" + ("" if batch else f"; {prompt}") + ")")
 
 
 def _load_all(s: Structure, model: nn.Module, ref: Reference, cfg: Config) -> tuple:

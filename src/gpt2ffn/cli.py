@@ -1,6 +1,7 @@
 """The `gpt2ffn` command: one subcommand per task, each mapped to a function. Errors print one line, exit 2."""
 
 import argparse
+import math
 import os
 import re
 import sys
@@ -180,6 +181,18 @@ def cmd_extract(args):
     return 0
 
 
+def strict_json(obj):
+    """obj with every NaN or infinite float as None: JSON has no NaN (Python writes a bare NaN, which JSON.parse,
+    serde_json and jq refuse); a row not measured has a max abs of null."""
+    if isinstance(obj, float):
+        return obj if math.isfinite(obj) else None
+    if isinstance(obj, dict):
+        return {k: strict_json(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [strict_json(v) for v in obj]
+    return obj
+
+
 def cmd_verify(args):
     """Judge gpt2ffn (or --candidate's tensors) against a golden directory."""
     import json
@@ -231,9 +244,9 @@ def cmd_verify(args):
                                            "golden tensors") if t)
     if args.json:
         counts = {k.lower(): sum(r.status == k for r in rows) for k in ("PASS", "FAIL", "MISSING", "SKIP")}
-        print(json.dumps({"golden": str(args.golden), "mode": title, "passed": not failed and bool(judged),
-                          "counts": counts, "first_failure": first.as_dict() if first else None, "notes": notes,
-                          "rows": [r.as_dict() for r in rows]}, indent=1))
+        print(json.dumps(strict_json({"golden": str(args.golden), "mode": title, "passed": not failed and bool(judged),
+                                      "counts": counts, "first_failure": first.as_dict() if first else None,
+                                      "notes": notes, "rows": [r.as_dict() for r in rows]}), indent=1))
     else:
         print(g.format_rows(rows, f"{title} vs golden {args.golden} ({gold.manifest['model']['source']}, "
                                   f"{len(gold.token_ids)} tokens)"))
@@ -286,9 +299,10 @@ def cmd_check(args):
                 raise Gpt2ffnError(f"{label} called sys.exit({e.code!r}) while check built or ran it") from None
     except Gpt2ffnError as e:
         if args.json:  # a JSON reader gets an object too (the one line on stderr and exit 2 stay)
-            print(json.dumps({"target": args.target, "passed": False, "error": str(e)}, indent=1))
+            print(json.dumps({"kind": None, "subject": args.target, "target": args.target, "passed": False,
+                              "error": str(e)}, indent=1))
         raise
-    print(json.dumps(report.as_dict(), indent=1) if args.json else report.format())
+    print(json.dumps(strict_json(report.as_dict()), indent=1) if args.json else report.format())
     return 0 if report.passed else 1
 
 

@@ -429,7 +429,28 @@ MISTAKES = {
                    "(x - mean) / torch.sqrt(var + eps), or nn.LayerNorm"),
     "resid_normed": ("the residual adds the normalized x: x = ln_1(x) + attn(ln_1(x))",
                      "the residual carries x itself: x = x + attn(ln_1(x))"),
+    "scale_d_head": ("attention scores scaled by 1/d_head instead of 1/sqrt(d_head)",
+                     "divide q @ k^T by math.sqrt(d_head) (F.scaled_dot_product_attention's default scale), not by "
+                     "d_head"),
+    "softmax_heads": ("softmax over the heads axis (dim=1 of (B, n_head, T, T)) instead of the keys (dim=-1)",
+                      "torch.softmax(att, dim=-1): each query's weights over the keys sum to 1"),
+    "mask_after_softmax_inf": ("mask applied after the softmax, filling the future weights with -inf",
+                               "fill the scores of future keys with -inf before the softmax, not its output"),
+    "heads_reshaped": ("heads split with a reshape alone: (T, n_embd) viewed as (n_head, T, d_head), no transpose",
+                       "q.view(B, T, n_head, d_head).transpose(1, 2): a reshape to (B, n_head, T, d_head) mixes the "
+                       "tokens and the heads"),
+    "mask_keeps_future": ("causal mask inverted, the diagonal masked too: each position attends only to later "
+                          "tokens (nn.MultiheadAttention's attn_mask given tril where True means masked)",
+                          "mask the keys after the query: nn.MultiheadAttention's bool attn_mask is True where "
+                          "attention is NOT allowed, torch.triu(torch.ones(T, T, dtype=torch.bool), diagonal=1)"),
+    "mask_float_01": ("a float 0/1 mask added to the scores: nn.MultiheadAttention adds a float attn_mask, so 1 "
+                      "where allowed and 0 where not masks nothing",
+                      "give a bool mask (True where not allowed: torch.triu(ones, diagonal=1).bool()), or a float "
+                      "one of 0 where allowed and -inf where not"),
 }
+# Mistakes whose stages hold NaN or Inf as a learner's do (a row of -inf softmaxed, or -inf left in the
+# probabilities): matched where the learner's non-finite values are the same ones, on the rest.
+NON_FINITE = ("softmax_heads", "mask_after_softmax_inf", "mask_keeps_future")
 # Mistakes of the model outside its blocks: key -> (name, what to change).
 MODEL_MISTAKES = {
     "positions_not_added": ("position embeddings not added (wte only)", "x = wte(idx) + wpe(torch.arange(T))"),
@@ -500,27 +521,30 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
         heads = lambda t: t.reshape(1, T, H, dh).transpose(1, 2)               # noqa: E731  (1, H, T, dh)
         if mistake == "heads_interleaved":
             heads = lambda t: t.reshape(1, T, dh, H).permute(0, 3, 1, 2)       # noqa: E731
+        split = (lambda t: t.reshape(1, H, T, dh)) if mistake == "heads_reshaped" else heads  # noqa: E731
         right = cfg.attn_scale(layer)
-        scale = {"no_scale": 1.0, "scale_n_embd": 1 / math.sqrt(d)}.get(mistake, 1 / math.sqrt(dh) if right is None
-                                                                         else right)
-        att = heads(q) @ heads(k).transpose(-1, -2) * scale                    # (1, H, T, T)
+        scale = {"no_scale": 1.0, "scale_n_embd": 1 / math.sqrt(d), "scale_d_head": 1 / dh}.get(
+            mistake, 1 / math.sqrt(dh) if right is None else right)
+        att = split(q) @ split(k).transpose(-1, -2) * scale                    # (1, H, T, T)
         i = torch.arange(T)
         mask = {"no_mask": None, "inverted_mask": i[None, :] < i[:, None],
-                "mask_excludes_self": i[None, :] >= i[:, None],
+                "mask_excludes_self": i[None, :] >= i[:, None], "mask_keeps_future": i[None, :] <= i[:, None],
                 "mask_off_by_one": i[None, :] > i[:, None] + 1}.get(mistake, i[None, :] > i[:, None])
-        if mask is not None and mistake != "mask_after_softmax":
+        if mistake == "mask_float_01":
+            att = att + (i[None, :] <= i[:, None]).to(att.dtype)
+        elif mask is not None and mistake not in ("mask_after_softmax", "mask_after_softmax_inf"):
             att = att.masked_fill(mask, 0.0 if mistake == "mask_zero_fill" else float("-inf"))
-        p = torch.softmax(att, dim=-2 if mistake == "softmax_axis" else -1)
-        if mistake == "mask_after_softmax":
-            p = p.masked_fill(mask, 0.0)
+        p = torch.softmax(att, dim={"softmax_axis": -2, "softmax_heads": 1}.get(mistake, -1))
+        if mistake in ("mask_after_softmax", "mask_after_softmax_inf"):
+            p = p.masked_fill(mask, 0.0 if mistake == "mask_after_softmax" else float("-inf"))
         elif mistake == "mask_excludes_self":  # the first query sees nothing: its weights 0 (an engine's NaN there
             # is a non-finite row, reported as such)
             p = torch.nan_to_num(p, nan=0.0)
-        ctx = (p @ heads(v)).reshape(1, T, d) if mistake == "heads_not_merged" else \
-            (p @ heads(v)).transpose(1, 2).reshape(1, T, d)
+        ctx = (p @ split(v)).reshape(1, T, d) if mistake == "heads_not_merged" else \
+            (p @ split(v)).transpose(1, 2).reshape(1, T, d)
         wp = w["attn.c_proj.weight"].T if mistake == "attn_c_proj_not_transposed" else w["attn.c_proj.weight"]
-        return {"c_attn": c_attn, "q": q, "k": k, "v": v, "q_heads": heads(q), "k_heads": heads(k),
-                "v_heads": heads(v), "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
+        return {"c_attn": c_attn, "q": q, "k": k, "v": v, "q_heads": split(q), "k_heads": split(k),
+                "v_heads": split(v), "attn_probs": p, "attn_out": ctx @ wp + w["attn.c_proj.bias"]}
 
     def mlp(h):
         c_fc = h @ w["mlp.c_fc.weight"] + w["mlp.c_fc.bias"]

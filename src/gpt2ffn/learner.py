@@ -33,7 +33,7 @@ FIELD_NAMES = {
     "n_layer": ("n_layer", "n_layers", "num_layers", "num_hidden_layers"),
     "n_positions": ("block_size", "context_length", "n_positions", "n_ctx", "max_position_embeddings",
                     "max_seq_len", "context_size"),
-    "vocab_size": ("vocab_size",),
+    "vocab_size": ("vocab_size", "vocab", "n_vocab", "num_tokens", "vocab_len"),
     "hidden": ("n_inner", "d_ff", "intermediate_size", "ffn_dim"),
     "resid_pdrop": ("dropout", "drop_rate", "resid_pdrop", "embd_pdrop", "attn_pdrop", "dropout_rate"),
     "bias": ("bias", "qkv_bias", "use_bias"),
@@ -223,8 +223,9 @@ def _call(cls, args: list, how: str, cfg_label: str, cfg=None, kwargs=None):
         who = super_missing(e)
         if who:
             raise CheckError(super_message(who, e)) from None
-        hint = (f": it reads a key {cfg_label} does not have ({', '.join(cfg)})" if isinstance(e, KeyError) and cfg
-                else "")
+        hint = (f": it reads a key {cfg_label} does not have ({', '.join(cfg)}); give it with --config "
+                f"'{{\"{e.args[0]}\": VALUE}}' (check(obj, config={{...}}) in Python)"
+                if isinstance(e, KeyError) and cfg and e.args else "")
         raise CheckError(f"{how} raised {type(e).__name__}: {e}{hint}".splitlines()[0]) from None
 
 
