@@ -12,7 +12,7 @@ from gpt2ffn.check_model import reference
 from gpt2ffn.cli import main
 from gpt2ffn.diagnose import MISTAKES, MODEL_MISTAKES, block_forward
 from gpt2ffn.tolerances import GOLDEN_ATOL
-from learners import BOOK, HF, MHA, MINGPT, MUTANTS, NANOGPT, OWN_PARAMS, plant
+from learners import BOOK, HF, KARPATHY, MHA, MINGPT, MUTANTS, NANOGPT, OWN_PARAMS, plant
 
 TINY = "random:tiny:3"  # n_embd 64, 2 blocks, 4 heads, vocab 512, 128 positions: the fast reference
 
@@ -678,3 +678,45 @@ def test_a_one_position_reference_has_no_greedy_tokens(tmp_path):
         tmp_path)
     ref = reference(str(tmp_path))
     assert ref.ids == [15496 % 512] and ref.tokens == [] and ref.forced.shape == (1, 1, 512)
+
+
+@pytest.mark.parametrize("change, says", [
+    (None, "PASS: learner.py:GPTLanguageModel computes GPT-2"),
+    # the lecture's own scale: C is x's width, n_embd, where the head's is meant
+    (("k.shape[-1]**-0.5", "C**-0.5"), "attention scores scaled by 1/sqrt(n_embd) instead of 1/sqrt(d_head)"),
+    (("bias=True)", "bias=False)"), "q/k/v bias missing (GPT-2's c_attn has one)"),  # the lecture's heads' as written
+])
+def test_karpathys_lecture_model_with_a_module_per_head(change, says, tmp_path, capsys):
+    """The lecture's MultiHeadAttention runs a ModuleList of Head modules, each with its own key, query and value
+    layers of head_size: refused before (3 x n_head layers of [d, d_head] fit no role). Now each role is the heads'
+    layers side by side (head h gets GPT-2's columns h * d_head ..), and their outputs concatenated are judged as
+    q, k, v; its lm_head's bias is given zeros."""
+    source = KARPATHY if change is None else KARPATHY.replace(*change)
+    code, out, err = run(tmp_path, capsys, source, "GPTLanguageModel")
+    assert code == (0 if change is None else 1), out + err
+    assert says in out.splitlines()[-1], out
+    assert "lm_head has a bias, which GPT-2's head has not: given zeros" in out
+    if change is None:
+        assert re.search(r"02 q \(c_attn\) +0-1 +\(1, 6, 64\) .* PASS", out), out
+
+
+@pytest.mark.parametrize("old, new, says", [
+    # minGPT's first GPT: position embeddings as a Parameter of the model's own
+    ("            wpe=nn.Embedding(config.block_size, config.n_embd),\n", "",
+     "PASS: learner.py:GPT computes GPT-2"),
+    # no learned positions at all (RoPE, sinusoids): named at checkpoint 00, not refused
+    ("            wpe=nn.Embedding(config.block_size, config.n_embd),\n", "",
+     "FAIL (first divergence: embeddings (wte + wpe), checkpoint 00): no learned position embeddings"),
+])
+def test_position_embeddings_as_a_parameter_or_none(old, new, says, tmp_path, capsys):
+    source = NANOGPT.replace(old, new)
+    if says.startswith("PASS"):
+        source = source.replace("        self.lm_head = nn.Linear(",
+                                "        self.pos_emb = nn.Parameter(torch.zeros(1, config.block_size, config.n_embd))"
+                                "\n        self.lm_head = nn.Linear(")
+        source = source.replace("pos_emb = self.transformer.wpe(pos)", "pos_emb = self.pos_emb[:, :t, :]")
+    else:
+        source = source.replace("pos_emb = self.transformer.wpe(pos)", "pos_emb = 0")
+    code, out, err = run(tmp_path, capsys, source, "GPT")
+    assert code == (0 if says.startswith("PASS") else 1), out + err
+    assert out.splitlines()[-1].startswith(says), out

@@ -99,7 +99,7 @@ class Part:
 @dataclass
 class Structure:
     wte: Part
-    wpe: Part
+    wpe: Part | None        # None: it has no learned position embeddings (RoPE, sinusoids: named at checkpoint 00)
     blocks: list            # per block: {role: Part}, roles ln_1, ln_2, attn.c_attn or q/k/v, attn.c_proj,
     ln_f: Part              # mlp.c_fc, mlp.c_proj, and the containers attn, mlp, block
     lm_head: Part | None    # None: logits come from wte (tied)
@@ -188,8 +188,16 @@ def find_structure(model: nn.Module, cfg: Config) -> Structure:
     embs = [(n, m) for n, m in top if isinstance(m, nn.Embedding)]
     wte = next((x for x in embs if x[1].num_embeddings == V), None)
     # wpe: GPT-2's, or a shorter context (the book's chapter 5 trains at 256): its first positions are GPT-2's
-    short = [x for x in embs if x is not wte and min(len(TOKEN_IDS) + NEW_TOKENS, P) <= x[1].num_embeddings <= P]
+    lo = min(len(TOKEN_IDS) + NEW_TOKENS, P)
+    short = [x for x in embs if x is not wte and lo <= x[1].num_embeddings <= P]
     wpe = max(short, key=lambda x: x[1].num_embeddings, default=None)
+    if wpe is None and wte is not None:  # a Parameter of its own (minGPT's pos_emb), else none: RoPE, sinusoids
+        wpe = own_positions(model, bname, d, lo, P)
+        if wpe is not None:  # the module holding it directly holds nothing else of GPT-2's roles
+            only = lambda m: [id(p) for p in m._parameters.values() if p is not None] == [id(wpe[1].weight)]  # noqa: E731
+            top = [(n, m) for n, m in top if not only(m)]
+        elif len(embs) == 1:
+            wpe = ("", None)  # judged: its embeddings (block 0's input) fail, and are named as having no wpe
     if wte is None or wpe is None:
         got = ", ".join(f"{n} {tuple(m.weight.shape)}" for n, m in embs) or "none"
         padded = [(n, m.num_embeddings) for n, m in embs if V < m.num_embeddings != P]
@@ -215,7 +223,7 @@ def find_structure(model: nn.Module, cfg: Config) -> Structure:
     names = " ".join(p.name for p in blocks[0].values()) + " " + wte[0]
     style = ("nanoGPT/HF" if re.search(r"c_attn|c_fc", names) and "ln_1" in names else
              "the book's" if re.search(r"W_query|norm1|tok_emb", names) else None)
-    return Structure(Part(*wte), Part(*wpe), blocks, Part(*norms[0]), lm_head, style)
+    return Structure(Part(*wte), Part(*wpe) if wpe[1] is not None else None, blocks, Part(*norms[0]), lm_head, style)
 
 
 class OwnLinear(nn.Module):
@@ -227,6 +235,93 @@ class OwnLinear(nn.Module):
     def __init__(self, weight, bias):
         super().__init__()
         self.weight, self.bias = weight, bias
+
+
+class OwnPositions(nn.Module):
+    """Position embeddings held as a Parameter of the model's own, (1, P, n_embd) or (P, n_embd) (minGPT's first
+    `self.pos_emb = nn.Parameter(torch.zeros(1, block_size, n_embd))`), as wpe: the same Parameter."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+        self.num_embeddings = weight.shape[-2]
+
+
+def own_positions(model: nn.Module, skip: str, d: int, lo: int, hi: int):
+    """(name, OwnPositions) of the one Parameter outside the blocks (skip) and outside any layer holding a
+    `weight` (an embedding, a norm) shaped as position embeddings, lo..hi positions of width d; else None."""
+    found = [(n, p) for n, p in model.named_parameters() if not (n == skip or n.startswith(skip + "."))
+             and n.rpartition(".")[2] not in ("weight", "bias") and p.shape[-1] == d and lo <= p.shape[-2] <= hi
+             and (p.dim() == 2 or p.dim() == 3 and p.shape[0] == 1)]
+    return (found[0][0], OwnPositions(found[0][1])) if len(found) == 1 else None
+
+
+class PerHead(nn.Module):
+    """One of q, k, v computed per head by a layer of its own (Karpathy's "Let's build GPT": a ModuleList of Head
+    modules, each with key, query, value nn.Linear(n_embd, head_size)), taken as one layer: loading gives head h
+    columns h * d_head .. of GPT-2's, and a hook on it sees the heads' outputs side by side, (B, T, n_embd), as
+    the lecture's torch.cat([h(x) for h in self.heads], dim=-1) puts them. The heads stay the learner's modules."""
+
+    def __init__(self, heads: list):
+        super().__init__()
+        self.heads = tuple(heads)  # a tuple: not registered, so not counted as this module's submodules
+        w = self.heads[0].weight
+        self.layout = "[out, in]" if isinstance(self.heads[0], nn.Linear) or w.shape[0] < w.shape[1] else "[in, out]"
+
+    def load(self, w, b, name: str) -> tuple:
+        """Copy GPT-2's [in, out] weight w (n_embd, n_embd) and bias b into the heads: (ids of the Parameters
+        copied, whether any head lacks a bias)."""
+        hd, done, unbiased = w.shape[1] // len(self.heads), [], False
+        for h, m in enumerate(self.heads):
+            wh = w[:, h * hd:(h + 1) * hd]
+            _copy(m.weight, wh.T if self.layout == "[out, in]" else wh, f"{name} head {h} weight")
+            done.append(id(m.weight))
+            if m.bias is None:
+                unbiased = True
+            elif b is not None:
+                _copy(m.bias, b[h * hd:(h + 1) * hd], f"{name} head {h} bias")
+                done.append(id(m.bias))
+        return done, unbiased
+
+    def register_forward_hook(self, hook):
+        """hook(self, args, (B, T, n_embd)) once every head has run, their outputs side by side."""
+        outs = {}
+
+        def each(i):
+            def seen(m, args, out):
+                outs[i] = out
+                if len(outs) == len(self.heads):
+                    hook(self, args, torch.cat([outs.pop(k) for k in range(len(self.heads))], dim=-1))
+            return seen
+        return _Handles([m.register_forward_hook(each(i)) for i, m in enumerate(self.heads)])
+
+
+class _Handles:
+    """Several hook handles removed as one."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+
+    def remove(self):
+        for h in self.handles:
+            h.remove()
+
+
+def per_head(lin: list, d: int, n_head: int) -> dict | None:
+    """q, k, v as PerHead layers where a block's attention is n_head layers each of them, [d_head, d] (named
+    query / key / value, or q / k / v: the Head modules' own names), in head order: {role: (name, PerHead)}."""
+    hd = d // n_head
+    heads = [(n, m) for n, m in lin if sorted(_weight2d(m).shape) == sorted((d, hd))]
+    if hd == d or len(heads) != 3 * n_head:
+        return None
+    roles = {}
+    for role in "qkv":
+        mine = [(n, m) for n, m in heads if re.search(LINEAR_HINTS[role], n, re.IGNORECASE)]
+        if len(mine) != n_head:
+            return None
+        stem, _, last = mine[0][0].rpartition(".")
+        roles[role] = (f"{_common([n for n, _ in mine])}.*.{last}", PerHead([m for _, m in mine]))
+    return roles
 
 
 def stem(name: str, tail: str) -> str:
@@ -278,7 +373,9 @@ def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
     fused = [x for x in lin if shape(x[1]) == sorted((d, 3 * d))]
     square = [x for x in lin if shape(x[1]) == [d, d]]
     ffn = [x for x in lin if shape(x[1]) == sorted((d, hidden))]
-    rest = [n for n, m in lin if (n, m) not in fused + square + ffn] + strange
+    heads = per_head(lin, d, cfg.n_head) if not fused else None  # Karpathy's lecture: each head's q, k, v
+    split = [id(m) for _, p in (heads or {}).values() for m in p.heads]
+    rest = [n for n, m in lin if (n, m) not in fused + square + ffn and id(m) not in split] + strange
     where = f"{prefix} ({type(block).__name__})"
     widths = {w for n, m in lin if n in rest for w in shape(m) if w != d}
     if len(norms) == 2 and not strange and len(rest) == 2 and len(widths) == 1 and not ffn:
@@ -304,6 +401,9 @@ def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
     if len(fused) == 1 and len(square) == 1:
         roles.update({"attn.c_attn": fused[0], "attn.c_proj": square[0]})
         attn = [fused[0][0], square[0][0]]
+    elif heads and len(square) == 1:
+        roles.update({**heads, "attn.c_proj": square[0]})
+        attn = [n for n, m in lin if id(m) in split] + [square[0][0]]
     elif not fused and len(square) == 4:
         roles.update(_pick(["q", "k", "v", "attn.c_proj"], square, LINEAR_HINTS))
         attn = [n for n, _ in square]
@@ -315,10 +415,11 @@ def _block_roles(prefix: str, block: nn.Module, cfg: Config) -> dict:
     out = {}
     for role, (n, m) in roles.items():
         n_in, n_out = {"attn.c_attn": (d, 3 * d), "mlp.c_fc": (d, hidden), "mlp.c_proj": (hidden, d)}.get(role, (d, d))
-        lay = _layout(m, n_in, n_out, mods) if _weight2d(m) is not None else None
+        lay = m.layout if isinstance(m, PerHead) else _layout(m, n_in, n_out, mods) if _weight2d(m) is not None \
+            else None
         out[role] = Part(f"{prefix}.{n}", m, lay)
     named_mods = dict(block.named_modules())
-    others = {id(m) for role, (_, m) in roles.items() if not role.startswith("mlp.")}
+    others = {id(m) for role, (_, m) in roles.items() if not role.startswith("mlp.")} | set(split)
     for role, names in (("attn", attn), ("mlp", [roles["mlp.c_fc"][0], roles["mlp.c_proj"][0]])):
         n = _common(names)
         while role == "mlp" and n:  # the FFN is the outermost module holding it alone: the book's ff, not ff.layers
@@ -382,6 +483,12 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
     tr, done, notes, unbiased, own = hf.transformer, set(), [], [], []
 
     def put(part, key, w, b=None):
+        if isinstance(part.module, PerHead):  # each head its columns of GPT-2's
+            ids, lacks = part.module.load(w, b, part.name)
+            done.update(ids)
+            if lacks and b is not None:
+                unbiased.append(f"{part.name} has no bias (GPT-2's {key} has one)")
+            return
         weight, bias = _params(part, w.dim() == 1)
         value = w.T if part.layout == "[out, in]" else w
         own.append((f"{part.name}.weight ({key})", _own(weight, value, w)))
@@ -396,10 +503,15 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
                 done.add(id(bias))
 
     put(s.wte, "wte", tr.wte.weight)
-    n_pos = s.wpe.module.num_embeddings
-    put(s.wpe, "wpe", tr.wpe.weight[:n_pos])
-    if n_pos < cfg.n_positions:
-        notes.append(f"{s.wpe.name} holds {n_pos} positions: given GPT-2's first {n_pos} (of {cfg.n_positions})")
+    if s.wpe is None:
+        notes.append("no position embeddings (an nn.Embedding, or a Parameter of (n_positions, n_embd)): GPT-2's "
+                     "wpe has nowhere to go")
+    else:
+        n_pos = s.wpe.module.num_embeddings
+        wpe = tr.wpe.weight[:n_pos]
+        put(s.wpe, "wpe", wpe.reshape(s.wpe.module.weight.shape) if isinstance(s.wpe.module, OwnPositions) else wpe)
+        if n_pos < cfg.n_positions:
+            notes.append(f"{s.wpe.name} holds {n_pos} positions: given GPT-2's first {n_pos} (of {cfg.n_positions})")
     for i, roles in enumerate(s.blocks):
         h = tr.h[i]
         for key in ("ln_1", "ln_2", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"):
@@ -447,7 +559,7 @@ def _head(model: nn.Module, s: Structure, cfg: Config) -> str | None:
     """The name of a module of the model's that is an LM head (a weight of wte's shape, other than wte)."""
     shapes = {(cfg.vocab_size, cfg.n_embd), (cfg.n_embd, cfg.vocab_size)}
     return next((n for n, m in model.named_modules() if not isinstance(m, nn.Embedding) and m is not s.wte.module
-                 and m is not s.wpe.module and isinstance(getattr(m, "weight", None), torch.Tensor)
+                 and (s.wpe is None or m is not s.wpe.module) and isinstance(getattr(m, "weight", None), torch.Tensor)
                  and tuple(m.weight.shape) in shapes), None)
 
 
@@ -872,6 +984,10 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
         return ModelReport(name, info, rows, verdict)
     stage, L, mine, differ = first
     diagnosis = diagnose(ref, stage, L, mine, max(atol, judged[stage][-1][5]), differ, got)
+    if stage == "embeddings" and s.wpe is None:  # RoPE or sinusoids: what it lacks, whatever it adds instead
+        from .diagnose import Diagnosis
+        name, fix = MODEL_MISTAKES["no_wpe"]
+        diagnosis = Diagnosis("embeddings", "no_wpe", f"{name}: {fix}")
     where = f"block {L}, {LABELS[stage]}" if L is not None else LABELS[stage]
     verdict = f"FAIL (first divergence: {where}, checkpoint {CHECKPOINT[stage]}): {diagnosis.text}"
     return ModelReport(name, info, rows, verdict, diagnosis, {"layer": L, "stage": stage,

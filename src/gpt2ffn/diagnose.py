@@ -454,6 +454,9 @@ NON_FINITE = ("softmax_heads", "mask_after_softmax_inf", "mask_keeps_future")
 # Mistakes of the model outside its blocks: key -> (name, what to change).
 MODEL_MISTAKES = {
     "positions_not_added": ("position embeddings not added (wte only)", "x = wte(idx) + wpe(torch.arange(T))"),
+    "no_wpe": ("no learned position embeddings: GPT-2 adds wpe, a learned (n_positions, n_embd) table, to the token "
+               "embeddings (RoPE or sinusoidal positions are not GPT-2's)",
+               "self.wpe = nn.Embedding(n_positions, n_embd); x = wte(idx) + wpe(torch.arange(T))"),
     "positions_from_1": ("positions counted from 1 (wpe[1 .. T]) instead of 0",
                          "x = wte(idx) + wpe(torch.arange(T)): the first token's position is 0"),
     "no_ln_f": ("ln_f not applied: the last block's output taken as is", "x = ln_f(x) after the last block"),
