@@ -324,6 +324,7 @@ MUTANTS = {
     "gelu_after_c_proj": (BOOK, "            GELU(),\n            nn.Linear(4 * cfg[\"emb_dim\"], cfg[\"emb_dim\"]),\n",
                           "            nn.Linear(4 * cfg[\"emb_dim\"], cfg[\"emb_dim\"]),\n            GELU(),\n"),
     # from a second outside round (each failed unnamed before)
+    "ln_2_for_attn": (NANOGPT, "x = x + self.attn(self.ln_1(x))", "x = x + self.attn(self.ln_2(x))"),
     "scale_d_head": (NANOGPT, " * (1.0 / math.sqrt(k.size(-1)))", " * (1.0 / k.size(-1))"),
     "softmax_heads": (NANOGPT, "att = F.softmax(att, dim=-1)", "att = F.softmax(att, dim=1)"),  # NaN
     "mask_after_softmax_inf": (NANOGPT, "        att = att.masked_fill(self.bias[:, :, :T, :T] == 0, float('-inf'))\n"

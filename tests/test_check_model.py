@@ -63,7 +63,8 @@ FIRST = {"no_scale": "attn_probs", "no_mask": "attn_probs", "inverted_mask": "at
          "mask_zero_fill": "attn_probs", "ln_no_sqrt": "ln_1", "resid_normed": "attn_resid",
          "qkv_per_head": "attn_probs", "mask_excludes_self": "attn_probs", "gelu_after_c_proj": "gelu",
          "scale_d_head": "attn_probs", "softmax_heads": "attn_probs", "mask_after_softmax_inf": "attn_probs",
-         "heads_reshaped": "attn_probs", "mask_keeps_future": "attn_out", "mask_float_01": "attn_out"}
+         "heads_reshaped": "attn_probs", "mask_keeps_future": "attn_out", "mask_float_01": "attn_out",
+         "ln_2_for_attn": "q"}
 
 
 @pytest.mark.parametrize("key", MUTANTS)
@@ -483,7 +484,9 @@ W1B1 = """        d = config.n_embd
     (MHA, "GPTModel", "PASS: learner.py:GPTModel computes GPT-2"),                       # nn.MultiheadAttention
     (MHA.replace("attn_mask=self.mask[:T, :T], ", ""), "GPTModel", "no causal mask"),   # ... and a mistake in it
     (OWN_PARAMS, "GPT", "PASS"),                                                          # attention's own Parameters
-    (OWN_PARAMS.replace("y @ self.c_proj_w", "y @ self.c_proj_w.T"), "GPT", "attn.c_proj weight not transposed"),
+    # a square c_proj_w read as [out, in] beside c_attn_w's [in, out]: GPT-2 in that layout (its shape cannot tell;
+    # test_a_square_layer_of_its_own_in_the_other_layout)
+    (OWN_PARAMS.replace("y @ self.c_proj_w", "y @ self.c_proj_w.T"), "GPT", "PASS"),
     (NANOGPT.replace("return logits, loss", "return {'logits': logits, 'loss': loss}"), "GPT", "PASS"),  # a dict
     (NANOGPT + "\nmodel = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=64))"
                ".to(torch.bfloat16)\n", "model", "PASS"),                                 # kept in bf16
@@ -720,3 +723,27 @@ def test_position_embeddings_as_a_parameter_or_none(old, new, says, tmp_path, ca
     code, out, err = run(tmp_path, capsys, source, "GPT")
     assert code == (0 if says.startswith("PASS") else 1), out + err
     assert out.splitlines()[-1].startswith(says), out
+
+
+def test_a_layer_never_called_and_a_loss_first_tuple(tmp_path, capsys):
+    """A LayerNorm the forward never calls was 'not hooked: no module of yours returns it'; a forward returning
+    (None, logits) was 'returned no tensor'."""
+    code, out, _ = run(tmp_path, capsys, plant("ln_2_for_attn"), "GPT")
+    assert code == 1 and "not run: transformer.h.0.ln_1 is never called in the forward" in out, out
+    source = NANOGPT.replace("logits = self.lm_head(x[:, [-1], :])", "logits = self.lm_head(x)")
+    assert "return logits, loss" in source
+    code, out, _ = run(tmp_path, capsys, source.replace("return logits, loss", "return None, logits"), "GPT")
+    assert code == 0 and out.splitlines()[-1].startswith("PASS"), out
+
+
+def test_a_square_layer_of_its_own_in_the_other_layout(tmp_path, capsys):
+    """c_attn_w [d, 3d] read as x @ W beside a square c_proj_w read through F.linear ([out, in]): the square one's
+    layout was taken from its sibling's and the model failed as 'attn.c_proj not transposed'; the other layout
+    is tried where the first fails so, and said."""
+    old = "return y @ self.c_proj_w + self.c_proj_b"
+    assert old in OWN_PARAMS
+    code, out, _ = run(tmp_path, capsys, OWN_PARAMS.replace(old, "return F.linear(y, self.c_proj_w, self.c_proj_b)"),
+                       "GPT")
+    assert code == 0 and "judged in the layout in which they compute GPT-2" in out, out
+    code, out, _ = run(tmp_path, capsys, OWN_PARAMS.replace(old, "return F.linear(y, self.c_proj_w)"), "GPT")
+    assert code == 1 and "attn.c_proj weight not transposed" not in out.splitlines()[-1], out

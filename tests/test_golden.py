@@ -251,7 +251,8 @@ def test_candidate_as_bin_files_or_safetensors(tiny_golden, tmp_path, capsys):
     (tmp_path / "junk.safetensors").write_bytes(b"junk")
     for bad, says in ((tmp_path / "junk.safetensors", "is not a readable .safetensors file"),
                       (tmp_path / "nothere", "does not exist"),
-                      (tiny_golden / "manifest.json", "is neither a directory of .npy/.bin files nor a .safetensors")):
+                      (tiny_golden / "manifest.json",
+                       "is neither a directory of .npy/.bin files nor a .safetensors or .npz")):
         code, _, err = run(["verify", "--golden", str(tiny_golden), "--candidate", str(bad)], capsys)
         assert code == 2 and says in err and err.count("\n") == 1, err
 
@@ -603,3 +604,17 @@ def test_a_set_that_cannot_tell_mistakes_apart_says_so(tiny_golden, tmp_path, ca
     note = {r["name"]: r for r in json.loads(out)["rows"]}["h0_ffn"]["note"]
     assert note == "shape (64,), expected (1, 8, 64): one token's values? write every one of the 8 tokens' (only " \
                    "logits may be the last position's alone)", note
+
+
+def test_an_npz_candidate_is_judged(tiny_golden, tmp_path, capsys):
+    """np.savez(path, **{name: array}) is how a numpy engine saves many arrays: refused before ("neither a
+    directory ... nor a .safetensors file"), judged now, keyed by name like a .safetensors candidate."""
+    g = golden.Golden(tiny_golden)
+    np.savez(tmp_path / "c.npz", **{name: g.load(name) for name in g.activations()})
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(tmp_path / "c.npz")], capsys)
+    assert code == 0 and " 0 failed" in out, out
+    wrong = {name: g.load(name) for name in g.activations()}
+    wrong["h0_ffn"] = wrong["h0_ffn"] + 1e-3
+    np.savez(tmp_path / "w.npz", **wrong)
+    code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(tmp_path / "w.npz")], capsys)
+    assert code == 1 and "h0_ffn" in out.splitlines()[-1], out

@@ -276,7 +276,7 @@ def check(obj, golden=None, layer: int = 0, config=None, name: str | None = None
         article = "an" if kind[0].lower() in "aeiou" else "a"
         raise CheckError(f"{name if name != kind else repr(obj)[:40]} is {article} {kind}; check takes an nn.Module "
                          "class or instance, a GELU or FFN function, or 'FILE.py:NAME'")
-    return _check_built(module, name, built, source, case_of, ref_cfg, layer)
+    return _check_built(module, name, built, source, case_of, ref_cfg, layer, fresh=True)
 
 
 def same_weights(a: str, b: str) -> bool:

@@ -546,11 +546,12 @@ def load_weights(s: Structure, model: nn.Module, hf, cfg: Config) -> tuple:
 # ---- running it: every stage, by forward hooks ----------------------------------------------------------
 
 def _tensor(o):
-    """A module's output tensor: the tensor, a tuple's first element, an output object's or a dict's logits."""
+    """A module's output tensor: the tensor, a tuple's first tensor (after a None loss: `return None, logits`),
+    an output object's or a dict's logits."""
     if isinstance(o, torch.Tensor):
         return o
-    if isinstance(o, (tuple, list)) and o and isinstance(o[0], torch.Tensor):
-        return o[0]
+    if isinstance(o, (tuple, list)) and o and (isinstance(o[0], torch.Tensor) or o[0] is None):
+        return next((t for t in o if isinstance(t, torch.Tensor)), None)
     logits = o.get("logits") if isinstance(o, dict) else getattr(o, "logits", None)
     return logits if isinstance(logits, torch.Tensor) else None
 
@@ -602,6 +603,10 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
         hooks.append(m.register_forward_pre_hook(fn, with_kwargs=True) if pre else m.register_forward_hook(fn))
 
     hooks.append(s.blocks[0]["block"].module.register_forward_pre_hook(first_input("embeddings"), with_kwargs=True))
+    ran = set()  # block 0's roles whose module ran: a stage not seen of one that did not is "never called"
+    for role, part in s.blocks[0].items():
+        if not isinstance(part.module, (PerHead, OwnLinear)):
+            hooks.append(part.module.register_forward_pre_hook(lambda m, a, role=role: ran.add(role)))
     for i, r in enumerate(s.blocks):
         def hook(role, fn, pre=False, r=r):
             add(r, role, fn, pre)
@@ -646,6 +651,8 @@ def run_stages(model: nn.Module, s: Structure, ids: list, cfg: Config, name: str
                          "output object holding them first, or a dict's 'logits')")
     seen["logits"] = logits.detach().float().numpy()
     seen["headless"] = headless
+    seen["uncalled"] = {role: part.name for role, part in s.blocks[0].items() if role not in ran
+                        and not isinstance(part.module, (PerHead, OwnLinear))}
     return seen
 
 
@@ -868,14 +875,47 @@ def _span(layers: list) -> str:
     return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
 
 
+def _square_guess(part: Part) -> bool:
+    """A layer whose layout check guessed: a square weight of a module neither nn.Linear nor a Conv1D."""
+    w = _weight2d(part.module) if not isinstance(part.module, PerHead) else None
+    return w is not None and w.shape[0] == w.shape[1] and not isinstance(part.module, nn.Linear) \
+        and "conv1d" not in type(part.module).__name__.lower()
+
+
 def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_MODEL,
                 atol: float = GOLDEN_ATOL, fresh: bool = False) -> ModelReport:
     """Load the reference's weights into the learner's GPT-2, run it on the prompt, judge each stage in
     forward order, stop at the first divergence and diagnose it. Unless fresh (built by check from a class),
-    the tensors its own loader got wrong are named (load_weights)."""
+    the tensors its own loader got wrong are named (load_weights). Square layers of its own Parameters, whose
+    layout check takes from their siblings (a [d, 3d] c_attn used as x @ W), are judged in the other layout too
+    where the first fails as a layer not transposed: a w_o used through F.linear beside it is as right."""
+    report = _check_model(model, name, built, source, atol, fresh)
+    key = report.diagnosis.key if report.diagnosis is not None else None
+    if report.passed or not (key or "").endswith(("not_transposed", "viewed")):
+        return report
+    s = find_structure(model, reference(source).cfg)
+    if not any(_square_guess(p) for b in s.blocks for p in b.values()):
+        return report
+    other = _check_model(model, name, built, source, atol, fresh, flip_square=True)
+    if not other.passed:
+        return report
+    other.info.append("note: its square layers of its own Parameters cannot be told [in, out] from [out, in] by "
+                      "their shape, nor by their siblings here: judged in the layout in which they compute GPT-2")
+    return other
+
+
+def _check_model(model: nn.Module, name: str, built: list, source: str, atol: float, fresh: bool,
+                 flip_square: bool = False) -> ModelReport:
+    """check_model, its square own-Parameter layers in the layout their siblings say, or (flip_square) the
+    other one."""
     ref = reference(source)
     cfg = ref.cfg
     s = find_structure(model, cfg)
+    if flip_square:
+        for b in s.blocks:
+            for p in b.values():
+                if _square_guess(p):
+                    p.layout = "[in, out]" if p.layout == "[out, in]" else "[out, in]"
     n, notes, wrong = _load_all(s, model, ref, cfg)
     tied = "lm_head tied to wte" if s.lm_head is None else f"lm_head = {s.lm_head.name}"
     how = f"by name ({s.style} naming)" if s.style else "by shape and order within each block (names not HF's, " \
@@ -926,8 +966,12 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     for stage, ck, label in [MODEL_STAGES[0]] + BLOCK_STAGES + MODEL_STAGES[1:3]:
         entries = judged.get(stage, [])
         if not entries:
-            why = ("not reached" if stage not in unhooked else "not hooked: no dropout module sees them (fused or "
-                   "functional attention)" if stage == "attn_probs" else "not hooked: no module of yours returns it")
+            role = {"attn_resid": "ln_2", "attn_out": "attn.c_proj", "c_fc": "mlp.c_fc", "gelu": "mlp.c_proj",
+                    "ffn": "mlp"}.get(stage, stage)
+            never = got.get("uncalled", {}).get(role) if stage in unhooked else None
+            why = ("not reached" if stage not in unhooked else f"not run: {never} is never called in the forward"
+                   if never else "not hooked: no dropout module sees them (fused or functional attention)"
+                   if stage == "attn_probs" else "not hooked: no module of yours returns it")
             rows.append(Row(ck, label, "", (), float("nan"), None, "--", why))
             continue
         layers = [e[0] for e in entries if e[0] is not None]

@@ -411,8 +411,9 @@ MISTAKES = {
     "heads_not_merged": ("heads not merged back: (H, T, d_head) reshaped to (T, d) without moving the head axis",
                          "y.transpose(0, 1).reshape(T, n_embd) (torch: y.transpose(1, 2).contiguous().view(B, T, C)): "
                          "token t's row holds every head's output for t"),
-    "q_k_swapped": ("q and k swapped: c_attn's output split as k, q, v",
-                    "split c_attn's output in GPT-2's order: q, k, v = qkv.split(n_embd, dim=-1)"),
+    "q_k_swapped": ("q and k swapped: c_attn's output split as k, q, v, or the scores computed as k @ q^T",
+                    "split c_attn's output in GPT-2's order, q, k, v = qkv.split(n_embd, dim=-1), and score q @ "
+                    "k.transpose(-2, -1) (einsum 'bhqd,bhkd->bhqk': query rows, key columns)"),
     "ln_std_eps": ("LayerNorm as (x - mean) / (std + eps), with torch.std's unbiased default",
                    "(x - mean) / torch.sqrt(x.var(-1, keepdim=True, unbiased=False) + eps), or nn.LayerNorm"),
     "ln_std_eps_biased": ("LayerNorm with eps outside the square root: (x - mean) / (std + eps)",
@@ -429,6 +430,8 @@ MISTAKES = {
                    "(x - mean) / torch.sqrt(var + eps), or nn.LayerNorm"),
     "resid_normed": ("the residual adds the normalized x: x = ln_1(x) + attn(ln_1(x))",
                      "the residual carries x itself: x = x + attn(ln_1(x))"),
+    "ln_2_for_attn": ("attention fed ln_2(x): the block's second LayerNorm where its first, ln_1, belongs",
+                      "x = x + attn(ln_1(x)); x = x + mlp(ln_2(x)): each sublayer its own LayerNorm"),
     "scale_d_head": ("attention scores scaled by 1/d_head instead of 1/sqrt(d_head)",
                      "divide q @ k^T by math.sqrt(d_head) (F.scaled_dot_product_attention's default scale), not by "
                      "d_head"),
@@ -560,7 +563,7 @@ def block_forward(x, w: dict, cfg: Config, mistake=None, layer=0) -> dict:
         m = mlp(h1)
         out = ln(h1 + m["ffn"], "ln_2")
         return {"ln_1": h1, **a, "attn_resid": h1 + m["ffn"], "ln_2": out, **m, "block": out}
-    h1 = ln(x, "ln_1")
+    h1 = ln(x, "ln_2" if mistake == "ln_2_for_attn" else "ln_1")
     a = attn(h1)
     r = a["attn_out"] if mistake == "no_resid_attn" else (h1 if mistake == "resid_normed" else x) + a["attn_out"]
     h2 = ln(r, "ln_2")

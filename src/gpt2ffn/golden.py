@@ -917,12 +917,19 @@ def verify_ours(golden: Golden, tolerances=None, atol=GOLDEN_ATOL, repeat=1) -> 
 
 class Candidate:
     """Another engine's tensors under the golden names: a directory of NAME.npy or NAME.bin files (raw
-    little-endian float32, C order, the golden shape), or one .safetensors file keyed by NAME."""
+    little-endian float32, C order, the golden shape), one .safetensors file keyed by NAME, or one .npz file
+    (numpy's savez) keyed by NAME."""
 
     def __init__(self, path):
         self.path = Path(path)
-        self.keys = None
-        if self.path.is_file() and self.path.suffix == ".safetensors":
+        self.keys, self.npz = None, None
+        if self.path.is_file() and self.path.suffix == ".npz":
+            try:
+                self.npz = np.load(self.path, allow_pickle=False)
+                self.keys = set(self.npz.files)
+            except Exception as e:
+                raise Gpt2ffnError(f"candidate {self.path} is not a readable .npz file (np.savez): {e}") from None
+        elif self.path.is_file() and self.path.suffix == ".safetensors":
             from safetensors import safe_open
             try:
                 with safe_open(self.path, framework="numpy") as f:
@@ -932,7 +939,7 @@ class Candidate:
         elif not self.path.is_dir():
             raise Gpt2ffnError(f"candidate {self.path} does not exist" if not self.path.exists() else
                                f"candidate {self.path} is neither a directory of .npy/.bin files nor a "
-                               ".safetensors file")
+                               ".safetensors or .npz file")
 
     def names(self) -> set:
         """What the candidate holds, by name, for telling a user what matched nothing."""
@@ -942,6 +949,13 @@ class Candidate:
 
     def read(self, name, expected) -> tuple:
         """(array, None) | (None, why it cannot be judged) | (None, None) when absent."""
+        if self.npz is not None:
+            if name not in self.keys:
+                return None, None
+            try:
+                return self.npz[name], None
+            except ValueError:  # an object array: numpy says to allow pickles
+                return None, f"{name} in {self.path.name} holds Python objects (dtype object): save a float32 array"
         if self.keys is not None:
             if name not in self.keys:
                 return None, None
