@@ -729,7 +729,7 @@ def test_a_layer_never_called_and_a_loss_first_tuple(tmp_path, capsys):
     """A LayerNorm the forward never calls was 'not hooked: no module of yours returns it'; a forward returning
     (None, logits) was 'returned no tensor'."""
     code, out, _ = run(tmp_path, capsys, plant("ln_2_for_attn"), "GPT")
-    assert code == 1 and "not run: transformer.h.0.ln_1 is never called in the forward" in out, out
+    assert code == 1 and "not hooked: transformer.h.0.ln_1 is never called in the forward" in out, out
     source = NANOGPT.replace("logits = self.lm_head(x[:, [-1], :])", "logits = self.lm_head(x)")
     assert "return logits, loss" in source
     code, out, _ = run(tmp_path, capsys, source.replace("return logits, loss", "return None, logits"), "GPT")
@@ -747,3 +747,37 @@ def test_a_square_layer_of_its_own_in_the_other_layout(tmp_path, capsys):
     assert code == 0 and "judged in the layout in which they compute GPT-2" in out, out
     code, out, _ = run(tmp_path, capsys, OWN_PARAMS.replace(old, "return F.linear(y, self.c_proj_w)"), "GPT")
     assert code == 1 and "attn.c_proj weight not transposed" not in out.splitlines()[-1], out
+
+
+def test_review_of_the_second_round(tmp_path, capsys):
+    """A model of one sequence at a time (an assert on B) is not failed by the batch row, nor is one keeping the
+    first; flattened (B * T, vocab) logits are read for a batch too; the square-layout retry of an instance starts
+    from its weights as they came (it saw the first run's copies as its own loader's); the no-wpe diagnosis keeps
+    the report's subject; heads holding a weight alone; an lm_head tied to wte with a bias."""
+    every = NANOGPT.replace("logits = self.lm_head(x[:, [-1], :])", "logits = self.lm_head(x)")
+    one = every.replace("b, t = idx.size()", "b, t = idx.size()\n        assert b == 1")
+    code, out, _ = run(tmp_path, capsys, one, "GPT")
+    assert code == 0 and out.splitlines()[-1].endswith("; one sequence at a time)"), out
+    assert "a model of one sequence at a time: judged on one only (it failed on a batch of 2: AssertionError" in out
+    flat = every.replace("logits = self.lm_head(x)", "logits = self.lm_head(x).view(-1, self.config.vocab_size)")
+    code, out, _ = run(tmp_path, capsys, flat, "GPT")
+    assert code == 0 and out.splitlines()[-1].endswith("and in a batch)"), out
+    instance = OWN_PARAMS.replace("return y @ self.c_proj_w + self.c_proj_b",
+                                  "return F.linear(y, self.c_proj_w, self.c_proj_b)")
+    instance += "\nmodel = GPT(GPTConfig(block_size=128, vocab_size=512, n_layer=2, n_head=4, n_embd=64))\n"
+    code, out, _ = run(tmp_path, capsys, instance, "model")
+    assert code == 0 and "judged in the layout in which they compute GPT-2" in out, out
+    source = NANOGPT.replace("            wpe=nn.Embedding(config.block_size, config.n_embd),\n", "").replace(
+        "pos_emb = self.transformer.wpe(pos)", "pos_emb = 0")
+    code, out, _ = run(tmp_path, capsys, source, "GPT", "--json")
+    assert code == 1 and json.loads(out)["subject"].endswith("learner.py:GPT"), out
+    weight_only = KARPATHY.replace("nn.Linear(n_embd, head_size, bias=True)", "Lin(n_embd, head_size)").replace(
+        "class Head(nn.Module):", "class Lin(nn.Module):\n    def __init__(self, i, o):\n        super().__init__()\n"
+        "        self.weight = nn.Parameter(torch.zeros(o, i))\n\n    def forward(self, x):\n"
+        "        return x @ self.weight.T\n\n\nclass Head(nn.Module):")
+    code, out, _ = run(tmp_path, capsys, weight_only, "GPTLanguageModel")
+    assert code == 1 and "q/k/v bias missing" in out.splitlines()[-1], out
+    tied = NANOGPT.replace("self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)",
+                           "self.lm_head = nn.Linear(config.n_embd, config.vocab_size)")
+    code, out, _ = run(tmp_path, capsys, tied, "GPT")
+    assert code == 0 and "lm_head.bias: GPT-2's head has no bias: given zeros" in out, out
