@@ -58,6 +58,8 @@ def test_gelu_plot(tmp_path, capsys):
     (["bench", "--batch", "4"], "--batch applies to --model"),
     (["serve", "--model", "random:tiny", "--host", "a" * 70], "is not a host name"),
     (["bench", "--weights", "random:tiny"], "--weights applies to --model or --accuracy"),
+    (["bench", "--kernels", "--accuracy"], "--kernels and --accuracy are separate runs: give one"),  # one was dropped
+    (["bench", "--accuracy", "--model", "random:tiny"], "the accuracy of a model is --accuracy --weights SPEC"),
     (["bench", "--precision", "bf16"], "--precision applies to --model or --accuracy (or the FFN on --device cuda"),
     (["bench", "--precision", "bf16", "--device", "auto"], "the FFN bench on the CPU is fp32"),
 ])

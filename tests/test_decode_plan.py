@@ -11,7 +11,7 @@ import torch
 
 from conftest import SMALL, native_isas, randomize_
 from gpt2ffn import quantize
-from gpt2ffn.errors import ConfigError
+from gpt2ffn.errors import ConfigError, Gpt2ffnError
 from gpt2ffn.kernels import packed as kp
 from gpt2ffn.kernels.formats import Packed
 from gpt2ffn.model import GPT2
@@ -247,9 +247,11 @@ def test_a_plan_refuses_caches_of_mixed_or_other_dtypes():
     half, full = KVCache(m.config, 1, torch.float16), KVCache(m.config, 1)
     with pytest.raises(RuntimeError, match="layer 0: k and v caches must be contiguous Half"):
         plan.run(ids, pos, slots, half.k, full.v)
+    bf = [torch.zeros_like(t, dtype=torch.bfloat16) for t in (full.k[0], full.v[0])]  # the plan's own check
     with pytest.raises(RuntimeError, match="k and v caches must be float32 or float16, got BFloat16"):
-        bf = KVCache(m.config, 1, torch.bfloat16)
-        plan.run(ids, pos, slots, bf.k, bf.v)
+        plan.run(ids, pos, slots, [bf[0]] * len(full.k), [bf[1]] * len(full.v))
+    with pytest.raises(Gpt2ffnError, match="KVCache dtype must be torch.float32 or torch.float16"):
+        KVCache(m.config, 1, torch.bfloat16)  # refused when made (it failed at the first decode step)
 
 
 @pytest.mark.parametrize("isa", native_isas())

@@ -630,3 +630,11 @@ def test_generate_names_a_prompt_of_the_wrong_shape(prompts, says):
     for same in ([(1, 2, 3)], [torch.tensor([1, 2, 3])], torch.tensor([[1, 2, 3]]), [np.array([1, 2, 3])],
                  np.array([[1, 2, 3]]), [range(1, 4)], [[np.int64(1), torch.tensor(2), 3]]):
         assert generate(model, same, s) == want
+
+
+def test_load_takes_the_clis_names_for_kv_dtype_and_activations():
+    """--kv-cache-dtype auto|float32|float16 and --activations auto are the CLI's words; load() refused them."""
+    for name, dtype in (("float16", torch.float16), ("float32", torch.float32)):
+        assert load("random:tiny", precision="int8", kv_dtype=name)[0].kv_dtype == dtype
+    auto = load("random:tiny", precision="int8", kv_dtype="auto", activations="auto")[0]
+    assert auto.kv_dtype == load("random:tiny", precision="int8")[0].kv_dtype

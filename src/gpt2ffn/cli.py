@@ -328,6 +328,11 @@ def cmd_gelu_effect(args):
 def cmd_bench(args):
     """Side-by-side timings against the peers."""
     from .bench import run, summarize
+    modes = [flag for flag, on in (("--kernels", args.kernels), ("--model", args.model), ("--accuracy", args.accuracy))
+             if on]
+    if len(modes) > 1:  # each is a run of its own ("instead:" in --help): one would have been dropped unsaid
+        hint = "; the accuracy of a model is --accuracy --weights SPEC" if "--accuracy" in modes else ""
+        raise UsageError(f"gpt2ffn bench: {' and '.join(modes)} are separate runs: give one{hint}")
     if isinstance(args.model, str):  # --model SPEC, as the other commands name the model
         if args.weights not in ("random:gpt2", args.model):
             raise UsageError(f"gpt2ffn bench: --model {args.model} and --weights {args.weights} name two models")

@@ -37,11 +37,16 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     (gpt2ffn.quantize, the native kernels); it applies to float32 models (with dtype=bfloat16 everything
     runs in bf16 instead). On CUDA the model is plain torch in dtype: precision must be fp32 (or None).
     tp > 1: sharded over the default process group's tp ranks (gpt2ffn.parallel; fp32 weights on torch's ops).
-    activations: 'fp32' or 'int8' (integer dot products, int8/int4 weights on the CPU); None: the machine's
-    default for the precision (kernels.packed.default_activations). kv_dtype: the KV caches' dtype
-    (GPT2.kv_dtype; None: its default, fp16 for bf16/int8/int4 weights on the CPU, else the weights' dtype)."""
+    activations: 'fp32' or 'int8' (integer dot products, int8/int4 weights on the CPU); None (or 'auto'): the
+    machine's default for the precision (kernels.packed.default_activations). kv_dtype: the KV caches' dtype
+    (GPT2.kv_dtype, torch.float32 / torch.float16 or their names; None or 'auto': its default, fp16 for
+    bf16/int8/int4 weights on the CPU, else the weights' dtype)."""
     if spec is not None:
         spec = check_spec(spec)  # before the device, the tokenizer or any weight (a pathlib.Path as its text)
+    # the CLI's names too (--kv-cache-dtype auto|float32|float16, --activations auto|fp32|int8): auto is None
+    kv_dtype = {"auto": None, "float32": torch.float32, "float16": torch.float16}.get(kv_dtype, kv_dtype) \
+        if isinstance(kv_dtype, str) else kv_dtype
+    activations = None if activations == "auto" else activations
     device, dtype, precision = load_args(dtype, precision, device, tp, activations)
     spec, name = _where(spec)
     # A missing tokenizer is named before any weight is read, but the tokenizer is read after them: read first,

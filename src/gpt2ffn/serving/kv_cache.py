@@ -16,6 +16,9 @@ class KVCache:
     """Keys and values of every layer, preallocated to n_positions: (B, H, n_positions, d/H) each."""
 
     def __init__(self, cfg: Config, batch: int, dtype=torch.float32, device="cpu", max_len=None):
+        if dtype not in (torch.float32, torch.float16):  # as GPT2.kv_dtype says: the kernels read these two
+            raise Gpt2ffnError(f"KVCache dtype must be torch.float32 or torch.float16 (model.kv_dtype: the "
+                               f"model's own), got {dtype!r}")
         self.max_len = max_len or cfg.n_positions
         if self.max_len > cfg.n_positions:
             raise Gpt2ffnError(f"KV cache of {self.max_len} positions exceeds n_positions={cfg.n_positions}")
