@@ -200,7 +200,7 @@ def test_seed_ffns_as_written_pass(source, name, golden, tmp_path, capsys):
     path = learner_file(tmp_path, source)
     code, out, _ = run(["check", f"{path}:{name}", "--golden", golden], capsys)
     assert code == 0, out
-    assert out.count("PASS") == 4 and "FAIL" not in out
+    assert out.count("PASS") == 5 and "FAIL" not in out  # 3 stages, 2 sequences x 16 tokens, the verdict
     assert f"PASS: learner.py:{name} computes GPT-2's FFN (c_fc -> tanh GELU -> c_proj)" in out
 
 
@@ -444,7 +444,7 @@ def test_tanh_where_the_config_says_exact(tmp_path, capsys):
         class Mean(nn.Module):
             def forward(self, x):
                 return x.mean(-1)
-        """, "Mean", "maps a tensor of shape (2003,) to (): not elementwise"),
+        """, "Mean", "maps a tensor of shape (4097,) to (): not elementwise"),
     (SEED_002 + "\nffn = FeedForward({'emb_dim': 500})\n", "ffn",
      "first linear layer layers.0 maps 500 -> 2000; GPT-2 here (random:tiny:3) has n_embd=64, c_fc maps 64 -> 256; "
      "500 fits no GPT-2 width (768, 1024, 1280, 1600)"),
@@ -470,7 +470,7 @@ def test_python_api_takes_classes_instances_and_functions(golden):
     from gpt2ffn import gelu
     ours = check(FeedForward(Config.from_name("tiny")), golden=golden)  # Conv1D layers: [in, out], told by shape
     assert ours.passed and "c_fc = c_fc (Conv1D, [in, out]), c_proj = c_proj (Conv1D, [in, out])" in ours.format()
-    assert ours.verdict.startswith("PASS") and [r.status for r in ours.rows] == ["--", "--", "PASS"]  # fused forward
+    assert ours.verdict.startswith("PASS") and [r.status for r in ours.rows] == ["--", "--", "PASS", "PASS"]  # fused
     assert check(gelu, golden=golden).passed
     learner = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)).train()
     report = check(learner, golden=golden)
@@ -907,7 +907,7 @@ def ffn_exact(x, w1, b1, w2, b2):
 def test_a_set_that_tells_them_apart_is_not_widened(golden, tmp_path, capsys):
     path = learner_file(tmp_path, SEED_002)
     got, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden], capsys)
-    assert got == 0 and "scaled" not in out and out.strip().endswith("-> c_proj)"), out
+    assert got == 0 and "scaled" not in out and out.strip().endswith("-> c_proj) (and on 16 tokens, 2 sequences)"), out
 
 
 @pytest.mark.parametrize("target", ["NoProj", "ffn_no_proj"])
@@ -1156,7 +1156,7 @@ def test_gelus_of_numpy_arrays_or_python_floats_are_judged(tmp_path):
     assert not wrong.passed and wrong.verdict.startswith("FAIL: it is the exact form (erf)"), wrong.verdict
     right = check(f"{path}:scalar")
     assert right.passed and right.verdict.startswith("PASS: it is the tanh form"), right.verdict
-    with pytest.raises(CheckError, match=r"fails on a float tensor of shape \(2003,\): AttributeError: 'Tensor'"):
+    with pytest.raises(CheckError, match=r"fails on a float tensor of shape \(4097,\): AttributeError: 'Tensor'"):
         check(f"{path}:broken")
 
 
@@ -1208,7 +1208,7 @@ def test_review_round_doors(tmp_path):
 
     def in_place(x):
         x.mul_(torch.sigmoid(1.702 * x))
-    with pytest.raises(CheckError, match="maps a tensor of shape \\(2003,\\) to NoneType"):
+    with pytest.raises(CheckError, match="maps a tensor of shape \\(4097,\\) to NoneType"):
         check(in_place)
 
     def numpy_only(x):
@@ -1398,3 +1398,81 @@ def test_a_models_own_loading_mistakes_fail_it(tmp_path):
     trained.save_pretrained(tmp_path / "trained")
     report = check(fresh, model=str(tmp_path / "trained"))
     assert report.passed and "own loading" not in report.format(), report.format()
+
+
+ADVERSARIAL = '''
+import numpy as np
+
+C = math.sqrt(2 / math.pi)
+_K = torch.linspace(-10, 10, 2001)
+_T = 0.5 * _K * (1 + torch.tanh(C * (_K + 0.044715 * _K ** 3)))
+
+
+def gelu(x):
+    return 0.5 * x * (1 + torch.tanh(C * (x + 0.044715 * x ** 3)))
+
+
+def table(x):  # nearest knot of a 0.01 table: right on the knots, up to 5.6e-3 off between them
+    return torch.where(x.abs() <= 10, _T[((x.clamp(-10, 10) + 10) * 100).round().long()], torch.relu(x))
+
+
+def far_wrong(x):  # right on -10..10 and at +-400, wrong between
+    return torch.where((x.abs() > 10.5) & (x.abs() < 399), 0.5 * x, gelu(x))
+
+
+def nan_far(x):  # tanh through exp: overflows to NaN past ~10
+    e = torch.exp(2 * C * (x + 0.044715 * x ** 3))
+    return 0.5 * x * (1 + (e - 1) / (e + 1))
+
+
+class Base(nn.Module):
+    def __init__(self, d=64):
+        super().__init__()
+        self.c_fc, self.c_proj = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+
+class WriteInput(Base):  # right, and writes its result into its input
+    def forward(self, x):
+        return x.copy_(self.c_proj(gelu(self.c_fc(x))))
+
+
+class FirstTokens(Base):  # GELU on the first 8 tokens only
+    def forward(self, x):
+        h = self.c_fc(x)
+        return self.c_proj(torch.cat([gelu(h[:, :8]), h[:, 8:]], dim=1))
+
+
+class FirstSequence(Base):  # every sequence gets the first one's output
+    def forward(self, x):
+        return self.c_proj(gelu(self.c_fc(x)))[:1].expand_as(x)
+
+
+class Clamped(Base):  # the output clamped to [-5, 5] (the prompt's reach ~4.3)
+    def forward(self, x):
+        return self.c_proj(gelu(self.c_fc(x))).clamp(-5, 5)
+
+
+def ffn_in_place(x, w1, b1, w2, b2):  # picoGPT style, its result written into x
+    x[...] = gelu(x @ w1 + b1) @ w2 + b2
+    return x
+'''
+
+
+def test_a_third_round_could_not_fool_the_judge(tmp_path):
+    """From an adversarial round: a GELU right on the grid's 0.01 knots only, or wrong only for 10 < |x| < 400,
+    passed (the grid now has the points between and |x| 10.25..400); a NaN past 10 was reported by a 1e-5 worst
+    point; an FFN writing into its input was judged on its own overwritten input (FAIL, 'something random'); FFNs
+    right only on the prompt's 6 tokens, its one sequence or the values it reaches passed (a batch of 2 x 12
+    tokens, the second half reversed x 1.5, is judged too)."""
+    path = learner_file(tmp_path, ADVERSARIAL)
+    for name in ("table", "far_wrong", "nan_far"):
+        assert not check(f"{path}:{name}").passed, name
+    assert "worst point x = 10.25: got nan" in check(f"{path}:nan_far").verdict
+    assert check(f"{path}:gelu").passed
+    for name in ("WriteInput", "ffn_in_place"):
+        report = check(f"{path}:{name}", preset="tiny")
+        assert report.passed and "writes into its input" in report.format(), report.format()
+    for name in ("FirstTokens", "FirstSequence", "Clamped"):
+        report = check(f"{path}:{name}", preset="tiny")
+        assert not report.passed and report.verdict.startswith("FAIL (output, 2 sequences x 12 tokens): right on "
+                                                               "the prompt's 6 tokens"), report.format()

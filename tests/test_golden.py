@@ -618,3 +618,26 @@ def test_an_npz_candidate_is_judged(tiny_golden, tmp_path, capsys):
     np.savez(tmp_path / "w.npz", **wrong)
     code, out, _ = run(["verify", "--golden", str(tiny_golden), "--candidate", str(tmp_path / "w.npz")], capsys)
     assert code == 1 and "h0_ffn" in out.splitlines()[-1], out
+
+
+def test_an_edited_manifest_is_named_not_blamed_on_a_layer(tiny_golden, tmp_path, capsys):
+    """From an adversarial round: a manifest listing a layer it has no tensors of was a KeyError traceback; a
+    file entry pointing outside the set was read; an edited eps or activation made verify name a mistake that
+    does not change that stage at all ('attn.c_proj not transposed' at ln_1): it names none now."""
+    def edited(name, change):
+        d = tmp_path / name
+        shutil.copytree(tiny_golden, d)
+        m = json.loads((d / "manifest.json").read_text())
+        change(m)
+        (d / "manifest.json").write_text(json.dumps(m))
+        return d
+    layers = edited("layers", lambda m: m.update(layers=m["layers"] + [5]))
+    code, _, err = run(["verify", "--golden", str(layers)], capsys)
+    assert code == 2 and "it lists layer 5 but holds no tensors of it" in err and err.count("\n") == 1, err
+    outside = edited("outside", lambda m: m["tensors"]["h0_ffn"].update(file="../elsewhere/h0_ffn.npy"))
+    code, _, err = run(["verify", "--golden", str(outside)], capsys)
+    assert code == 2 and "lies outside" in err, err
+    eps = edited("eps", lambda m: m["config"].update(layer_norm_epsilon=1e-3))
+    code, out, _ = run(["verify", "--golden", str(eps)], capsys)
+    last = out.splitlines()[-1]
+    assert code == 1 and "h0_ln_1" in last and "not transposed" not in last, last

@@ -61,7 +61,10 @@ STAGE_LABELS = {"c_fc": "after c_fc (1st linear)", "gelu": "after activation", "
 # Seed 000's spot check of its GELU, to 4 decimals.
 SPOT_X = [-2.0, -1.0, 0.0, 1.0, 2.0]
 SPOT_Y = [-0.0454, -0.1588, 0.0, 0.8412, 1.9546]
-GELU_GRID = np.concatenate([np.linspace(-10.0, 10.0, 2001), [-400.0, 400.0]])
+# -10..10 every 0.005 (the 0.01 steps and the points between them: a table of 0.01 steps passed on its own knots),
+# and |x| from 10.25 to 400 (a GELU wrong only there passed, 199.5 off)
+_FAR = np.geomspace(10.25, 400.0, 48)
+GELU_GRID = np.concatenate([np.linspace(-10.0, 10.0, 2001), np.linspace(-9.995, 9.995, 2000), -_FAR[::-1], _FAR])
 # A GELU "is" a form within this: fp32 rounding of a right one is ~2.4e-7; tanh and exact differ by 4.7e-4.
 FORM_ATOL = 1e-5
 
@@ -620,7 +623,9 @@ def _check_ffn(module: nn.Module, linears: list, name: str, built: list, case: F
             finally:
                 load(case.weights)  # the module is left holding the set's weights, as before the probe
         # where the activation is not seen (a module computing x @ W itself), the probe's c_proj passes it through
-        return _widen(report, case, atol, unseen, run, pass_through="gelu" not in first)
+        report = _widen(report, case, atol, unseen, run, pass_through="gelu" not in first)
+        return shaped(report, case, atol, lambda xs: _run(module, l1, l2, torch.from_numpy(xs).to(param.dtype),
+                                                          name)["ffn"], batch=True)
     finally:
         module.train(was_training)
 
@@ -673,6 +678,44 @@ def _blind_at(case_of, layer: int) -> list:
         return blind_to(case_of(layer), GOLDEN_ATOL)
     except Gpt2ffnError:
         return []
+
+
+def shaped(report: Report, case: FFNCase, atol: float, run, batch: bool) -> Report:
+    """A pass on (1, T, d) checked on more tokens, and on a batch (batch: a module taking (B, T, d)): the prompt
+    and its tokens reversed and scaled by 1.5 after it, 2T tokens (GELU's inputs past the prompt's reach), and as a
+    second sequence those x 0.7, against the right FFN of them (float64). An FFN applies to each token alone: one
+    right only on the first tokens, on the first sequence, or on values the prompt reaches passed. run(x): the
+    output for x ((B, 2T, d), or (2T, d) for a function of (T, d))."""
+    if not report.passed or case.width is not None:
+        return report
+    x = np.asarray(case.x, np.float32)
+    long = np.concatenate([x, 1.5 * x[:, ::-1]], axis=1)
+    x = np.concatenate([long, 0.7 * long[:, ::-1]]) if batch else long[0]
+    want = case.given(x).expected["ffn"]
+    try:
+        got = np.asarray(run(x), np.float64)
+    except Exception as e:  # a module of one sequence, or of the prompt's length, alone: said, not failed
+        report.info.append(f"note: not judged on {x.shape}, more tokens{' and a batch' if batch else ''}: "
+                           + f"{type(e).__name__}: {e}".splitlines()[0])
+        return report
+    label = f"output, {'2 sequences x ' if batch else ''}{x.shape[-2]} tokens"
+    if got.shape != want.shape:
+        row = Row(label, got.shape, float("nan"), atol, "FAIL", f"shape {got.shape}, expected {want.shape}")
+    else:
+        err = np.abs(got - want)
+        worst = float(np.nanmax(err)) if np.isfinite(got).all() else float("nan")
+        where = np.unravel_index(int(np.argmax(np.nan_to_num(err, nan=np.inf))), err.shape)
+        row = Row(label, got.shape, worst, atol, "PASS" if worst <= atol else "FAIL",
+                  "" if worst <= atol else f"worst at {list(map(int, where))}")
+    rows = report.rows + [row]
+    if row.status == "PASS":
+        return dataclasses.replace(report, rows=rows, verdict=report.verdict + f" (and on {x.shape[-2]} tokens"
+                                   + (", 2 sequences)" if batch else ")"))
+    verdict = (f"FAIL ({label}): right on the prompt's {case.x.shape[1]} tokens, but {row.note or row.max_abs} "
+               f"(max abs {row.max_abs:.3g}) on {x.shape[-2]} tokens" + (" in a batch of 2" if batch else "") +
+               ": an FFN applies to each token alone, whatever the batch, the length or the values; a step that "
+               "depends on the token's position, the sequence, or a cut-off of the values?")
+    return Report(report.kind, report.subject, report.info, rows, verdict, report.diagnosis, report.diagnoses)
 
 
 def _widen(report: Report, case: FFNCase, atol: float, unseen: str, run, pass_through: bool = False) -> Report:
@@ -730,7 +773,7 @@ def _judge(name: str, info: list, first: dict, again: dict, case: FFNCase, atol:
         rows.append(Row(label, tuple(first[stage].shape), r.max_abs, atol, r.status, r.note))
         if r.status == "FAIL" and np.isfinite(first[stage]).all():
             failing.append(stage)
-    deterministic = all(np.array_equal(first[k], again[k], equal_nan=True) for k in first)
+    deterministic = all(np.array_equal(first[k], again[k], equal_nan=True) for k in first if k in again)
     diagnoses = diagnose_stages(case, first, failing, atol)
     diagnosis = diagnoses[0] if diagnoses else None
     if not failing and all(r.status != "FAIL" for r in rows):
@@ -790,7 +833,8 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
     (float32 numpy), each (1, T, width). A module that fails on (1, T, d) is fed (T, d), then one token's (d,) at
     a time (torch.mm, or a vector-only FFN); a tuple's first element is its output. info: where either, or an
     output in another dtype than the input's, is noted (it is judged in float32 all the same)."""
-    seen = {}
+    seen, given = {}, x
+    x = x.clone()  # its own copy: a module that writes into its input would change the next run's
 
     def keep(key, t, m):  # returns None: a hook that returns a value replaces the layer's output
         t = t.transpose(-1, -2) if pointwise_conv(m) else t  # a Conv1d's (B, channels, T) as (B, T, channels)
@@ -832,6 +876,9 @@ def _run(module, l1, l2, x, name, info=None) -> dict:
     if info is not None and way != ways[0][0]:
         info.append(f"note: {name} fails on (1, T, d) input ({type(first).__name__}: {first}".splitlines()[0]
                     + f"), so it was fed {way}")
+    if info is not None and not torch.equal(x, given):
+        info.append(f"note: {name} writes into its input (the caller's tensor is overwritten): judged on a fresh "
+                    f"copy each run")
     if info is not None and any(tupled):
         info.append(f"note: {name} returns a tuple: its first element is judged as the output")
     if info is not None and out.dtype != x.dtype:
@@ -901,8 +948,8 @@ def _signature(fn) -> str:
 
 def _function_args(n: int, style: str, w: dict, lib: str, layout: str) -> list:
     """fn's weight arguments in one calling style: numpy or torch, weights [in, out] (x @ w) or [out, in]."""
-    def arr(a, transpose=False):
-        a = a.T.copy() if transpose else a
+    def arr(a, transpose=False):  # a copy each call: a function that writes into its weights writes into its own
+        a = a.T.copy() if transpose else a.copy()
         return torch.from_numpy(np.ascontiguousarray(a)) if lib == "torch" else a
     t = layout == "[out, in]"
     w1, b1, w2, b2 = arr(w["c_fc.weight"], t), arr(w["c_fc.bias"]), arr(w["c_proj.weight"], t), arr(w["c_proj.bias"])
@@ -966,13 +1013,18 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
         for lib in ("numpy", "torch"):
             ran = []  # square weights (n_inner == n_embd): a layout's failing report, then the other's
             for layout in ("[in, out]", "[out, in]"):
-                call = caller(_function_args(len(names), style, case.weights, lib, layout))
-                x = torch.from_numpy(x2.copy()) if lib == "torch" else x2.copy()
-                error = None
+                def fresh(style=style, lib=lib, layout=layout):  # each run its own input and weights
+                    return (caller(_function_args(len(names), style, case.weights, lib, layout)),
+                            torch.from_numpy(x2.copy()) if lib == "torch" else x2.copy())
+                error, writes = None, False
                 for feed in FEEDS:
                     try:
-                        with torch.no_grad():
-                            out = [_feed(call, x, feed) for _ in range(2)]
+                        out = []
+                        for _ in range(2):
+                            call, x = fresh()
+                            with torch.no_grad():
+                                out.append(_feed(call, x, feed))
+                            writes = writes or not np.array_equal(np.asarray(x), x2)
                         error = None
                         break
                     except Exception as e:
@@ -993,6 +1045,9 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                                                        " (x @ w, HF's Conv1D)"),
                         f"fed {case.source} layer {case.layer}'s ln_2 output ({T}, {d}); compared with HF GPT-2's "
                         f"own stages, tolerance {atol:.0e}"]
+                if writes:
+                    info.append("note: it writes into its input (the caller's array is overwritten): judged on a "
+                                "fresh copy each run")
                 if first_error and _beside_a_gpt2(fn):  # picoGPT's gpt2() calls it with numpy arrays, [in, out]
                     info.append(f"note: called with numpy arrays and weights [in, out], as picoGPT's own gpt2() calls "
                                 f"it, it fails: {first_error}")
@@ -1001,15 +1056,24 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 report = _judge(name, info, first, again, case, atol, unseen)
 
                 def run(probe, style=style, lib=lib, layout=layout, feed=feed):
-                    call = caller(_function_args(len(names), style, probe.weights, lib, layout))
-                    xs = torch.from_numpy(probe.x[0].copy()) if lib == "torch" else probe.x[0].copy()
+                    def once():  # its own input and weights, as above
+                        call = caller(_function_args(len(names), style, probe.weights, lib, layout))
+                        xs = torch.from_numpy(probe.x[0].copy()) if lib == "torch" else probe.x[0].copy()
+                        return {"ffn": _feed(call, xs, feed)[None]}
                     try:
                         with torch.no_grad():
-                            return [{"ffn": _feed(call, xs, feed)[None]} for _ in range(2)]
+                            return [once(), once()]
                     except Exception as e:
                         raise CheckError(f"{name} passed, then failed on the same tokens scaled (c_fc's outputs to "
                                          f"|x| ~ {PROBE_REACH:g}): {type(e).__name__}: {e}".splitlines()[0]) from None
                 report = _widen(report, case, atol, unseen, run, pass_through=True)
+
+                def longer(xs, style=style, lib=lib, layout=layout):
+                    call = caller(_function_args(len(names), style, case.weights, lib, layout))
+                    with torch.no_grad():
+                        return _feed(call, torch.from_numpy(xs.copy()) if lib == "torch" else xs.copy(), FEEDS[0])
+                if feed == FEEDS[0]:  # a function of (T, d): more tokens (no batch to give it)
+                    report = shaped(report, case, atol, longer, batch=False)
                 if report.passed or hidden != d:
                     return report
                 ran.append(report)
@@ -1120,21 +1184,25 @@ def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDE
                         "PASS" if ok else "FAIL", f"got {spot.tolist()}" + ("" if ok else f", expected {SPOT_Y}")))
     with np.errstate(over="ignore"):
         errors = {k: float(np.abs(got - f(GELU_GRID)).max()) for k, (f, *_) in FORMS.items()}
+        # which form it is: relative to |x| past 1 (float32's own rounding at x = 400 is 1.5e-5)
+        close = {k: float((np.abs(got - f(GELU_GRID)) / np.maximum(1.0, np.abs(GELU_GRID))).max())
+                 for k, (f, *_) in FORMS.items()}
     for k in dict.fromkeys([target, "tanh", "exact"]):
         judged = k == target
         rows.append(Row(f"vs {FORMS[k][1]}", (len(x),), errors[k], atol if judged else None,
                         ("PASS" if errors[k] <= atol else "FAIL") if judged else "--"))
-    best = min(errors, key=errors.get)
-    info = built + [f"float32 over {len(x)} points: -10..10 step 0.01 and x = +-400; target: "
+    best = min(close, key=close.get)
+    info = built + [f"float32 over {len(x)} points: -10..10 every 0.005 and |x| 10.25..400; target: "
                     f"{FORMS[target][2]}"]
-    if errors[best] <= FORM_ATOL:
-        form = f"it is the {FORMS[best][2]}: max error {errors[best]:.1e}"
+    if close[best] <= FORM_ATOL:
+        the = "" if FORMS[best][2].startswith("no ") else "the "  # "no activation (identity)"
+        form = f"it is {the}{FORMS[best][2]}: max error {close[best]:.1e}"  # relative to |x| past 1
         fix = "" if best == target else f"; {fix_for(best, target)}"
     else:
-        with np.errstate(over="ignore"):
+        with np.errstate(over="ignore", invalid="ignore"):
             want = FORMS[target][0](GELU_GRID)
-        i = int(np.nanargmax(np.abs(got - want)))
-        form = (f"it matches no known form (closest: {FORMS[best][2]}, max error {errors[best]:.1e}); worst point "
+            i = int(np.argmax(bad)) if bad.any() else int(np.nanargmax(np.abs(got - want)))  # a NaN is worst
+        form = (f"it matches no known form (closest: {FORMS[best][2]}, max error {close[best]:.1e}); worst point "
                 f"x = {GELU_GRID[i]:g}: got {got[i]:.6g}, {FORMS[target][1]} gives {want[i]:.6g}")
         fix = ""
     report = Report("gelu", name, info, rows, "")

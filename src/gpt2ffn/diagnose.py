@@ -335,10 +335,19 @@ class FFNCase:
         return self._known
 
     def diagnose(self, stage, got, atol) -> Diagnosis:
-        return diagnose(stage, got, self.expected[stage], self.known, atol)
+        return diagnose(stage, got, self.expected[stage], self.telling(stage, atol), atol)
 
     def matching(self, stage, got, atol) -> list:
-        return matching(stage, got, self.known, atol, self.expected.get(stage))
+        return matching(stage, got, self.telling(stage, atol), atol, self.expected.get(stage))
+
+    def telling(self, stage, atol) -> list:
+        """The known variants that change this stage from what the FFN's own weights and config compute (c_proj's
+        layout does not, at the activation): one that does not is never named there, or a set whose stored
+        tensors disagree with its own config (an edited manifest) would have it blamed."""
+        own = forward(np.asarray(self.x, np.float64), *(np.asarray(self.weights[k], np.float64) for k in KEYS),
+                      FORMS[TARGET[self.approximate]][0]).get(stage)
+        return [v for v in self.known if own is None or stage not in v.stages or own.shape != v.stages[stage].shape
+                or float(np.abs(own - v.stages[stage]).max()) > atol]
 
     def local(self, stage, inp, got, atol):
         """(True when the stage is right given its own input inp, the known mistakes it equals given inp)."""
