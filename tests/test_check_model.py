@@ -781,3 +781,17 @@ def test_review_of_the_second_round(tmp_path, capsys):
                            "self.lm_head = nn.Linear(config.n_embd, config.vocab_size)")
     code, out, _ = run(tmp_path, capsys, tied, "GPT")
     assert code == 0 and "lm_head.bias: GPT-2's head has no bias: given zeros" in out, out
+
+
+def test_a_flattening_mlp_on_quiet_weights_passes(quiet_dir, tmp_path, capsys):
+    """On a checkpoint whose prompt cannot tell the FFN's mistakes, block 0's FFN is judged alone on a wider
+    input; an MLP that flattens to (B * T, d) (its block reshapes back) passed, then failed there on the new
+    batch probe, reported as the scaled input's failure. The model's own batch row judges batches; the FFN
+    alone is judged on its input scaled only."""
+    source = NANOGPT.replace("        x = self.c_fc(x)\n", "        x = self.c_fc(x.reshape(-1, x.shape[-1]))\n")
+    source = source.replace("x = x + self.mlp(self.ln_2(x))", "x = x + self.mlp(self.ln_2(x)).view_as(x)")
+    path = tmp_path / "learner.py"
+    path.write_text(textwrap.dedent(source))
+    code = main(["check", f"{path}:GPT", "--model", str(quiet_dir)])
+    out = capsys.readouterr().out
+    assert code == 0 and out.splitlines()[-1].startswith("PASS"), out

@@ -512,7 +512,8 @@ class GPT2(TrainChecked):
     @kv_dtype.setter
     def kv_dtype(self, dtype):
         if dtype is not None and dtype not in (torch.float32, torch.float16):
-            raise ConfigError(f"kv_dtype must be torch.float32 or torch.float16 (None: the default), got {dtype!r}")
+            raise ConfigError(f"kv_dtype must be torch.float32 or torch.float16 (load() takes 'float32', 'float16'; "
+                              f"None or 'auto': the default), got {dtype!r}")
         self.__dict__["_kv_dtype"] = dtype
 
     def __getstate__(self):
