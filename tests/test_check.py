@@ -1468,6 +1468,20 @@ def scaled_far(x):  # right on -10..10, 1 + 5e-6 times it beyond: 2e-3 off at x 
     return torch.where(x.abs() > 10, gelu(x) * (1 + 5e-6), gelu(x))
 
 
+class NewGELU(nn.Module):  # nanoGPT's, its tanh written through exp: NaN past |x| ~ 10
+    def forward(self, x):
+        return nan_far(x)
+
+
+class ExpMLP(Base):  # right on the FFN's inputs, which never reach 10
+    def __init__(self, d=64):
+        super().__init__(d)
+        self.act = NewGELU()
+
+    def forward(self, x):
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
 def ffn_in_place(x, w1, b1, w2, b2):  # picoGPT style, its result written into x
     x[...] = gelu(x @ w1 + b1) @ w2 + b2
     return x
@@ -1499,6 +1513,10 @@ def test_a_third_round_could_not_fool_the_judge(tmp_path):
         report = check(f"{path}:{name}", preset="tiny")
         assert says in report.verdict, report.format()
     assert check(f"{path}:scaled_far").verdict.startswith("FAIL: near the tanh form")
+    # an FFN's own activation module is judged alone too (it failed alone and passed inside the FFN)
+    assert check(f"{path}:ExpMLP", preset="tiny").verdict == (
+        "FAIL (act alone): right on this FFN's inputs, but as a GELU over -10..10 and |x| to 400 it gives nan at "
+        "x = 10.25 (NaN/Inf: an overflow, as tanh through exp?)")
 
 
 def test_the_longer_probe_of_a_right_ffn_with_large_outputs(tmp_path):

@@ -627,8 +627,9 @@ def _check_ffn(module: nn.Module, linears: list, name: str, built: list, case: F
                 load(case.weights)  # the module is left holding the set's weights, as before the probe
         # where the activation is not seen (a module computing x @ W itself), the probe's c_proj passes it through
         report = _widen(report, case, atol, unseen, run, pass_through="gelu" not in first)
-        if not shapes:
+        if not shapes:  # inside a whole-model check: its own rows judge the rest
             return report
+        report = activation_alone(report, module, case)
 
         def output(xs):
             with torch.no_grad():
@@ -688,6 +689,28 @@ def _blind_at(case_of, layer: int) -> list:
         return blind_to(case_of(layer), GOLDEN_ATOL)
     except Gpt2ffnError:
         return []
+
+
+def activation_alone(report: Report, module: nn.Module, case: FFNCase) -> Report:
+    """A pass whose FFN holds its activation as a module of its own (nanoGPT's NewGELU), that module judged alone
+    as a GELU (check_gelu: -10..10 and |x| to 400): the FFN's inputs reach a few units, and a GELU written with
+    exp gives NaN past |x| ~ 10 (passed inside the FFN, failed alone)."""
+    acts = [(n, m) for n, m in module.named_modules() if n and not any(True for _ in m.parameters())
+            and not isinstance(m, (nn.Dropout, nn.Identity)) and not list(m.children())]
+    if not report.passed or len(acts) != 1:
+        return report
+    name, act = acts[0]
+    try:
+        alone = check_gelu(act, f"{report.subject}'s {name}", case.approximate, [])
+    except CheckError:  # not a GELU of x alone (a module of its own kind): the FFN's own rows judged it
+        return report
+    if alone.passed:
+        return report
+    row = Row(f"{name} alone (GELU grid)", (len(GELU_GRID),), alone.rows[-1].max_abs, None, "FAIL", alone.verdict)
+    verdict = (f"FAIL ({name} alone): right on this FFN's inputs, but as a GELU over -10..10 and |x| to 400 "
+               + alone.verdict.removeprefix("FAIL: "))
+    return Report(report.kind, report.subject, report.info, report.rows + [row], verdict, report.diagnosis,
+                  report.diagnoses)
 
 
 def shaped(report: Report, case: FFNCase, atol: float, run) -> Report:
