@@ -641,3 +641,24 @@ def test_an_edited_manifest_is_named_not_blamed_on_a_layer(tiny_golden, tmp_path
     code, out, _ = run(["verify", "--golden", str(eps)], capsys)
     last = out.splitlines()[-1]
     assert code == 1 and "h0_ln_1" in last and "not transposed" not in last, last
+
+
+def test_token_ids_txt_and_a_nan_golden_tensor_are_named(tiny_golden, tmp_path, capsys):
+    """token_ids.txt (what an engine in C reads) edited apart from the manifest passed 31/31; a golden tensor
+    holding NaN (its sha256 rewritten) was 'matches no known mistake'."""
+    ids = tmp_path / "ids"
+    shutil.copytree(tiny_golden, ids)
+    (ids / "token_ids.txt").write_text("1 2 3\n")
+    code, _, err = run(["verify", "--golden", str(ids)], capsys)
+    assert code == 2 and "token_ids.txt (1 2 3) differs from manifest.json's token_ids" in err, err
+    nan = tmp_path / "nan"
+    shutil.copytree(tiny_golden, nan)
+    m = json.loads((nan / "manifest.json").read_text())
+    entry = m["tensors"]["h0_ffn"]
+    value = np.load(nan / entry["file"])
+    value[0, 0, 0] = np.nan
+    np.save(nan / entry["file"], value)
+    entry["sha256"] = golden.sha256(nan / entry["file"])
+    (nan / "manifest.json").write_text(json.dumps(m))
+    code, _, err = run(["verify", "--golden", str(nan)], capsys)
+    assert code == 2 and "golden tensor h0_ffn (h0_ffn.npy) holds NaN or Inf values: the set is broken" in err, err

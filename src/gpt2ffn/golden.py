@@ -351,6 +351,14 @@ class Golden:
             self.tensors, self.layers, self.token_ids = m["tensors"], m["layers"], m["token_ids"]
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise Gpt2ffnError(f"{file} is corrupt: {e}") from None
+        ids_file = self.dir / m.get("token_ids_file", IDS_FILE)
+        if ids_file.is_file():  # what an engine in C reads; the manifest's ids are what the tensors were made from
+            written = ids_file.read_text().split()
+            if written != [str(i) for i in self.token_ids]:
+                raise Gpt2ffnError(f"{ids_file} ({' '.join(written[:8])}{' ...' if len(written) > 8 else ''}) "
+                                   f"differs from manifest.json's token_ids ({' '.join(map(str, self.token_ids[:8]))}"
+                                   f"{' ...' if len(self.token_ids) > 8 else ''}): the set was edited; extract it "
+                                   f"again")
         lost = [L for L in self.layers if not isinstance(L, int) or f"h{L}_ffn" not in self.tensors]
         if lost:  # a layer listed and not extracted (an edited manifest): named here, not a KeyError later
             raise Gpt2ffnError(f"{file} is corrupt: it lists layer {lost[0]!r} but holds no tensors of it "
@@ -375,7 +383,11 @@ class Golden:
                     raise Gpt2ffnError(f"golden tensor {path} does not match the sha256 in manifest.json: "
                                        "the file was changed after extraction")
                 self._checked.add(path.name)
-            self._cache[name] = read_tensor(path, entry.get("key", name), tuple(entry["shape"]))
+            value = read_tensor(path, entry.get("key", name), tuple(entry["shape"]))
+            if value.dtype.kind == "f" and not np.isfinite(value).all():  # HF's stages never are: a broken set
+                raise Gpt2ffnError(f"golden tensor {name} ({path.name}) holds NaN or Inf values: the set is broken "
+                                   f"(its sha256 too was rewritten); extract it again")
+            self._cache[name] = value
         return self._cache[name]
 
     def activations(self) -> list:
