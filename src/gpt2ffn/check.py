@@ -42,6 +42,7 @@ from .check_model import (
     model_source,
     own_linears,
     runs_alone,
+    square,
 )
 from .check_model import Row as ModelRow
 from .check_model import reference as model_reference
@@ -524,12 +525,6 @@ def in_order(module: nn.Module, linears: list, d: int) -> list:
     named = bool(proj.search(n1) and fc.search(n2) and not (fc.search(n1) or proj.search(n2)))
     shaped = isinstance(l1, nn.Linear) and isinstance(l2, nn.Linear) and l1.in_features != d == l2.in_features
     return linears[::-1] if named or shaped else linears
-
-
-def square(m: nn.Module) -> bool:
-    """A linear layer whose weight's layout its shape cannot tell: square, and not nn.Linear's or a Conv1d's."""
-    a, b = m._parameters["weight"].shape[:2]
-    return a == b and not isinstance(m, nn.Linear) and not pointwise_conv(m)
 
 
 def check_ffn(module: nn.Module, linears: list, name: str, built: list, case: FFNCase,
@@ -1048,8 +1043,12 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                          "picoGPT's ffn(x, c_fc, c_proj), ffn(x, w1, b1, w2, b2) or ffn(x, params) (a dict)")
     params_first = len(names) == 1 and names[0] in INPUT_NAMES  # JAX's apply(params, x)
 
-    def caller(args):
-        return (lambda x: fn(args[0], x)) if params_first else (lambda x: fn(x, *args))
+    def prepared(weights, x, style, lib, layout) -> tuple:
+        """(fn's call on its own copy of the weights in one calling style, its own copy of x): each run its own,
+        so a function writing into its input or its weights changes no other run."""
+        args = _function_args(len(names), style, weights, lib, layout)
+        call = (lambda v: fn(args[0], v)) if params_first else (lambda v: fn(v, *args))
+        return call, torch.from_numpy(x.copy()) if lib == "torch" else x.copy()
     x2 = case.x[0]
     T, d = x2.shape
     hidden = case.weights["c_fc.weight"].shape[1]
@@ -1058,15 +1057,12 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
         for lib in ("numpy", "torch"):
             ran = []  # square weights (n_inner == n_embd): a layout's failing report, then the other's
             for layout in ("[in, out]", "[out, in]"):
-                def fresh(style=style, lib=lib, layout=layout):  # each run its own input and weights
-                    return (caller(_function_args(len(names), style, case.weights, lib, layout)),
-                            torch.from_numpy(x2.copy()) if lib == "torch" else x2.copy())
                 error, writes = None, False
                 for feed in FEEDS:
                     try:
                         out = []
                         for _ in range(2):
-                            call, x = fresh()
+                            call, x = prepared(case.weights, x2, style, lib, layout)
                             with torch.no_grad():
                                 out.append(_feed(call, x, feed))
                             writes = writes or not np.array_equal(np.asarray(x), x2)
@@ -1101,10 +1097,8 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 report = _judge(name, info, first, again, case, atol, unseen)
 
                 def run(probe, style=style, lib=lib, layout=layout, feed=feed):
-                    def once():  # its own input and weights, as above
-                        call = caller(_function_args(len(names), style, probe.weights, lib, layout))
-                        xs = torch.from_numpy(probe.x[0].copy()) if lib == "torch" else probe.x[0].copy()
-                        return {"ffn": _feed(call, xs, feed)[None]}
+                    def once():
+                        return {"ffn": _feed(*prepared(probe.weights, probe.x[0], style, lib, layout), feed)[None]}
                     try:
                         with torch.no_grad():
                             return [once(), once()]
@@ -1114,9 +1108,9 @@ def check_function(fn, name: str, case: FFNCase, atol: float = GOLDEN_ATOL) -> R
                 report = _widen(report, case, atol, unseen, run, pass_through=True)
 
                 def longer(xs, style=style, lib=lib, layout=layout):
-                    call = caller(_function_args(len(names), style, case.weights, lib, layout))
+                    call, xs = prepared(case.weights, xs, style, lib, layout)
                     with torch.no_grad():
-                        out = call(torch.from_numpy(xs.copy()) if lib == "torch" else xs.copy())
+                        out = call(xs)
                     return out.detach().float().numpy() if isinstance(out, torch.Tensor) else out
                 report = shaped(report, case, atol, longer)
                 if report.passed or hidden != d:

@@ -886,11 +886,12 @@ def _span(layers: list) -> str:
     return str(layers[0]) if len(layers) == 1 else f"{layers[0]}-{layers[-1]}"
 
 
-def _square_guess(part: Part) -> bool:
-    """A layer whose layout check guessed: a square weight of a module neither nn.Linear nor a Conv1D."""
-    w = _weight2d(part.module) if not isinstance(part.module, PerHead) else None
-    return w is not None and w.shape[0] == w.shape[1] and not isinstance(part.module, nn.Linear) \
-        and "conv1d" not in type(part.module).__name__.lower()
+def square(m: nn.Module) -> bool:
+    """A linear layer whose weight's layout its shape cannot tell: a square 2-D weight of a module neither nn.Linear
+    ([out, in]) nor a Conv1D ([in, out]); a pointwise nn.Conv1d's weight is 3-D, its layout known."""
+    w = _weight2d(m) if not isinstance(m, PerHead) else None
+    return w is not None and w.shape[0] == w.shape[1] and not isinstance(m, nn.Linear) \
+        and "conv1d" not in type(m).__name__.lower()
 
 
 def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_MODEL,
@@ -901,7 +902,7 @@ def check_model(model: nn.Module, name: str, built: list, source: str = DEFAULT_
     layout check takes from their siblings (a [d, 3d] c_attn used as x @ W), are judged in the other layout too
     where the first fails as a layer not transposed: a w_o used through F.linear beside it is as right."""
     s = find_structure(model, reference(source).cfg)
-    guessed = any(_square_guess(p) for b in s.blocks for p in b.values())
+    guessed = any(square(p.module) for b in s.blocks for p in b.values())
     came = [p.detach().clone() for p in model.parameters()] if guessed and not fresh else None
     report = _check_model(model, name, built, source, atol, fresh)
     key = report.diagnosis.key if report.diagnosis is not None else None
@@ -929,7 +930,7 @@ def _check_model(model: nn.Module, name: str, built: list, source: str, atol: fl
     if flip_square:
         for b in s.blocks:
             for p in b.values():
-                if _square_guess(p):
+                if square(p.module):
                     p.layout = "[in, out]" if p.layout == "[out, in]" else "[out, in]"
     n, notes, wrong = _load_all(s, model, ref, cfg)
     tied = "lm_head tied to wte" if s.lm_head is None else f"lm_head = {s.lm_head.name}"

@@ -327,6 +327,7 @@ class FFNCase:
     expected: dict      # c_fc, gelu, ffn as HF's modules returned them
     width: int | None = None  # a learner's narrower hidden width: its variant is known too
     _known: list = field(default=None, repr=False)
+    _own: dict = field(default=None, repr=False)  # the stages its weights and config compute (telling)
 
     @property
     def known(self) -> list:
@@ -344,8 +345,10 @@ class FFNCase:
         """The known variants that change this stage from what the FFN's own weights and config compute (c_proj's
         layout does not, at the activation): one that does not is never named there, or a set whose stored
         tensors disagree with its own config (an edited manifest) would have it blamed."""
-        own = forward(np.asarray(self.x, np.float64), *(np.asarray(self.weights[k], np.float64) for k in KEYS),
-                      FORMS[TARGET[self.approximate]][0]).get(stage)
+        if self._own is None:
+            self._own = forward(np.asarray(self.x, np.float64), *(np.asarray(self.weights[k], np.float64)
+                                                                    for k in KEYS), FORMS[TARGET[self.approximate]][0])
+        own = self._own.get(stage)
         return [v for v in self.known if own is None or stage not in v.stages or own.shape != v.stages[stage].shape
                 or float(np.abs(own - v.stages[stage]).max()) > atol]
 
