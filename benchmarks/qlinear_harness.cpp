@@ -19,6 +19,7 @@
 #include <cstring>
 #include <vector>
 
+#include "huge_pages.h"
 #include "linear.h"
 namespace gpt2ffn {
 int64_t prefetch_bytes[6] = {0, 0, 0, 0, 0, 0};  // ops.cpp's; decode's prefetch, unused by a prefill
@@ -35,16 +36,6 @@ int64_t prefetch_bytes[6] = {0, 0, 0, 0, 0, 0};  // ops.cpp's; decode's prefetch
 #endif
 
 using namespace gpt2ffn;
-
-// n zeroed Ts on 2 MiB pages (transparent huge pages, as kernels/packed.py asks for the packed weights)
-template <class T>
-static T* huge(size_t n) {
-  const size_t page = size_t{2} << 20, bytes = (n * sizeof(T) + page - 1) / page * page;
-  void* p = std::aligned_alloc(page, bytes);
-  madvise(p, bytes, MADV_HUGEPAGE);
-  std::memset(p, 0, bytes);
-  return static_cast<T*>(p);
-}
 
 int main(int argc, char** argv) {
   if (argc < 3 || argc > 5) return std::fprintf(stderr, "usage: %s K N [int8|int4] [layers]\n", argv[0]), 2;

@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--force", action="store_true", help="redo the formats that already exist")
     ap.add_argument("--preset", default="gpt2", help="gpt2, gpt2-medium, gpt2-large or gpt2-xl")
     ap.add_argument("--engines", nargs="*", default=["ct2", "ort", "llama"], help="whose formats to make")
+    ap.add_argument("--no-blocks", action="store_true",
+                    help="skip ONNX Runtime's MatMulNBits formats (onnx-q8_0, onnx-q4_0): minutes at 774M and up")
     args = ap.parse_args()
     out, hf = args.out, args.out / "hf"
     hf.mkdir(parents=True, exist_ok=True)
@@ -159,7 +161,7 @@ def main():
         (out / "onnx-int8").mkdir(exist_ok=True)
         print("+ quantize_dynamic onnx-fp32/model.onnx -> onnx-int8/model.onnx (QInt8)", flush=True)
         quantize_dynamic(out / "onnx-fp32/model.onnx", out / "onnx-int8/model.onnx", weight_type=QuantType.QInt8)
-    for name, bits in (("q8_0", 8), ("q4_0", 4)) if "ort" in args.engines else ():
+    for name, bits in (("q8_0", 8), ("q4_0", 4)) if "ort" in args.engines and not args.no_blocks else ():
         if todo(out / f"onnx-{name}/model.onnx"):
             quantize_onnx_blocks(out / "onnx-fp32/model.onnx", out / f"onnx-{name}", bits)
     gguf = out / "gguf"

@@ -39,8 +39,9 @@ extern int64_t prefetch_bytes[6];
 // with fp32 activations (int8's lm_head) widen every weight per pass, so they keep the wide tiles. The tiling
 // never changes an output's order of operations.
 constexpr int64_t FEW_ROWS = 8;
-// Prefill of the float kernels sums K in blocks of this many inputs (rounded down to whole chunks), every row over
-// one block before the next (linear_impl.h: run).
+// Prefill of the float kernels sums K in blocks of at most this many inputs (rounded down to whole chunks; halved
+// where two blocks of weights would fill more than half of L2), every row over one block before the next
+// (linear_impl.h: run).
 #ifndef GPT2FFN_KBLOCK
 #define GPT2FFN_KBLOCK 1024
 #endif

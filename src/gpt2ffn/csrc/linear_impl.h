@@ -136,19 +136,29 @@ template <int FMT>
 static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   const bool stream = a.M <= 2 && prefetch_bytes[FMT] > 0;  // decode: the weights come from memory once
   const bool few = (FMT == F32 || FMT == BF16) && a.M <= FEW_ROWS;  // int8/int4 widen per pass: they keep the tiles
-  // prefill of a long K in blocks of KBLOCK inputs (whole chunks), every row's sums over one block before the
-  // next: the block's weights and the rows' inputs stay in L2 while the tiles reread them
-  const int64_t C = FMT == I8 || FMT == I4 ? a.group : CHUNK;
-  const int64_t kblock = a.M > FEW_ROWS && a.K > KBLOCK ? std::max<int64_t>(KBLOCK / C, 1) * C : a.K;
+  // prefill of a long K in blocks of up to KBLOCK inputs (whole chunks), every row's sums over one block before the
+  // next: the block's weights and the rows' inputs stay in L2 while the tiles reread them. The block is halved (to
+  // 256 inputs at least) while two blocks of a super-block's weights take more than half of this core's L2, so
+  // that the next block comes in beside it (fetch, below): on an AMD EPYC Zen 3 (512 KB of L2) fp32 sums in blocks
+  // of 512; an L2 of 1 MB or more keeps 1024 for every format. One layer, 128 rows, one thread
+  // (benchmarks/linear_harness.cpp on the parent commit built with GPT2FFN_KBLOCK 1024 and 512, Zen 3, G products/s,
+  // two runs): 1024 x 4096 25.9 / 26.5 -> 35.7 / 27.9, 4096 x 1024 28.0 / 26.9 -> 32.8 / 38.0, 5120 x 1280 33.3 /
+  // 32.2 -> 37.9 / 38.4, 1600 x 6400 26.7 / 27.0 -> 37.6 / 30.1, 6400 x 1600 32.5 / 31.6 -> 38.2 / 28.5, 1280 x 5120
+  // 32.7 / 31.1 -> 30.1 / 33.2 (README: "fp32 sums K in blocks sized by the L2"). A block's sums pass through y,
+  // so every output's chain of operations stays the same.
+  constexpr int64_t esize = FMT == F32 ? 4 : FMT == BF16 ? 2 : 1, FETCH_ROWS = 32;
+  const int64_t C = FMT == I8 || FMT == I4 ? a.group : CHUNK, l2 = l2_bytes();
+  int64_t kmax = KBLOCK;
+  while (l2 > 0 && kmax > 256 && 4 * (FMT == I4 ? kmax / 2 : kmax) * SUPER * esize > l2) kmax /= 2;
+  const int64_t kblock = a.M > FEW_ROWS && a.K > kmax ? std::max<int64_t>(kmax / C, 1) * C : a.K;
   // Prefill brings the next block's weights (the bytes right after this block's: the next K block, or the next
   // super-block's first) into L2 while this block's tiles run, each tile a share of its lines in proportion to
   // its rows, where this block, the next and the rows' inputs fit in L2 together and there are at least
   // FETCH_ROWS rows, whose tiles take long enough to hide the next block's reads. Intel Xeon, 2 MB L2, GPT-2
   // medium fp32 (benchmarks/results/prefill-ab-fetch-gpt2-medium-fp32-rows-xeon-amx.json): 12 / 16 / 32 / 64
   // rows 1.06 / 1.02 / 0.98 / 0.91x the time with it; xl 128 rows 0.91x; 512 rows, where the rows' inputs fill
-  // L2, 1.04x (an AMD Zen 3's 512 KB L2 takes none at 1024 x 64 fp32). Then only a call's first block meets
-  // its weights in memory.
-  constexpr int64_t esize = FMT == F32 ? 4 : FMT == BF16 ? 2 : 1, FETCH_ROWS = 32;
+  // L2, 1.04x (an AMD Zen 3's 512 KB L2 took none at 1024 x 64 fp32: hence its blocks of 512). Then only a
+  // call's first block meets its weights in memory.
   const int64_t rows = FMT == I4 ? a.K / 2 : a.K, brows = FMT == I4 ? kblock / 2 : kblock;
   const bool fetch = !few && a.M >= FETCH_ROWS && 2 * brows * SUPER * esize + a.M * kblock * 4 <= l2_bytes();
   for (int64_t sb = sb0; sb < sb1; sb++)
