@@ -160,7 +160,7 @@ static void run(const LinearArgs& a, int64_t sb0, int64_t sb1) {
   // L2, 1.04x (an AMD Zen 3's 512 KB L2 took none at 1024 x 64 fp32: hence its blocks of 512). Then only a
   // call's first block meets its weights in memory.
   const int64_t rows = FMT == I4 ? a.K / 2 : a.K, brows = FMT == I4 ? kblock / 2 : kblock;
-  const bool fetch = !few && a.M >= FETCH_ROWS && 2 * brows * SUPER * esize + a.M * kblock * 4 <= l2_bytes();
+  const bool fetch = !few && a.M >= FETCH_ROWS && 2 * brows * SUPER * esize + a.M * kblock * 4 <= l2;
   for (int64_t sb = sb0; sb < sb1; sb++)
     for (int64_t kb0 = 0; kb0 < a.K; kb0 += kblock) {
       const int64_t kb1 = std::min(a.K, kb0 + kblock);
