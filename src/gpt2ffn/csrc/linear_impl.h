@@ -77,7 +77,7 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
         }
       }
     } else {
-      for (int64_t k = k0; k < k1; k++) {
+      auto step = [&](int64_t k) {  // row k of the tile's weights into the MR rows' sums
         if constexpr (PF)
           prefetch_row(static_cast<const uint8_t*>(a.w) + ((sb * rows + k) * SUPER + j0 * 16) * esize, NB * 16 * esize,
                        pf);
@@ -92,6 +92,17 @@ static inline void tile(const LinearArgs& a, const float* x, float* y, int64_t s
           const V xb = vset1(x[m * ldx + k]);
           for (int j = 0; j < NB; j++) part[m][j] = vfma(xb, w[j], part[m][j]);
         }
+      };
+#ifdef GPT2FFN_UNROLL_K
+      constexpr bool unroll = MR >= 3;  // prefill's tiles in the AVX2 build, 4 k a pass (linear_avx2.cpp)
+#else
+      constexpr bool unroll = false;
+#endif
+      if constexpr (unroll) {
+#pragma GCC unroll 4
+        for (int64_t k = k0; k < k1; k++) step(k);
+      } else {
+        for (int64_t k = k0; k < k1; k++) step(k);
       }
     }
     if constexpr (quantized) {  // the group's scale, once per chunk: acc += s * sum_k x_k q_k

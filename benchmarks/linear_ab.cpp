@@ -1,0 +1,72 @@
+// Two trees' AVX2 float prefill (each tree's csrc/linear_avx2.cpp, compiled into one binary by linear_ab.sh, the
+// second in namespace avx2b) timed call by call in turn on the same fp32 weights of one layer shape: M rows (128
+// unless given), one thread, weights and inputs on 2 MiB pages, COPIES (4) copies of the weights run in turn so
+// that they come from DRAM as a model's prefill reads them, the super-blocks in runs of RUN (2) as a thread of
+// the package takes them. Prints each tree's median rate, the median of the per-pair time ratios (B / A) and
+// whether the two gave the same bits. Pairing the calls cancels most of a shared machine's drift, which moved
+// best-of-20 rates of one binary by 20-30% between runs (benchmarks/linear_harness.cpp). Not part of the package
+// or CI; see linear_ab.sh.
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <vector>
+
+#include "huge_pages.h"
+#include "linear.h"
+namespace gpt2ffn {
+int64_t prefetch_bytes[6] = {0, 0, 0, 0, 0, 0};  // ops.cpp's; decode's prefetch, unused by a prefill
+}
+#include "A/linear_avx2.cpp"
+#undef ISA
+#undef GPT2FFN_UNROLL_K  // what a tree's linear_avx2.cpp defines for its linear_impl.h
+#include "B/linear_avx2.cpp"
+
+using namespace gpt2ffn;
+
+static int64_t env(const char* name, int64_t fallback) {
+  const char* v = std::getenv(name);
+  return v ? std::atoll(v) : fallback;
+}
+
+int main(int argc, char** argv) {
+  if (argc < 3 || argc > 4) return std::fprintf(stderr, "usage: %s K N [rows]\n", argv[0]), 2;
+  const int64_t K = std::atoll(argv[1]), N = std::atoll(argv[2]), M = argc == 4 ? std::atoll(argv[3]) : 128;
+  const int64_t copies = env("COPIES", 4), reps = env("REPS", 30), run = env("RUN", 2);
+  if (K < 1 || N < 64 || N % 64 || M < 1 || copies < 1 || reps < 1 || run < 1)
+    return std::fprintf(stderr, "K >= 1, N a multiple of 64, rows, COPIES, REPS and RUN >= 1\n"), 2;
+  float* w = huge<float>(K * N * copies);  // any values: the time does not depend on them
+  for (int64_t i = 0; i < K * N * copies; i++) w[i] = static_cast<float>(std::rand() % 1000) * 1e-3f;
+  float* x = huge<float>(M * K);
+  for (int64_t i = 0; i < M * K; i++) x[i] = static_cast<float>(std::rand() % 1000) * 1e-3f;
+  std::vector<float> bias(N, 0.0f), y[2] = {std::vector<float>(M * N), std::vector<float>(M * N)};
+  LinearArgs a{};
+  a.x = x, a.ldx = K, a.M = M, a.K = K, a.bias = bias.data(), a.ldy = N, a.format = F32, a.act = ACT_NONE;
+  a.nsuper = N / 64;
+  auto call = [&](int tree) {
+    for (int64_t s = 0; s < a.nsuper; s += run) {
+      const int64_t e = std::min(a.nsuper, s + run);
+      tree ? avx2b::linear_range(a, s, e) : avx2::linear_range(a, s, e);
+    }
+  };
+  std::vector<double> t[2], ratio;
+  for (int64_t r = 0; r < reps; r++) {
+    double dt[2];
+    for (int tree = 0; tree < 2; tree++) {  // A then B, each on the next copy of the weights
+      a.w = w + ((2 * r + tree) % copies) * K * N, a.y = y[tree].data();
+      const auto t0 = std::chrono::steady_clock::now();
+      call(tree);
+      dt[tree] = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      t[tree].push_back(dt[tree]);
+    }
+    ratio.push_back(dt[1] / dt[0]);
+  }
+  for (int tree = 0; tree < 2; tree++) a.w = w, a.y = y[tree].data(), call(tree);
+  const bool same = std::memcmp(y[0].data(), y[1].data(), y[0].size() * sizeof(float)) == 0;
+  auto median = [](std::vector<double> v) { std::sort(v.begin(), v.end()); return v[v.size() / 2]; };
+  std::printf("fp32 K=%ld N=%ld rows=%ld: A %.1f, B %.1f G products/s (medians of %ld); B/A time %.3f (median of the "
+              "pairs); bits %s\n", static_cast<long>(K), static_cast<long>(N), static_cast<long>(M),
+              M * K * N / median(t[0]) / 1e9, M * K * N / median(t[1]) / 1e9, static_cast<long>(reps), median(ratio),
+              same ? "the same" : "DIFFER");
+}
