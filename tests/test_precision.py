@@ -110,6 +110,24 @@ def test_long_k_prefill_in_blocks_is_batch_invariant(precision):
     assert not torch.equal(torch.nn.functional.gelu(torch.addmm(b, x, p.weights()), approximate="tanh"), y)
 
 
+@pytest.mark.skipif(kp.WHY_NOT_NATIVE is not None, reason="native kernels not built here")
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("K", [5, 99, 131])
+def test_prefill_of_an_odd_k_matches_each_row_alone(precision, K):
+    """K not a multiple of 4: the AVX2 build's prefill tiles (3 and 6 rows) take 4 k a pass (csrc/linear_avx2.cpp),
+    so each chunk ends in a remainder; 13 rows (tiles of 6, 6 and 1) must give each row the bits it gets
+    alone (one row: decode's tile, one k a pass), and the numpy reference's values."""
+    g = torch.Generator().manual_seed(9)
+    w, b, x = torch.randn(K, 64, generator=g) / 10, torch.randn(64, generator=g), torch.randn(13, K, generator=g)
+    p = kp.Packed(w, b, precision)
+    y = kp.linear(x, p, None, p.bias, "native")
+    for r in range(13):
+        assert torch.equal(kp.linear(x[r:r + 1], p, None, p.bias, "native"), y[r:r + 1]), r
+    ref = kp.reference(x, p, None, p.bias)
+    assert np.abs(y.numpy() - ref).max() <= 1e-5 * max(1.0, np.abs(ref).max())
+    assert np.abs(y.numpy()[:, ::-1] - ref).max() > 1e-2  # the comparison can fail: columns out of order
+
+
 def test_state_dict_is_unchanged_with_keep_fp32():
     ffn = ffn_for(SHAPES[0])
     before = {k: v.clone() for k, v in ffn.state_dict().items()}
