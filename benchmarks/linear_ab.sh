@@ -10,7 +10,7 @@
 # Each tree's build file and the headers it reads are copied, B's into namespace avx2b, each copy under an include
 # guard of its own (g++ takes two files of the same bytes for one under #pragma once), and built with this tree's
 # linear.h (so the trees must agree on LinearArgs). Runs on core 1 (taskset) with COPIES, REPS and RUN from the
-# environment (linear_ab.cpp). Not part of the package or CI.
+# environment (linear_ab.cpp); KEEP=PATH keeps the binary there (e.g. for perf record). Not part of the package or CI.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 files="linear_avx2.cpp linear_impl.h act_impl.h vec_avx2.h" flag=""
@@ -21,7 +21,7 @@ fi
 other=${1:?usage: linear_ab.sh [--int8] OTHER_TREE [K N [rows]]}
 shift
 work=$(mktemp -d)
-trap 'rm -rf "$work"' EXIT
+trap '[ -n "${KEEP:-}" ] && cp "$work/ab" "$KEEP"; rm -rf "$work"' EXIT
 mkdir "$work/A" "$work/B"
 guard() { echo "#ifndef AB_$1_${2//./_}"; echo "#define AB_$1_${2//./_}"; sed '/#pragma once/d'; echo "#endif"; }
 for f in $files; do

@@ -138,6 +138,30 @@ def test_int32_sums_bit_exact(isa, precision):
     assert not torch.equal(native(x, p).double(), want)
 
 
+@pytest.mark.parametrize("group", [32, 256, 512])
+def test_int8_sums_exact_at_every_sign(isa, group):
+    """The AVX2 build's int8 prefill takes |x| against q ^ sign(x) and adds back each row's sum of |x| over its
+    negative x (qvec_avx2.h: qgroup_xsign, groups up to 256; larger ones take the sign trick): rows of all -127,
+    all +127 and random signs against columns of all +127, all -127 and random q, in the prefill tiles of 8, 4,
+    2 and 1 rows and in decode's one row. Scales are powers of two, so the outputs are the int32 sums exactly."""
+    K, N, M = 1024, 128, 15
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (K, N), generator=g)
+    q.view(K // group, group, N)[:, 0] = -127  # every group's max |q| is 127: s = 2^-4
+    q[:, 0], q[:, 1] = 127, -127
+    xq = torch.randint(-127, 128, (M, K), generator=g)
+    xq.view(M, K // group, group)[:, :, 1] = 127  # d = 2^-3
+    xq[0], xq[1] = -127, 127  # -127 * 127 * 1024 in a sum: within float32's exact integers
+    x, w = xq.float() / 8, q.float() / 16
+    want = (xq.double() @ q.double()) / 128
+    p = Packed(w, None, "int8", group=group, activations="int8")
+    for rows in (M, 1):
+        y = native(x[:rows], p)
+        assert torch.equal(y.double(), want[:rows]), (isa, group, rows, float((y.double() - want[:rows]).abs().max()))
+    p.w.view(-1)[5] ^= 1  # negative control: one weight byte changed changes an output
+    assert not torch.equal(native(x, p).double(), want)
+
+
 @pytest.mark.parametrize("group,act,bias,M", [(None, "", True, 21), (64, "tanh", False, 15), (128, "relu", True, 8),
                                              (8, "tanh", True, 3), (None, "", False, 2)])
 def test_builds_agree_bit_for_bit(group, act, bias, M):

@@ -1,9 +1,11 @@
 // The integer helpers of qlinear_impl.h on two 256-bit registers per 16 lanes, in namespace gpt2ffn::ISA:
 // with AVX-VNNI (GPT2FFN_AVXVNNI, set by qlinear_avxvnni.cpp) vpdpbusd as on AVX-512; without it the
 // maddubs path, llama.cpp's for q8_0 / q4_0 on AVX2: int8 weights by the sign trick (|q| unsigned times x
-// with q's sign), int4 nibbles directly as the unsigned operand.
+// with q's sign) in decode's one row, by |x| against q ^ sign(x) in more rows (qgroup_xsign), int4 nibbles
+// directly as the unsigned operand.
 #pragma once
 #include <algorithm>
+#include <vector>
 
 #include "vec_avx2.h"
 namespace gpt2ffn::ISA {
@@ -119,6 +121,67 @@ static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
 }
 #endif
 
+#ifndef GPT2FFN_AVXVNNI
+// int8 x int8 without VNNI, exactly, and with no vpsignb: for an activation x and a weight q,
+// |x| * (q ^ s) = x * q - (x < 0 ? |x| : 0), where s is 0xFF for x < 0 and 0 otherwise (q ^ 0xFF = -q - 1).
+// So vpmaddubsw takes |x| (unsigned, <= 127) against q ^ s (signed, -128..127: a pair sums to within +-32512,
+// no saturation), and a row's group sum starts at n = the sum of |x| over its negative x. The stored bytes
+// are q ^ 0x80, so a row's mask word is s ^ 0x80. 32 products take vpxor, vpmaddubsw, vpmaddwd and vpaddd,
+// where the sign trick (q8dot) takes vpsignb, vpmaddubsw, vpmaddwd and vpaddd: on Zen 3 vpsignb competes with
+// the two products for their pipes, vpxor does not. A pass is one row over the super-block's 8 registers
+// (a row's two broadcasts meet 8 of them; the weights come from L1 as memory operands of vpxor). One thread,
+// one layer, 128 rows, AMD EPYC Zen 3 (benchmarks/linear_ab.sh --int8, against the sign trick): 0.84-0.90x the
+// time; 4 rows x 2 registers and 2 x 4 were 0.93-0.97x (benchmarks/int8_dot_avx2.cpp times the bare steps).
+// The group's |x| and masks of the tile's 8 interleaved rows are made once, into xa / xm, for its MR passes.
+constexpr int64_t XSIGN_STEPS = 64;  // groups of up to 256 (larger ones take the sign trick)
+static inline void qrow_xsign(const uint8_t* wp, const uint8_t* xa, const uint8_t* xm, int64_t steps, int32_t n,
+                              __m256i* p) {
+  for (int j = 0; j < 8; j++) p[j] = _mm256_set1_epi32(n);
+  const __m256i one = _mm256_set1_epi16(1);
+  for (int64_t s = 0; s < steps; s++, wp += 256, xa += 4 * XR, xm += 4 * XR) {
+    const __m256i u = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xa));
+    const __m256i f = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm));
+    for (int j = 0; j < 8; j++) {
+      const __m256i q = _mm256_xor_si256(load32(wp + 32 * j), f);  // q or -q - 1
+      p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), one));
+    }
+  }
+}
+
+// Group g of the MR rows from m0 (xt: their 8-row tile's words) over super-block sb, into acc with qtile8's
+// float operations (the int32 sums are the sign trick's, so the bits are too).
+template <int MR>
+__attribute__((optimize("no-tree-pre"))) static void qgroup_xsign(const LinearArgs& a, const uint8_t* wsb,
+                                                                    const uint8_t* xt, int64_t m0, int64_t sb,
+                                                                    int64_t g, int64_t ng, float (*acc)[MR][8]) {
+  const int64_t steps = a.group / 4;  // <= XSIGN_STEPS
+  const int r0 = static_cast<int>(m0 % XR);
+  alignas(32) uint8_t xa[XSIGN_STEPS * 32], xm[XSIGN_STEPS * 32];
+  const uint8_t* xw = xt + g * steps * 4 * XR;
+  const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i neg = zero;  // lane m: -n of row m (vpmaddubsw of |x| with the mask's -1s)
+  for (int64_t s = 0; s < steps; s++) {
+    const __m256i x = load32(xw + s * 32), ax = _mm256_abs_epi8(x), sx = _mm256_cmpgt_epi8(zero, x);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(xa + s * 32), ax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(xm + s * 32), _mm256_xor_si256(sx, top));
+    neg = _mm256_add_epi32(neg, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sx), _mm256_set1_epi16(1)));
+  }
+  alignas(32) int32_t n[8];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(n), _mm256_sub_epi32(zero, neg));
+  __m256 sv[8];
+  for (int v = 0; v < 8; v++)
+    sv[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
+  for (int m = 0; m < MR; m++) {
+    __m256i p[8];
+    qrow_xsign(wsb + g * steps * 256, xa + 4 * (r0 + m), xm + 4 * (r0 + m), steps, n[r0 + m], p);
+    const __m256 xs = _mm256_set1_ps(a.xscale[(m0 + m) * ng + g]);
+    for (int v = 0; v < 8; v++)  // acc += float(sum) * (d * scale), as qtile8
+      _mm256_store_ps(acc[v][m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[v]), _mm256_mul_ps(sv[v], xs),
+                                                 _mm256_load_ps(acc[v][m])));
+  }
+}
+#endif
+
 // The int8 activations of these builds lie in tiles of XR = 8 rows interleaved word by word (qlinear_impl.h:
 // xword): a tile's step of 4 k (I4A8: two steps) is 32 consecutive bytes, row m's word at byte 4m, so one
 // pointer walks every row (8 row pointers took the general registers the loop needs).
@@ -145,6 +208,11 @@ static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
 template <int FMT, int MR>
 __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a, int64_t m0, int64_t sb, int t,
                                                              int nt) {
+#ifdef GPT2FFN_AVXVNNI
+  constexpr bool XSIGN = false;
+#else
+  constexpr bool XSIGN = FMT == I8A8;  // qgroup_xsign
+#endif
   constexpr int STEP = FMT == I4A8 ? 8 : 4;
   constexpr int32_t OFF = FMT == I4A8 ? 8 : I8_OFFSET;
   const int64_t K = a.K, G = a.group, ng = K / G, next = (K / STEP) * 256;
@@ -160,6 +228,12 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
       for (int64_t i = 0; i < G / STEP * 4; i++) _mm_prefetch(p + i * 64, _MM_HINT_T1);
       until = nt;
     }
+#ifndef GPT2FFN_AVXVNNI
+    if (XSIGN && G <= 4 * XSIGN_STEPS) {
+      qgroup_xsign<MR>(a, wsb, x - (m0 % XR) * 4, m0, sb, g, ng, acc);
+      continue;
+    }
+#endif
     for (int v = 0; v < 8; v++) {
       const uint8_t* w = wsb + v * 32;
       __m256i part[MR];
