@@ -5,7 +5,6 @@
 // directly as the unsigned operand.
 #pragma once
 #include <algorithm>
-#include <vector>
 
 #include "vec_avx2.h"
 namespace gpt2ffn::ISA {
@@ -130,7 +129,7 @@ static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
 // where the sign trick (q8dot) takes vpsignb, vpmaddubsw, vpmaddwd and vpaddd: on Zen 3 vpsignb competes with
 // the two products for their pipes, vpxor does not. A pass is one row over the super-block's 8 registers
 // (a row's two broadcasts meet 8 of them; the weights come from L1 as memory operands of vpxor). One thread,
-// one layer, 128 rows, AMD EPYC Zen 3 (benchmarks/linear_ab.sh --int8, against the sign trick): 0.84-0.90x the
+// one layer, 128 rows, AMD EPYC Zen 3 (benchmarks/linear_ab.sh --int8, against the sign trick): 0.84-0.91x the
 // time; 4 rows x 2 registers and 2 x 4 were 0.93-0.97x (benchmarks/int8_dot_avx2.cpp times the bare steps).
 // The group's |x| and masks of the tile's 8 interleaved rows are made once, into xa / xm, for its MR passes.
 constexpr int64_t XSIGN_STEPS = 64;  // groups of up to 256 (larger ones take the sign trick)
