@@ -120,6 +120,16 @@ static inline __m256i q8dot(__m256i acc, const Q8& w, const uint8_t* x) {
 }
 #endif
 
+// The float side of a group, shared by qtile8 and qgroup_xsign (so both give the same bits): the scales of
+// super-block sb's register v for group g, and acc += float(sum_k q_k x_k) * (scale * d), as qtile does.
+static inline __m256 qscale8(const LinearArgs& a, int64_t sb, int64_t ng, int64_t g, int v) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
+}
+static inline void qacc8(float* acc, __m256i sum, __m256 s, float d) {
+  _mm256_store_ps(acc, _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(s, _mm256_set1_ps(d)),
+                                       _mm256_load_ps(acc)));
+}
+
 #ifndef GPT2FFN_AVXVNNI
 // int8 x int8 without VNNI, exactly, and with no vpsignb: for an activation x and a weight q,
 // |x| * (q ^ s) = x * q - (x < 0 ? |x| : 0), where s is 0xFF for x < 0 and 0 otherwise (q ^ 0xFF = -q - 1).
@@ -147,8 +157,8 @@ static inline void qrow_xsign(const uint8_t* wp, const uint8_t* xa, const uint8_
   }
 }
 
-// Group g of the MR rows from m0 (xt: their 8-row tile's words) over super-block sb, into acc with qtile8's
-// float operations (the int32 sums are the sign trick's, so the bits are too).
+// Group g of the MR rows from m0 (xt: their 8-row tile's words) over super-block sb, into acc by qacc8 (the
+// int32 sums are the sign trick's, so the bits are too).
 template <int MR>
 __attribute__((optimize("no-tree-pre"))) static void qgroup_xsign(const LinearArgs& a, const uint8_t* wsb,
                                                                     const uint8_t* xt, int64_t m0, int64_t sb,
@@ -168,15 +178,11 @@ __attribute__((optimize("no-tree-pre"))) static void qgroup_xsign(const LinearAr
   alignas(32) int32_t n[8];
   _mm256_store_si256(reinterpret_cast<__m256i*>(n), _mm256_sub_epi32(zero, neg));
   __m256 sv[8];
-  for (int v = 0; v < 8; v++)
-    sv[v] = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
+  for (int v = 0; v < 8; v++) sv[v] = qscale8(a, sb, ng, g, v);
   for (int m = 0; m < MR; m++) {
     __m256i p[8];
     qrow_xsign(wsb + g * steps * 256, xa + 4 * (r0 + m), xm + 4 * (r0 + m), steps, n[r0 + m], p);
-    const __m256 xs = _mm256_set1_ps(a.xscale[(m0 + m) * ng + g]);
-    for (int v = 0; v < 8; v++)  // acc += float(sum) * (d * scale), as qtile8
-      _mm256_store_ps(acc[v][m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(p[v]), _mm256_mul_ps(sv[v], xs),
-                                                 _mm256_load_ps(acc[v][m])));
+    for (int v = 0; v < 8; v++) qacc8(acc[v][m], p[v], sv[v], a.xscale[(m0 + m) * ng + g]);
   }
 }
 #endif
@@ -283,13 +289,8 @@ __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a,
           for (int m = 0; m < MR; m++) part[m] = q8dot(part[m], q, xw + 4 * m);
         }
       }
-      // acc += float(sum_k q_k x_k) * (d * scale), as qtile
-      const __m256 s =
-          _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a.scale + (sb * ng + g) * 64 + v * 8)));
-      for (int m = 0; m < MR; m++)
-        _mm256_store_ps(acc[v][m], _mm256_fmadd_ps(_mm256_cvtepi32_ps(part[m]),
-                                                   _mm256_mul_ps(s, _mm256_set1_ps(a.xscale[(m0 + m) * ng + g])),
-                                                   _mm256_load_ps(acc[v][m])));
+      const __m256 s = qscale8(a, sb, ng, g, v);
+      for (int m = 0; m < MR; m++) qacc8(acc[v][m], part[m], s, a.xscale[(m0 + m) * ng + g]);
     }
   }
   for (int v = 0; v < 8; v++) {
