@@ -1,12 +1,12 @@
 // Two trees' AVX2 prefill kernels (each tree's csrc/linear_avx2.cpp, or with -DAB_INT8 its csrc/qlinear_avx2.cpp:
 // the maddubs int8 build; compiled into one binary by linear_ab.sh, the second in namespace avx2b) timed call by
-// call in turn on the same weights of one layer shape (fp32, or int8 I8A8 with int8 activations in groups of 32):
-// M rows (128 unless given), one thread, weights and inputs on 2 MiB pages, COPIES (4) copies of the weights run in
-// turn so that they come from DRAM as a model's prefill reads them, the super-blocks in runs of RUN (2) as a
-// thread of the package takes them. Prints each tree's median rate, the median of the per-pair time ratios (B / A)
-// and whether the two gave the same bits. Pairing the calls cancels most of a shared machine's drift, which moved
-// best-of-20 rates of one binary by 20-30% between runs (benchmarks/linear_harness.cpp). Not part of the package
-// or CI; see linear_ab.sh.
+// call in turn on the same weights of one layer shape (fp32, or int8 I8A8 with int8 activations in groups of 32,
+// each tree's quantize_rows laying out the same x as it reads it): M rows (128 unless given), one thread, weights
+// and inputs on 2 MiB pages, COPIES (4) copies of the weights run in turn so that they come from DRAM as a
+// model's prefill reads them, the super-blocks in runs of RUN (2) as a thread of the package takes them. Prints
+// each tree's median rate, the median of the per-pair time ratios (B / A) and whether the two gave the same
+// bits. Pairing the calls cancels most of a shared machine's drift, which moved best-of-20 rates of one binary
+// by 20-30% between runs (benchmarks/linear_harness.cpp). Not part of the package or CI; see linear_ab.sh.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -60,21 +60,26 @@ int main(int argc, char** argv) {
   LinearArgs a{};
   a.M = M, a.K = K, a.ldx = K, a.bias = bias.data(), a.ldy = N, a.act = ACT_NONE, a.nsuper = N / 64;
 #ifdef AB_INT8
+  // each tree quantizes the same x as its own quantize_rows lays it out (at most 4 bytes a value)
   const int64_t ng = K / G, rows8 = (M + 7) / 8 * 8;
-  int8_t* xq = huge<int8_t>(rows8 * K);  // whole tiles of 8 rows, interleaved by words (qlinear_impl.h: xword)
-  for (int64_t i = 0; i < rows8 * K; i++) xq[i] = static_cast<int8_t>(std::rand() % 255 - 127);
-  std::vector<int32_t> xsum(M * ng, 0);  // each (row, group)'s sum of q, as quantize_rows gives it
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t k = 0; k < K; k++) xsum[m * ng + k / G] += xq[(m / 8) * 8 * K + (k / 4) * 32 + (m % 8) * 4 + k % 4];
+  float* x = huge<float>(M * K);
+  for (int64_t i = 0; i < M * K; i++) x[i] = static_cast<float>(std::rand() % 2001 - 1000) * 1e-3f;
   std::vector<uint16_t> scale(ng * N, 0x3c00);  // fp16 1.0
-  std::vector<float> xscale(M * ng, 0.01f);
-  a.format = I8A8, a.group = G, a.scale = scale.data(), a.xq = xq, a.xscale = xscale.data(), a.xsum = xsum.data();
+  a.format = I8A8, a.group = G, a.scale = scale.data(), a.x = x;
+  int8_t* xq[2] = {huge<int8_t>(rows8 * K * 4), huge<int8_t>(rows8 * K * 4)};
+  std::vector<float> xscale[2] = {std::vector<float>(M * ng), std::vector<float>(M * ng)};
+  std::vector<int32_t> xsum[2] = {std::vector<int32_t>(M * ng), std::vector<int32_t>(M * ng)};
+  gpt2ffn::avx2::quantize_rows(a, xq[0], xscale[0].data(), xsum[0].data(), 0, M);
+  gpt2ffn::avx2b::quantize_rows(a, xq[1], xscale[1].data(), xsum[1].data(), 0, M);
+  auto inputs = [&](int tree) { a.xq = xq[tree], a.xscale = xscale[tree].data(), a.xsum = xsum[tree].data(); };
 #else
   float* x = huge<float>(M * K);
   for (int64_t i = 0; i < M * K; i++) x[i] = static_cast<float>(std::rand() % 1000) * 1e-3f;
   a.format = F32, a.x = x;
+  auto inputs = [](int) {};
 #endif
   auto call = [&](int tree) {
+    inputs(tree);
     for (int64_t s = 0; s < a.nsuper; s += run) range(tree, a, s, std::min(a.nsuper, s + run));
   };
   std::vector<double> t[2], ratio;

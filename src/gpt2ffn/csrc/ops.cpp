@@ -33,6 +33,7 @@ void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
+int64_t xq_bytes(int64_t M, int64_t K, int64_t G, int format);
 void qlinear_range_amx(const LinearArgs& a, int64_t sb0, int64_t sb1);
 bool amx_permitted();
 const char* int8_dot();
@@ -49,11 +50,13 @@ void attend(const AttendArgs& a);
 void attend_causal(const CausalArgs& a);
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
+int64_t xq_bytes(int64_t M, int64_t K, int64_t G, int format);
 const char* int8_dot();
 }
 namespace avxvnni {
 void qlinear_range(const LinearArgs& a, int64_t sb0, int64_t sb1);
 void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, int64_t m0, int64_t m1);
+int64_t xq_bytes(int64_t M, int64_t K, int64_t G, int format);
 const char* int8_dot();
 }
 
@@ -87,20 +90,24 @@ struct Isa {
   const RowOps* rows;
   const char* (*int8_dot)();
   int64_t xr;  // rows the build's int8 activations interleave in a tile (qlinear_impl.h: xword): 1 or 8
+  int64_t (*xq_bytes)(int64_t M, int64_t K, int64_t G, int format);  // the bytes quantize writes for M rows
 };
 // AVX-512 VNNI with AMX-INT8 (Intel Sapphire Rapids and later): the integer kernels' blocks of 16 rows on tiles
 static const Isa kAvx512Amx{"avx512amx", avx512::linear_range, avx512::attend, avx512::attend_causal,
-                            avx512::qlinear_range_amx, avx512::quantize_rows, &kRows512, avx512::int8_dot_amx, 1};
+                            avx512::qlinear_range_amx, avx512::quantize_rows, &kRows512, avx512::int8_dot_amx, 1,
+                            avx512::xq_bytes};
 static const Isa kAvx512{"avx512", avx512::linear_range, avx512::attend, avx512::attend_causal, avx512::qlinear_range,
-                        avx512::quantize_rows, &kRows512, avx512::int8_dot, 1};
+                        avx512::quantize_rows, &kRows512, avx512::int8_dot, 1, avx512::xq_bytes};
 // AVX-512 without VNNI (Skylake-X): the float kernels at 512 bits, the integer ones on maddubs
 static const Isa kAvx512NoVnni{"avx512novnni", avx512::linear_range, avx512::attend, avx512::attend_causal,
-                               avx2::qlinear_range, avx2::quantize_rows, &kRows512, avx2::int8_dot, 8};
+                               avx2::qlinear_range, avx2::quantize_rows, &kRows512, avx2::int8_dot, 8,
+                               avx2::xq_bytes};
 static const Isa kAvxVnni{"avxvnni", avx2::linear_range, avx2::attend, avx2::attend_causal, avxvnni::qlinear_range,
-                         avxvnni::quantize_rows, &kRows256, avxvnni::int8_dot, 8};
+                         avxvnni::quantize_rows, &kRows256, avxvnni::int8_dot, 8,
+                         avxvnni::xq_bytes};
 static const Isa kAvx2{"avx2", avx2::linear_range, avx2::attend, avx2::attend_causal, avx2::qlinear_range,
-                       avx2::quantize_rows, &kRows256, avx2::int8_dot, 8};
-static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0};
+                       avx2::quantize_rows, &kRows256, avx2::int8_dot, 8, avx2::xq_bytes};
+static const Isa kNone{"none", nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, nullptr, 0, nullptr};
 
 static bool supports(const Isa& i) {
   __builtin_cpu_init();
@@ -228,7 +235,7 @@ torch::Tensor linear(const torch::Tensor& x, const torch::Tensor& w, const c10::
   torch::Tensor xq, xs, xsum;
   if (int8x) {  // x to int8 per (row, group) first, then the integer kernels
     const int64_t ng = K / group;
-    xq = torch::empty({(M + 7) / 8 * 8, K}, x.options().dtype(at::kChar));  // whole tiles (linear.h)
+    xq = torch::empty({isa->xq_bytes(M, K, group, format)}, x.options().dtype(at::kChar));  // whole tiles (linear.h)
     xs = torch::empty({M, ng}, x.options());
     xsum = torch::empty({M, ng}, x.options().dtype(at::kInt));
     a.xq = xq.data_ptr<int8_t>();
@@ -557,7 +564,11 @@ class StepPlan {
     }
     auto logits = torch::empty({R, head_layer_.nsuper * 64}, f32);
     // int8 activations in whole tiles of 8 rows (linear.h), each tile quantized by one thread
-    auto xq = torch::empty({(B + 7) / 8 * 8, maxk}, torch::dtype(at::kChar)), xs = torch::empty({B, maxk}, f32);
+    int64_t xq_bytes = 0;
+    for (const auto& ls : layers_)
+      for (const auto& L : ls) xq_bytes = std::max(xq_bytes, isa->xq_bytes(B, L.a.K, L.a.group, L.a.format));
+    xq_bytes = std::max(xq_bytes, isa->xq_bytes(R, head_layer_.a.K, head_layer_.a.group, head_layer_.a.format));
+    auto xq = torch::empty({xq_bytes}, torch::dtype(at::kChar)), xs = torch::empty({B, maxk}, f32);
     auto xsum = torch::empty({B, maxk}, torch::dtype(at::kInt));
     float *xp = x.data_ptr<float>(), *hp = hbuf.data_ptr<float>(), *qp = qkv.data_ptr<float>();
     float *ap = att.data_ptr<float>(), *yp = ybuf.data_ptr<float>(), *hidp = hid.data_ptr<float>();
@@ -595,7 +606,7 @@ class StepPlan {
           for (int64_t m = m0; m < m1; m++) rows.layer_norm(in + m * d, w, bias, eps, d, hp + m * d);
           if (L.int8x) {
             LinearArgs q = L.a;
-            q.x = hp, q.ldx = d;
+            q.x = hp, q.ldx = d, q.M = B;
             isa->quantize(q, xqp, xsp, xsump, m0, m1);
           }
         }
@@ -603,7 +614,7 @@ class StepPlan {
       auto quantize = [&](const StepLayer& L, const float* in, int64_t ldin) {
         if (!L.int8x) return;
         LinearArgs q = L.a;
-        q.x = in, q.ldx = ldin;
+        q.x = in, q.ldx = ldin, q.M = B;
         for (int64_t m0 = tid * 8; m0 < B; m0 += 8 * nt) isa->quantize(q, xqp, xsp, xsump, m0, std::min(B, m0 + 8));
       };
       // y = act(in @ W + b) by runs of super-blocks; then post(c0, c1) on the run's outputs c0..c1 of every row
@@ -699,7 +710,7 @@ class StepPlan {
                           hp + m * d);
         if (head_layer_.int8x) {
           LinearArgs q = head_layer_.a;
-          q.x = hp, q.ldx = d;
+          q.x = hp, q.ldx = d, q.M = R;
           isa->quantize(q, xqp, xsp, xsump, m0, m1);
         }
       }

@@ -68,9 +68,23 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
       xs[m * ng + g] = d;
       xsum[m * ng + g] = s;
     }
+#ifdef GPT2FFN_XSIGN
+    if (xsign_layout(a)) {  // |x|, masks and n in blocks (qvec_avx2.h)
+      xsign_row(xq, K, G, m, qrow);
+      continue;
+    }
+#endif
     if (XR > 1)
       for (int64_t k = 0; k < K; k += 4) std::memcpy(const_cast<int8_t*>(xword(xq, K, m, k)), qrow + k, 4);
   }
+}
+
+// The bytes xq takes for M rows of a layer of K inputs in groups of G and format `format`: whole tiles of 8 rows
+int64_t xq_bytes(int64_t M, int64_t K, int64_t G, int format) {
+#ifdef GPT2FFN_XSIGN
+  if (format == I8A8 && G <= 4 * XSIGN_STEPS && M == 1) return xsign_bytes(M, K, G);
+#endif
+  return (M + 7) / 8 * 8 * K;
 }
 
 // PF: the one-row tiles of decode prefetch a.w's rows prefetch_bytes[FMT] ahead (linear.h). Prefill's tiles
@@ -179,6 +193,12 @@ static void qrun(const LinearArgs& a, int64_t sb0, int64_t sb1) {
     int t = 0;
     for (; m + QMR <= a.M; m += QMR, t++) tiles<FMT, QMR>(a, m, sb, t, nt);
     if (m + QMR / 2 <= a.M) tiles<FMT, QMR / 2>(a, m, sb, t, nt), m += QMR / 2;
+#endif
+#ifdef GPT2FFN_XSIGN
+    if (FMT == I8A8 && xsign_layout(a)) {  // (M is 1)
+      stream ? qtile1_xsign<true>(a, sb) : qtile1_xsign<false>(a, sb);
+      continue;
+    }
 #endif
     for (; m < a.M; m++)
       for (int j0 = 0; j0 < 4; j0 += QNB1)

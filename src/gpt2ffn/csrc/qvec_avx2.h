@@ -141,15 +141,56 @@ static inline void qacc8(float* acc, __m256i sum, __m256 s, float d) {
 // (a row's two broadcasts meet 8 of them; the weights come from L1 as memory operands of vpxor). One thread,
 // one layer, 128 rows, AMD EPYC Zen 3 (benchmarks/linear_ab.sh --int8, against the sign trick): 0.84-0.91x the
 // time; 4 rows x 2 registers and 2 x 4 were 0.93-0.97x (benchmarks/int8_dot_avx2.cpp times the bare steps).
-// The group's |x| and masks of the tile's 8 interleaved rows are made once, into xa / xm, for its MR passes.
+//
+// A tile's |x|, masks and n for a group lie in a block of G / 4 + 1 lines: line s holds step s's |x| words (row
+// m's at byte 4m) and then its mask words (at 32 + 4m), the last line each row's n (int32, at 4m). Prefill makes
+// each block on the stack from the tile's words (xsign_tile), once for the tile's passes over a super-block; for
+// decode's one row quantize_rows writes the blocks themselves (xsign_row, GPT2FFN_XSIGN), so the one-row tile
+// (qtile1_xsign) takes this form too, where it took the sign trick (vpsignb twice per 32 products).
+#define GPT2FFN_XSIGN 1
 constexpr int64_t XSIGN_STEPS = 64;  // groups of up to 256 (larger ones take the sign trick)
-static inline void qrow_xsign(const uint8_t* wp, const uint8_t* xa, const uint8_t* xm, int64_t steps, int32_t n,
-                              __m256i* p) {
-  for (int j = 0; j < 8; j++) p[j] = _mm256_set1_epi32(n);
+static inline bool xsign(const LinearArgs& a) { return a.format == I8A8 && a.group <= 4 * XSIGN_STEPS; }
+// Decode's one row: quantize_rows writes its blocks (xsign_row), no words
+static inline bool xsign_layout(const LinearArgs& a) { return xsign(a) && a.M == 1; }
+// Row m's group g block (its tile's; the row's words at 4 * (m % XR))
+static inline const uint8_t* xsign_block(const int8_t* xq, int64_t K, int64_t G, int64_t m, int64_t g) {
+  const int64_t block = 64 * (G / 4 + 1);
+  return reinterpret_cast<const uint8_t*>(xq) + ((m / XR) * (K / G) + g) * block;
+}
+// Bytes of the blocks of M rows
+static inline int64_t xsign_bytes(int64_t M, int64_t K, int64_t G) {
+  return (M + XR - 1) / XR * (K / G) * 64 * (G / 4 + 1);
+}
+// Row m's quantized values q (K of them) into its blocks
+static inline void xsign_row(int8_t* xq, int64_t K, int64_t G, int64_t m, const int8_t* q) {
+  const int64_t steps = G / 4, r = m % XR;
+  const __m128i zero = _mm_setzero_si128(), top = _mm_set1_epi8(static_cast<char>(0x80));
+  for (int64_t g = 0; g < K / G; g++) {
+    uint8_t* b = const_cast<uint8_t*>(xsign_block(xq, K, G, m, g));
+    int32_t n = 0;
+    for (int64_t s = 0; s < steps; s++) {
+      const __m128i x = _mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(q + g * G + 4 * s));
+      const __m128i ax = _mm_abs_epi8(x), sx = _mm_cmpgt_epi8(zero, x);
+      *reinterpret_cast<int32_t*>(b + 64 * s + 4 * r) = _mm_cvtsi128_si32(ax);
+      *reinterpret_cast<int32_t*>(b + 64 * s + 32 + 4 * r) = _mm_cvtsi128_si32(_mm_xor_si128(sx, top));
+      for (int i = 0; i < 4; i++) n += q[g * G + 4 * s + i] < 0 ? -q[g * G + 4 * s + i] : 0;
+    }
+    *reinterpret_cast<int32_t*>(b + 64 * steps + 4 * r) = n;
+  }
+}
+
+// One row's group over a super-block's 8 registers: p[j] = n + the sum of |x| * (q ^ s) (wp: the group's
+// weights, b: the row's words in its block)
+template <bool PF = false>
+static inline void qrow_xsign(const uint8_t* wp, const uint8_t* b, int64_t steps, __m256i* p, int64_t pf = 0) {
+  const __m256i n = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(b + 64 * steps));
+  for (int j = 0; j < 8; j++) p[j] = n;
   const __m256i one = _mm256_set1_epi16(1);
-  for (int64_t s = 0; s < steps; s++, wp += 256, xa += 4 * XR, xm += 4 * XR) {
-    const __m256i u = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xa));
-    const __m256i f = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(xm));
+  for (int64_t s = 0; s < steps; s++, wp += 256, b += 64) {
+    if constexpr (PF)
+      for (int j = 0; j < 4; j++) _mm_prefetch(reinterpret_cast<const char*>(wp + pf + 64 * j), _MM_HINT_T0);
+    const __m256i u = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(b));
+    const __m256i f = _mm256_set1_epi32(*reinterpret_cast<const int32_t*>(b + 32));
     for (int j = 0; j < 8; j++) {
       const __m256i q = _mm256_xor_si256(load32(wp + 32 * j), f);  // q or -q - 1
       p[j] = _mm256_add_epi32(p[j], _mm256_madd_epi16(_mm256_maddubs_epi16(u, q), one));
@@ -157,32 +198,61 @@ static inline void qrow_xsign(const uint8_t* wp, const uint8_t* xa, const uint8_
   }
 }
 
+// The block of group g of an 8-row tile's interleaved words (xw: the tile's words of the group's first step)
+// as xsign_row lays out one row's, into b
+static inline void xsign_tile(const uint8_t* xw, int64_t steps, uint8_t* b) {
+  const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi8(static_cast<char>(0x80));
+  __m256i neg = zero;  // lane m: -n of row m (vpmaddubsw of |x| with the mask's -1s)
+  for (int64_t s = 0; s < steps; s++) {
+    const __m256i x = load32(xw + s * 32), ax = _mm256_abs_epi8(x), sx = _mm256_cmpgt_epi8(zero, x);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b + 64 * s), ax);
+    _mm256_store_si256(reinterpret_cast<__m256i*>(b + 64 * s + 32), _mm256_xor_si256(sx, top));
+    neg = _mm256_add_epi32(neg, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sx), _mm256_set1_epi16(1)));
+  }
+  _mm256_store_si256(reinterpret_cast<__m256i*>(b + 64 * steps), _mm256_sub_epi32(zero, neg));
+}
+
 // Group g of the MR rows from m0 (xt: their 8-row tile's words) over super-block sb, into acc by qacc8 (the
-// int32 sums are the sign trick's, so the bits are too).
+// int32 sums are the sign trick's, so the bits are too). The tile's block is made here, on the stack, once for
+// its MR passes. Written once a layer by quantize_rows for every row instead (2.25 bytes an activation, not 1),
+// the blocks saved nothing at 128 rows (0.985-1.015x the time of a layer) and took 1.15x at 512 rows of K = 6400
+// (benchmarks/linear_ab.sh --int8, AMD EPYC Zen 3): their reads cost what the preparation here does.
 template <int MR>
 __attribute__((optimize("no-tree-pre"))) static void qgroup_xsign(const LinearArgs& a, const uint8_t* wsb,
                                                                     const uint8_t* xt, int64_t m0, int64_t sb,
                                                                     int64_t g, int64_t ng, float (*acc)[MR][8]) {
   const int64_t steps = a.group / 4;  // <= XSIGN_STEPS
-  const int r0 = static_cast<int>(m0 % XR);
-  alignas(32) uint8_t xa[XSIGN_STEPS * 32], xm[XSIGN_STEPS * 32];
-  const uint8_t* xw = xt + g * steps * 4 * XR;
-  const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi8(static_cast<char>(0x80));
-  __m256i neg = zero;  // lane m: -n of row m (vpmaddubsw of |x| with the mask's -1s)
-  for (int64_t s = 0; s < steps; s++) {
-    const __m256i x = load32(xw + s * 32), ax = _mm256_abs_epi8(x), sx = _mm256_cmpgt_epi8(zero, x);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(xa + s * 32), ax);
-    _mm256_store_si256(reinterpret_cast<__m256i*>(xm + s * 32), _mm256_xor_si256(sx, top));
-    neg = _mm256_add_epi32(neg, _mm256_madd_epi16(_mm256_maddubs_epi16(ax, sx), _mm256_set1_epi16(1)));
-  }
-  alignas(32) int32_t n[8];
-  _mm256_store_si256(reinterpret_cast<__m256i*>(n), _mm256_sub_epi32(zero, neg));
+  alignas(64) uint8_t b[(XSIGN_STEPS + 1) * 64];
+  xsign_tile(xt + g * steps * 4 * XR, steps, b);
   __m256 sv[8];
   for (int v = 0; v < 8; v++) sv[v] = qscale8(a, sb, ng, g, v);
   for (int m = 0; m < MR; m++) {
     __m256i p[8];
-    qrow_xsign(wsb + g * steps * 256, xa + 4 * (r0 + m), xm + 4 * (r0 + m), steps, n[r0 + m], p);
+    qrow_xsign(wsb + g * steps * 256, b + 4 * (m0 % XR + m), steps, p);
     for (int v = 0; v < 8; v++) qacc8(acc[v][m], p[v], sv[v], a.xscale[(m0 + m) * ng + g]);
+  }
+}
+
+// Decode's one row over super-block sb, the same sums and float steps as qtile<I8A8, 1, QNB1> (so the same
+// bits), each step's 4 lines prefetched prefetch_bytes ahead if PF.
+template <bool PF>
+static void qtile1_xsign(const LinearArgs& a, int64_t sb) {
+  const int64_t K = a.K, G = a.group, ng = K / G, steps = G / 4;
+  const uint8_t* wsb = static_cast<const uint8_t*>(a.w) + sb * (K / 4) * 256;
+  const int64_t pf = PF ? prefetch_bytes[I8A8] : 0;
+  alignas(32) float acc[8][1][8];
+  for (int v = 0; v < 8; v++) _mm256_store_ps(acc[v][0], _mm256_setzero_ps());
+  for (int64_t g = 0; g < ng; g++) {
+    __m256i p[8];
+    qrow_xsign<PF>(wsb + g * steps * 256, xsign_block(a.xq, K, G, 0, g), steps, p, pf);
+    for (int v = 0; v < 8; v++) qacc8(acc[v][0], p[v], qscale8(a, sb, ng, g, v), a.xscale[g]);
+  }
+  for (int v = 0; v < 8; v += 2) {
+    const int64_t col = sb * 64 + v * 8;
+    const V b = a.bias ? vload(a.bias + col) : vzero();
+    const V y = activate(vadd(V{_mm256_load_ps(acc[v][0]), _mm256_load_ps(acc[v + 1][0])}, b), a.act);
+    _mm256_storeu_ps(a.y + col, y.lo);
+    _mm256_storeu_ps(a.y + col + 8, y.hi);
   }
 }
 #endif
@@ -214,7 +284,7 @@ template <int FMT, int MR>
 __attribute__((optimize("no-tree-pre"))) static void qtile8(const LinearArgs& a, int64_t m0, int64_t sb, int t,
                                                              int nt) {
 #ifdef GPT2FFN_AVXVNNI
-  constexpr bool XSIGN = false;
+  [[maybe_unused]] constexpr bool XSIGN = false;
 #else
   constexpr bool XSIGN = FMT == I8A8;  // qgroup_xsign
 #endif
