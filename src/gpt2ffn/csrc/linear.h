@@ -64,8 +64,8 @@ struct LinearArgs {
   int format;
   int act;              // applied to x @ W + b as it is stored: ACT_NONE, ACT_GELU_TANH or ACT_RELU
   // I8A8 / I4A8: x quantized per (row, group): int8 values in tiles of 8 rows (M rounded up; each build lays a
-  // tile out as its quantize_rows writes it: qlinear_impl.h, xword; the maddubs build's decode of one row as
-  // |x| and sign masks, qvec_avx2.h: xsign_row; xq_bytes says how many bytes), the scale d and the sum of q
+  // tile out as its quantize_rows writes it: qlinear_impl.h, xword; the maddubs build's decode of one row adds
+  // blocks of |x| and sign masks, qvec_avx2.h: xsign_one; xq_bytes says how many bytes), the scale d and the sum of q
   const int8_t* xq;
   const float* xscale;  // (M, K / group)
   const int32_t* xsum;  // (M, K / group)

@@ -68,21 +68,21 @@ void quantize_rows(const LinearArgs& a, int8_t* xq, float* xs, int32_t* xsum, in
       xs[m * ng + g] = d;
       xsum[m * ng + g] = s;
     }
-#ifdef GPT2FFN_XSIGN
-    if (xsign_layout(a)) {  // |x|, masks and n in blocks (qvec_avx2.h)
-      xsign_row(xq, K, G, m, qrow);
-      continue;
-    }
-#endif
     if (XR > 1)
       for (int64_t k = 0; k < K; k += 4) std::memcpy(const_cast<int8_t*>(xword(xq, K, m, k)), qrow + k, 4);
   }
+#ifdef GPT2FFN_XSIGN
+  if (xsign_layout(a) && m0 == 0)  // decode's one row: its blocks of |x|, masks and n too (qvec_avx2.h)
+    for (int64_t g = 0; g < ng; g++)  // (group g's words start at k = g * G: byte g * G * XR of tile 0)
+      xsign_tile(reinterpret_cast<const uint8_t*>(xq) + g * G * XR, G / 4,
+                 const_cast<uint8_t*>(xsign_one(xq, K, G, g)));
+#endif
 }
 
 // The bytes xq takes for M rows of a layer of K inputs in groups of G and format `format`: whole tiles of 8 rows
 int64_t xq_bytes(int64_t M, int64_t K, int64_t G, int format) {
 #ifdef GPT2FFN_XSIGN
-  if (format == I8A8 && G <= 4 * XSIGN_STEPS && M == 1) return xsign_bytes(M, K, G);
+  if (format == I8A8 && G <= 4 * XSIGN_STEPS && M == 1) return xsign_one_bytes(K, G);
 #endif
   return (M + 7) / 8 * 8 * K;
 }

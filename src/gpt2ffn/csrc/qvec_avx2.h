@@ -145,39 +145,18 @@ static inline void qacc8(float* acc, __m256i sum, __m256 s, float d) {
 // A tile's |x|, masks and n for a group lie in a block of G / 4 + 1 lines: line s holds step s's |x| words (row
 // m's at byte 4m) and then its mask words (at 32 + 4m), the last line each row's n (int32, at 4m). Prefill makes
 // each block on the stack from the tile's words (xsign_tile), once for the tile's passes over a super-block; for
-// decode's one row quantize_rows writes the blocks themselves (xsign_row, GPT2FFN_XSIGN), so the one-row tile
+// decode's one row quantize_rows makes the blocks once, after the words (GPT2FFN_XSIGN), so the one-row tile
 // (qtile1_xsign) takes this form too, where it took the sign trick (vpsignb twice per 32 products).
 #define GPT2FFN_XSIGN 1
 constexpr int64_t XSIGN_STEPS = 64;  // groups of up to 256 (larger ones take the sign trick)
 static inline bool xsign(const LinearArgs& a) { return a.format == I8A8 && a.group <= 4 * XSIGN_STEPS; }
-// Decode's one row: quantize_rows writes its blocks (xsign_row), no words
+// Decode's one row: quantize_rows makes its blocks once (xsign_tile), after its words
 static inline bool xsign_layout(const LinearArgs& a) { return xsign(a) && a.M == 1; }
-// Row m's group g block (its tile's; the row's words at 4 * (m % XR))
-static inline const uint8_t* xsign_block(const int8_t* xq, int64_t K, int64_t G, int64_t m, int64_t g) {
-  const int64_t block = 64 * (G / 4 + 1);
-  return reinterpret_cast<const uint8_t*>(xq) + ((m / XR) * (K / G) + g) * block;
+// Decode's one row: its group g block, after tile 0's words (quantize_rows makes both; xq_bytes counts both)
+static inline const uint8_t* xsign_one(const int8_t* xq, int64_t K, int64_t G, int64_t g) {
+  return reinterpret_cast<const uint8_t*>(xq) + XR * K + g * 64 * (G / 4 + 1);
 }
-// Bytes of the blocks of M rows
-static inline int64_t xsign_bytes(int64_t M, int64_t K, int64_t G) {
-  return (M + XR - 1) / XR * (K / G) * 64 * (G / 4 + 1);
-}
-// Row m's quantized values q (K of them) into its blocks
-static inline void xsign_row(int8_t* xq, int64_t K, int64_t G, int64_t m, const int8_t* q) {
-  const int64_t steps = G / 4, r = m % XR;
-  const __m128i zero = _mm_setzero_si128(), top = _mm_set1_epi8(static_cast<char>(0x80));
-  for (int64_t g = 0; g < K / G; g++) {
-    uint8_t* b = const_cast<uint8_t*>(xsign_block(xq, K, G, m, g));
-    int32_t n = 0;
-    for (int64_t s = 0; s < steps; s++) {
-      const __m128i x = _mm_cvtsi32_si128(*reinterpret_cast<const int32_t*>(q + g * G + 4 * s));
-      const __m128i ax = _mm_abs_epi8(x), sx = _mm_cmpgt_epi8(zero, x);
-      *reinterpret_cast<int32_t*>(b + 64 * s + 4 * r) = _mm_cvtsi128_si32(ax);
-      *reinterpret_cast<int32_t*>(b + 64 * s + 32 + 4 * r) = _mm_cvtsi128_si32(_mm_xor_si128(sx, top));
-      for (int i = 0; i < 4; i++) n += q[g * G + 4 * s + i] < 0 ? -q[g * G + 4 * s + i] : 0;
-    }
-    *reinterpret_cast<int32_t*>(b + 64 * steps + 4 * r) = n;
-  }
-}
+static inline int64_t xsign_one_bytes(int64_t K, int64_t G) { return XR * K + (K / G) * 64 * (G / 4 + 1); }
 
 // One row's group over a super-block's 8 registers: p[j] = n + the sum of |x| * (q ^ s) (wp: the group's
 // weights, b: the row's words in its block)
@@ -198,8 +177,8 @@ static inline void qrow_xsign(const uint8_t* wp, const uint8_t* b, int64_t steps
   }
 }
 
-// The block of group g of an 8-row tile's interleaved words (xw: the tile's words of the group's first step)
-// as xsign_row lays out one row's, into b
+// The block of group g of an 8-row tile's interleaved words (xw: the tile's words of the group's first step),
+// into b (each row's lanes on their own: a tile's rows past M give lanes no one reads)
 static inline void xsign_tile(const uint8_t* xw, int64_t steps, uint8_t* b) {
   const __m256i zero = _mm256_setzero_si256(), top = _mm256_set1_epi8(static_cast<char>(0x80));
   __m256i neg = zero;  // lane m: -n of row m (vpmaddubsw of |x| with the mask's -1s)
@@ -244,7 +223,7 @@ static void qtile1_xsign(const LinearArgs& a, int64_t sb) {
   for (int v = 0; v < 8; v++) _mm256_store_ps(acc[v][0], _mm256_setzero_ps());
   for (int64_t g = 0; g < ng; g++) {
     __m256i p[8];
-    qrow_xsign<PF>(wsb + g * steps * 256, xsign_block(a.xq, K, G, 0, g), steps, p, pf);
+    qrow_xsign<PF>(wsb + g * steps * 256, xsign_one(a.xq, K, G, g), steps, p, pf);
     for (int v = 0; v < 8; v++) qacc8(acc[v][0], p[v], qscale8(a, sb, ng, g, v), a.xscale[g]);
   }
   for (int v = 0; v < 8; v += 2) {
