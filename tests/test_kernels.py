@@ -202,6 +202,14 @@ def test_import_sets_a_short_openmp_spin_unless_told():
     assert spin("import torch; ") == "None"  # libgomp has read its variables: setting one now would mislead
 
 
+def test_import_leaves_torch_distributed_tensor_unloaded():
+    """`import gpt2ffn` (every CLI command, every server and engine process) does not import
+    torch.distributed.tensor, ~0.9 s of start-up: gpt2ffn.parallel is imported where --tp > 1 needs it."""
+    code = "import sys, gpt2ffn.cli, gpt2ffn.serving.http; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "False"
+
+
 def test_torch_compile_fullgraph_of_a_plain_gpt2(hf_dir, small_model):
     """torch.compile(GPT2, fullgraph=True) of a model of plain torch modules (precision=None) stopped at check_ids'
     int(ids.min()) (a data-dependent value) and then at the native causal attention: under compile the range check

@@ -9,7 +9,6 @@ import torch
 
 from .errors import Gpt2ffnError
 from .model import DEVICES, check_spec, load_model, parse_random, resolve_device  # noqa: F401 (DEVICES: the CLI's)
-from .parallel import make_mesh, parallelize
 from .precision import check_activations, check_precision
 from .tokenizer import ByteTokenizer, HFTokenizer, has_tokenizer_files, load_tokenizer, no_tokenizer
 from .weights import cached_snapshot
@@ -60,7 +59,8 @@ def load(spec=None, dtype=None, precision: str | None = "fp32", device: str = "c
     model.kv_dtype = kv_dtype
     if device != "cpu":  # .to() of a packed (held-once) model would fill its fp32 weights back in
         model = model.to(device)
-    if tp > 1:
+    if tp > 1:  # imported here: torch.distributed.tensor adds ~0.9 s to every `import gpt2ffn` (CLI, server)
+        from .parallel import make_mesh, parallelize
         model = parallelize(model, make_mesh(tp))
     return model, tok, parse_random(spec)[2] if spec.startswith("random:") else name or Path(spec).name
 
