@@ -115,6 +115,13 @@ def worker(rank, world, store, queue, cfg=CFG):
                 back = GPT2.from_pretrained(saved).eval()
                 with torch.no_grad():
                     out[f"saved_logits_{vocab_parallel}"] = excess(back(ids), logits0, 1e-5)
+        # load(tp=world), as `--tp N` under torchrun loads (it imports gpt2ffn.parallel there): one process's logits
+        from gpt2ffn.loading import load
+        whole, sharded = load("random:tiny:0")[0], load("random:tiny:0", tp=world)[0]
+        with torch.no_grad():
+            out["load_tp"] = excess(sharded(ids), whole(ids), 1e-5)
+        fc = sharded.transformer.h[0].mlp.c_fc, whole.transformer.h[0].mlp.c_fc
+        out["load_tp_bytes"] = parallel.local_bytes(fc[0]) * world == parallel.local_bytes(fc[1])
         # a model packed for inference, its fp32 weights held once (load_model's default): its values come back
         held = parallel.parallelize(quantize(copy.deepcopy(ref), "fp32"))
         with torch.no_grad():
@@ -188,6 +195,7 @@ def test_sharded_model_logits_and_greedy_tokens(ranks):
     world, results = ranks
     for r in results.values():
         assert r["logits_True"] <= 1e-5 and r["logits_False"] <= 1e-5, r
+        assert r["load_tp"] <= 1e-5 and r["load_tp_bytes"], r  # generate.load(..., tp=world): sharded, same logits
         assert r["kv_cache_True"] <= 1e-5 and r["kv_cache_False"] <= 1e-5, r
     for vp in (True, False):
         got, expected = results[0][f"tokens_{vp}"]
