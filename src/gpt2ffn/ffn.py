@@ -8,7 +8,7 @@ from .config import Config
 from .errors import InputError, ShapeError
 from .gelu import activation
 from .kernels import packed
-from .linear import Conv1D, TrainChecked
+from .linear import Conv1D, TrainChecked, uninitialized
 from .precision import quantize
 
 
@@ -94,7 +94,8 @@ class FeedForward(TrainChecked):
         precision ('fp32', 'bf16', 'int8', 'int4'): pack the weights for fast inference (gpt2ffn.quantize)."""
         from .weights import load_ffn_state
         cfg, state = load_ffn_state(path, layer, config)
-        ffn = cls(cfg)
+        with uninitialized():  # its 4 tensors are read next (load_state_dict is strict)
+            ffn = cls(cfg)
         ffn.load_state_dict(state)
         ffn = ffn.to(dtype).eval()
         if precision is not None:

@@ -23,7 +23,7 @@ from .errors import ConfigError, Gpt2ffnError, InputError, ShapeError
 from .ffn import FeedForward
 from .kernels import add_layer_norm
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
-from .linear import Conv1D, PackedLayer, TrainChecked, check_trainable, raw
+from .linear import Conv1D, PackedLayer, TrainChecked, building_uninitialized, check_trainable, raw, uninitialized
 from .precision import quantize
 from .weights import IGNORED, Checkpoint, cached_snapshot, hub_cache, load_tensors, resolve_checkpoint
 
@@ -147,6 +147,10 @@ class LMHead(PackedLayer, nn.Linear):
 
     keeps_int8 = True
 
+    def reset_parameters(self):
+        if not building_uninitialized():
+            super().reset_parameters()
+
     def weight_kn(self):
         return raw(self.weight).t()  # (a weight held once as stored: what its packed copy was stamped with)
 
@@ -206,7 +210,7 @@ class TiedEmbedding(nn.Embedding):
     state_dict / load_state_dict / .to() go through it."""
 
     def __init__(self, num, dim, head: LMHead):
-        super().__init__(num, dim)
+        super().__init__(num, dim, _weight=torch.empty(num, dim) if building_uninitialized() else None)
         self.__dict__["head"] = head  # not a submodule: the lm_head is the model's
 
     def forward(self, ids):
@@ -314,7 +318,8 @@ class GPT2(TrainChecked):
         head = LMHead(cfg.n_embd, cfg.vocab_size, bias=False)
         self.transformer = Transformer(dict(
             wte=TiedEmbedding(cfg.vocab_size, cfg.n_embd, head),
-            wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),
+            wpe=nn.Embedding(cfg.n_positions, cfg.n_embd,
+                             _weight=torch.empty(cfg.n_positions, cfg.n_embd) if building_uninitialized() else None),
             drop=nn.Dropout(cfg.embd_pdrop),
             h=Blocks([Block(cfg) for _ in range(cfg.n_layer)]),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
@@ -325,7 +330,7 @@ class GPT2(TrainChecked):
         # rank's heads.
         self.kv_config = cfg
         for name, p in self.named_parameters():
-            if name.endswith("wte.weight") or name.endswith("wpe.weight"):
+            if (name.endswith("wte.weight") or name.endswith("wpe.weight")) and not building_uninitialized():
                 nn.init.normal_(p, std=cfg.initializer_range)
 
     def embed(self, ids, past=0, attention_mask=None, position_ids=None):
@@ -729,7 +734,8 @@ class GPT2(TrainChecked):
                               f"with dtype={dtype} (give precision=None, or dtype=torch.float32)")
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
-        model = cls(Config.from_pretrained(directory))
+        with uninitialized():  # every weight is read next (load_tensors refuses a checkpoint that lacks one)
+            model = cls(Config.from_pretrained(directory))
         # HF's keys without "transformer."; lm_head.weight is wte's (tied), whether the file has it or not
         own = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         load_tensors(own, ckpt, "GPT-2", directory / "config.json", optional=("lm_head.weight",),
@@ -927,7 +933,9 @@ def load_model(spec: str, dtype=torch.float32, precision: str | None = "fp32", a
     spec = check_spec(spec)
     if spec.startswith("random:"):
         cfg, seed, _ = parse_random(spec)
-        model = random_weights_(GPT2(cfg), seed).to(dtype).eval()
+        with uninitialized():  # random_weights_ draws every parameter
+            model = GPT2(cfg)
+        model = random_weights_(model, seed).to(dtype).eval()
         if precision is not None and dtype == torch.float32:
             return quantize(model, precision, activations=activations)
         return model
