@@ -896,14 +896,20 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
     with torch.no_grad():
         for name, p in model.named_parameters():
             g = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+            # drawn in place, then scaled (and shifted) in place: the same float operations as scale * randn, with
+            # no temporaries (GPT-2 124M: 0.5 s of a 3 s load)
+            x = p.data if p.is_contiguous() and p.dtype == torch.float32 else torch.empty(p.shape)
+            torch.randn(p.shape, generator=g, out=x)
             if name.endswith(("wte.weight", "wpe.weight")):  # std 0.1, as GPT-2's own embeddings (and tied lm_head)
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                x.mul_(0.1)
             elif ".ln_" in name or "ln_f" in name:
-                p.copy_((1.0 if name.endswith("weight") else 0.0) + 0.1 * torch.randn(p.shape, generator=g))
+                x.mul_(0.1).add_(1.0 if name.endswith("weight") else 0.0)
             elif name.endswith("bias"):
-                p.copy_(0.1 * torch.randn(p.shape, generator=g))
+                x.mul_(0.1)
             else:  # Conv1D weight [in, out]
-                p.copy_(1.5 / p.shape[0] ** 0.5 * torch.randn(p.shape, generator=g))
+                x.mul_(1.5 / p.shape[0] ** 0.5)
+            if x is not p.data:
+                p.copy_(x)
     return model
 
 
