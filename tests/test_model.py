@@ -275,6 +275,21 @@ def test_loading_draws_no_weights_it_then_overwrites(tmp_path, monkeypatch):
     assert seen == [False] and not building_uninitialized()
 
 
+def test_random_hf_model_equals_hf_built_as_usual():
+    """The reference the random: presets are judged and timed against (golden, bench, the peers' checkpoints), built
+    without HF's init draws: every tensor and the logits equal HF's model built the usual way and drawn alike."""
+    from gpt2ffn.model import random_hf_model
+    cfg = Config.from_name("tiny")
+    want = random_weights_(GPT2LMHeadModel(hf_config(cfg)), 7).eval()
+    got = random_hf_model(cfg, 7)
+    assert got.lm_head.weight is got.transformer.wte.weight and not got.training
+    sd, ref = got.state_dict(), want.state_dict()
+    assert sd.keys() == ref.keys() and all(torch.equal(sd[k], ref[k]) for k in ref)
+    ids = ids_of(9, cfg.vocab_size)
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
+
+
 def test_from_pretrained_errors(tmp_path):
     cfg = CONFIGS[0]
     hf, _ = pair(cfg)

@@ -710,13 +710,17 @@ def lm_eval_tasks(d):
     return ["gpt2ffn_mc", "gpt2ffn_gen"]
 
 
+_LM_EVAL_HF = {}  # model_dir -> HF's own answers to lm_eval_tasks, the same for both engine modes
+
+
 def test_lm_eval_local_completions_equals_hf(server, model_dir, tmp_path, monkeypatch):
     """lm-evaluation-harness through the server gives HF's own loglikelihoods (1e-3) and greedy generations."""
     lm_eval = pytest.importorskip("lm_eval")
     from lm_eval.tasks import TaskManager
     monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
     tasks = lm_eval_tasks(tmp_path)
-    manager = TaskManager(include_path=str(tmp_path))
+    # only our two tasks: indexing lm-eval's own few thousand took 15-19 s of this test, each time
+    manager = TaskManager(include_path=str(tmp_path), include_defaults=False)
 
     def run(model, args):
         out = lm_eval.simple_evaluate(model=model, model_args=args, tasks=tasks, task_manager=manager,
@@ -725,7 +729,9 @@ def test_lm_eval_local_completions_equals_hf(server, model_dir, tmp_path, monkey
 
     ours = run("local-completions", f"model={server.model},base_url={server.url}/v1/completions,"
                                     f"tokenizer_backend=huggingface,tokenizer={model_dir},max_length=128")
-    hf = run("hf", f"pretrained={model_dir},dtype=float32,device=cpu")
+    if model_dir not in _LM_EVAL_HF:
+        _LM_EVAL_HF[model_dir] = run("hf", f"pretrained={model_dir},dtype=float32,device=cpu")
+    hf = _LM_EVAL_HF[model_dir]
     lls = [(float(a[0][0]), float(b[0][0])) for x, y in zip(ours["gpt2ffn_mc"], hf["gpt2ffn_mc"]) for a, b in zip(x, y)]
     assert len(lls) == 7 and all(abs(a - b) < 1e-3 for a, b in lls), lls
     assert ours["gpt2ffn_gen"] == hf["gpt2ffn_gen"]

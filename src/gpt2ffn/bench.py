@@ -423,15 +423,11 @@ def summarize(result) -> str:
 
 def random_hf(weights: str):
     """(Config, name, HF GPT2LMHeadModel with sdpa) of `random:<preset>[:seed]`: what bench --model times."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    from .model import parse_random, random_weights_
+    from .model import parse_random, random_hf_model
     if not weights.startswith("random:"):
         raise Gpt2ffnError(f"bench --model times random weights (random:<preset>[:seed]), not {weights!r}")
     cfg, seed, name = parse_random(weights)
-    hf_cfg = GPT2Config(**cfg.to_hf_dict())
-    hf_cfg._attn_implementation = "sdpa"
-    return cfg, name, random_weights_(GPT2LMHeadModel(hf_cfg), seed).eval()
+    return cfg, name, random_hf_model(cfg, seed, "sdpa")
 
 
 def fit(cfg, spec: str, prompt_tokens: int, new_tokens: int, what: str) -> tuple:

@@ -22,7 +22,7 @@ from .config import Config
 from .diagnose import STAGES as FFN_STAGES
 from .diagnose import FFNCase, blind_to
 from .errors import CheckpointError, ConfigError, Gpt2ffnError
-from .model import parse_random, random_weights_
+from .model import parse_random, random_hf_model
 from .tolerances import GOLDEN_ATOL, GOLDEN_SCALED
 
 FORMAT = "gpt2ffn-golden/1"
@@ -141,10 +141,7 @@ def load_reference(source: str):
     transformers = _hf()
     if source.startswith("random:"):
         cfg, seed, name = parse_random(source)
-        hf_cfg = transformers.GPT2Config(**cfg.to_hf_dict())
-        hf_cfg._attn_implementation = "eager"
-        model = random_weights_(transformers.GPT2LMHeadModel(hf_cfg), seed).eval()
-        return model, cfg, {"source": name, "files": {}}
+        return random_hf_model(cfg, seed, "eager"), cfg, {"source": name, "files": {}}
     path = Path(source)
     if not path.is_dir():
         raise Gpt2ffnError(f"model {source!r} is neither a checkpoint directory nor random:<preset>[:seed]")

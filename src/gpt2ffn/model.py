@@ -913,6 +913,29 @@ def random_weights_(model: nn.Module, seed: int) -> nn.Module:
     return model
 
 
+def random_hf_model(cfg: Config, seed: int, attn_implementation: str | None = None) -> nn.Module:
+    """HF's own GPT2LMHeadModel with random_weights_(seed), in eval mode: the reference the random: presets are
+    judged and timed against. Built without HF's init draws where transformers offers that (every weight is drawn
+    next; GPT-2 124M's took 1.6 of 2.8 s), its lm_head tied to wte as HF's init ties it."""
+    import transformers
+    hf_cfg = transformers.GPT2Config(**cfg.to_hf_dict())
+    if attn_implementation is not None:
+        hf_cfg._attn_implementation = attn_implementation
+    try:
+        from transformers.initialization import no_init_weights  # transformers 5
+    except ImportError:
+        no_init_weights = None
+    if no_init_weights is None:
+        model = transformers.GPT2LMHeadModel(hf_cfg)
+    else:
+        with no_init_weights():
+            model = transformers.GPT2LMHeadModel(hf_cfg)
+        model.tie_weights()  # (left untied inside no_init_weights)
+    if cfg.tie_word_embeddings and model.lm_head.weight is not model.transformer.wte.weight:
+        raise RuntimeError("HF's GPT2LMHeadModel came out with its lm_head untied from wte")
+    return random_weights_(model, seed).eval()
+
+
 def check_spec(spec) -> str:
     """A model as the CLI, load() and serve name it: a checkpoint directory (a pathlib.Path too), a model id in
     the local HF cache, or random:<preset>[:seed] (an unknown preset named); else one line saying which these are.
