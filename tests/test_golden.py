@@ -623,7 +623,8 @@ def test_an_npz_candidate_is_judged(tiny_golden, tmp_path, capsys):
 def test_an_edited_manifest_is_named_not_blamed_on_a_layer(tiny_golden, tmp_path, capsys):
     """From an adversarial round: a manifest listing a layer it has no tensors of was a KeyError traceback; a
     file entry pointing outside the set was read; an edited eps or activation made verify name a mistake that
-    does not change that stage at all ('attn.c_proj not transposed' at ln_1): it names none now."""
+    does not change that stage at all ('attn.c_proj not transposed' at ln_1): it names none now, and the config's
+    sha256 in the manifest names the edit itself."""
     def edited(name, change):
         d = tmp_path / name
         shutil.copytree(tiny_golden, d)
@@ -637,10 +638,17 @@ def test_an_edited_manifest_is_named_not_blamed_on_a_layer(tiny_golden, tmp_path
     outside = edited("outside", lambda m: m["tensors"]["h0_ffn"].update(file="../elsewhere/h0_ffn.npy"))
     code, _, err = run(["verify", "--golden", str(outside)], capsys)
     assert code == 2 and "lies outside" in err, err
+    # an edited config: its sha256 (written since the manifest holds one) says so; a set from before, without
+    # one, shows the edit where it bites (h0_ln_1), naming no mistake there
     eps = edited("eps", lambda m: m["config"].update(layer_norm_epsilon=1e-3))
-    code, out, _ = run(["verify", "--golden", str(eps)], capsys)
+    code, _, err = run(["verify", "--golden", str(eps)], capsys)
+    assert code == 2 and "config differs from the one its tensors were extracted with" in err, err
+    old = edited("old", lambda m: (m["config"].update(layer_norm_epsilon=1e-3), m.pop("config_sha256")))
+    code, out, _ = run(["verify", "--golden", str(old)], capsys)
     last = out.splitlines()[-1]
     assert code == 1 and "h0_ln_1" in last and "not transposed" not in last, last
+    same = edited("same", lambda m: m.update(config=dict(reversed(list(m["config"].items())))))  # keys reordered
+    assert run(["verify", "--golden", str(same)], capsys)[0] == 0
 
 
 def test_token_ids_txt_and_a_nan_golden_tensor_are_named(tiny_golden, tmp_path, capsys):

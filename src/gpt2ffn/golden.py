@@ -116,6 +116,12 @@ def conventions(cfg: Config) -> dict:
     }
 
 
+def config_sha256(config: dict) -> str:
+    """The sha256 of a manifest's config, as canonical JSON (sorted keys): an edit to it shows, as one to a tensor
+    file does."""
+    return hashlib.sha256(json.dumps(config, sort_keys=True).encode()).hexdigest()
+
+
 def sha256(path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -309,6 +315,7 @@ def extract(model_source: str, out_dir, ids=None, prompt=None, layers="0", progr
         "file_format": file_format,
         "model": model_info,
         "config": cfg.to_hf_dict(),
+        "config_sha256": config_sha256(cfg.to_hf_dict()),
         "conventions": conventions(cfg),
         "token_ids": ids,
         "token_ids_file": IDS_FILE,
@@ -345,6 +352,9 @@ class Golden:
             if m.get("format") != FORMAT:
                 raise ValueError(f"format is {m.get('format')!r}, expected {FORMAT!r}")
             self.config = Config.from_dict(m["config"], ignore_unknown=True)
+            if "config_sha256" in m and m["config_sha256"] != config_sha256(m["config"]):  # (sets before it: none)
+                raise Gpt2ffnError(f"{file}'s config differs from the one its tensors were extracted with (its "
+                                   "config_sha256): the manifest was edited; extract the set again")
             self.tensors, self.layers, self.token_ids = m["tensors"], m["layers"], m["token_ids"]
         except (json.JSONDecodeError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
             raise Gpt2ffnError(f"{file} is corrupt: {e}") from None
