@@ -191,15 +191,15 @@ def test_import_sets_a_short_openmp_spin_unless_told():
     """gpt2ffn sets GOMP_SPINCOUNT=6000 on import (libgomp's 300,000 spins through a busy neighbour's time slice:
     README, "A CPU shared with other work"): where unset, with no OMP_WAIT_POLICY given and torch not loaded yet;
     a user's value wins."""
-    def spin(first="", **env):
+    def spin(first="", **env):  # started at once, read below: the four imports overlap
         base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY")}
         code = f"import os; {first}import gpt2ffn; print(os.environ.get('GOMP_SPINCOUNT'))"
-        return subprocess.run([sys.executable, "-c", code], env={**base, **env}, capture_output=True, text=True,
-                              check=True).stdout.strip()
-    assert spin() == "6000"
-    assert spin(GOMP_SPINCOUNT="100") == "100"
-    assert spin(OMP_WAIT_POLICY="active") == "None"
-    assert spin("import torch; ") == "None"  # libgomp has read its variables: setting one now would mislead
+        return subprocess.Popen([sys.executable, "-c", code], env={**base, **env}, stdout=subprocess.PIPE, text=True)
+    runs = [spin(), spin(GOMP_SPINCOUNT="100"), spin(OMP_WAIT_POLICY="active"),
+            spin("import torch; ")]  # the last: libgomp has read its variables, setting one now would mislead
+    outs = [p.communicate(timeout=120)[0].strip() for p in runs]
+    assert [p.returncode for p in runs] == [0] * 4
+    assert outs == ["6000", "100", "None", "None"], outs
 
 
 def test_import_leaves_torch_distributed_tensor_unloaded():
