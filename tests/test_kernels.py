@@ -185,6 +185,27 @@ def test_bench_quick_smoke(tmp_path, capsys, monkeypatch):
     assert all(r["correct"] is not False for r in result["forward"])
     assert (tmp_path / "bench-cpu.png").read_bytes()[:4] == b"\x89PNG"
     assert "| 96, 32 |" in capsys.readouterr().out
+    assert result["noise"]["entries"] >= len(impls) and result["noise"]["where"].startswith(("d=96 ", "backward d=96 "))
+
+
+def test_bench_says_when_the_machine_moved_its_timings(capsys):
+    """rounds() keeps each entry's spread (interquartile range / median); noise() names the worst, in one line
+    when it is 10% or more, and says nothing for steady timings."""
+    from gpt2ffn import bench
+    bench.SPREAD.clear()
+    steady, shaky = iter([0.010] * 12), iter([0.010, 0.020] * 6)  # 2 warm-up calls each, then 10 timed
+    ms = bench.rounds({"steady": lambda: next(steady), "shaky": lambda: next(shaky)}, 10, self_timed=True, what="x")
+    assert ms["steady"] == 10.0 and ms["shaky"] == 15.0
+    said = bench.noise()
+    assert said["where"] == "x shaky" and said["max_iqr_over_median"] > 0.5 and said["entries"] == 2
+    said_line = capsys.readouterr().out
+    assert "moved between repeats by up to 67% of their median (interquartile range, x shaky)" in said_line
+    bench.SPREAD.clear()
+    steady = iter([0.010] * 12)
+    bench.rounds({"steady": lambda: next(steady)}, 10, self_timed=True)
+    assert bench.noise() == {"max_iqr_over_median": 0.0, "where": "steady", "entries": 1}
+    assert capsys.readouterr().out == ""
+    bench.SPREAD.clear()
 
 
 def test_import_sets_a_short_openmp_spin_unless_told():

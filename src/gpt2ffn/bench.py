@@ -78,9 +78,9 @@ def machine() -> dict:
             "blas": sorted({f"{i['internal_api']} {i.get('version') or ''}".strip() for i in threadpool_info()})}
 
 
-def timeit(f, repeats: int, device="cpu") -> float:
-    """Median milliseconds of f() over `repeats` runs, after warm-up."""
-    return rounds({"f": f}, repeats, device)["f"]
+def timeit(f, repeats: int, device="cpu", what: str = "f") -> float:
+    """Median milliseconds of f() over `repeats` runs, after warm-up (its spread in SPREAD as `what`)."""
+    return rounds({what: f}, repeats, device)[what]
 
 
 def make_ffn(d: int, seed: int = 0, device="cpu") -> FeedForward:
@@ -145,11 +145,18 @@ def cuda_event_ms(f, calls: int) -> float:
     return a.elapsed_time(b) / calls
 
 
-def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1, self_timed: bool = False) -> dict:
+# Each timed entry's spread over its repeats this run (interquartile range / median, the worst where an entry is
+# timed more than once): run() says so in one line when the machine moved the timings (NOISY and up).
+SPREAD = {}
+NOISY = 0.10
+
+
+def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1, self_timed: bool = False, what: str = "") -> dict:
     """Median ms of each function, timed in interleaved rounds (each round runs every function once, in
     order), so that load changes on a shared machine touch every entry alike. Two warm-up calls each.
     calls > 1 (CUDA): each timing is CUDA events around that many back-to-back calls, divided. self_timed
-    (CPU): each function times its own part and returns its seconds (a decode loop after an untimed prefill)."""
+    (CPU): each function times its own part and returns its seconds (a decode loop after an untimed prefill).
+    Each entry's spread goes into SPREAD, under `what` and its name."""
     cuda = str(device).startswith("cuda")
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for f in fns.values():
@@ -169,7 +176,24 @@ def rounds(fns: dict, repeats: int, device="cpu", calls: int = 1, self_timed: bo
             f()
             sync()
             times[k].append(time.perf_counter() - t0)
+    for k, v in times.items():
+        if len(v) >= 2 and statistics.median(v) > 0:
+            q = statistics.quantiles(v, n=4)
+            key = f"{what} {k}".strip()
+            SPREAD[key] = max(SPREAD.get(key, 0.0), (q[2] - q[0]) / statistics.median(v))
     return {k: 1e3 * statistics.median(v) for k, v in times.items()}
+
+
+def noise(log=print) -> dict:
+    """The worst spread rounds() saw since SPREAD was cleared ({} if none), said in one line when it is NOISY or
+    more: a busy machine's timings, to be read as ratios within the run."""
+    if not SPREAD:
+        return {}
+    where, worst = max(SPREAD.items(), key=lambda kv: kv[1])
+    if worst >= NOISY:
+        log(f"note: timings moved between repeats by up to {worst:.0%} of their median (interquartile range, "
+            f"{where}): the machine was busy; compare entries of this run by their ratios, or raise --repeats")
+    return {"max_iqr_over_median": round(worst, 4), "where": where, "entries": len(SPREAD)}
 
 
 def greedy_steps(step, logits, n: int) -> float:
@@ -215,7 +239,7 @@ def bench_forward(dims, tokens, repeats, device="cpu", log=print, dtypes=("fp32"
                             y = y if numpy_in else y.float().cpu().numpy()
                             correct[name] = bool(np.allclose(y, expected, atol=tol.atol, rtol=tol.rtol))
                         fns[name] = (lambda f=f, arg=arg: f(arg))
-                    ms = rounds(fns, repeats, device, calls)
+                    ms = rounds(fns, repeats, device, calls, what=f"d={d} tokens={T} {dt}")
                 for name in fns:
                     rows.append({"d": d, "tokens": T, "dtype": dt, "impl": name, "ms": ms[name],
                                  "correct": correct.get(name), "gflops": 16 * T * d * d / ms[name] / 1e6})
@@ -280,7 +304,7 @@ def bench_backward(dims, tokens, repeats, device="cpu", log=print) -> list:
 
                 def step(m=m, x=x, gy=gy):
                     m(x).backward(gy)
-                ms = timeit(step, repeats, device)
+                ms = timeit(step, repeats, device, what=f"backward d={d} tokens={T} {name}")
                 rows.append({"d": d, "tokens": T, "impl": name, "ms": ms, "saved_bytes": nbytes})
             base = {r["impl"]: r for r in rows if r["d"] == d and r["tokens"] == T}
             lines = [f"d={d}, tokens={T} (forward + backward)",
@@ -310,7 +334,7 @@ def bench_generate(new_tokens=32, repeats=5, log=print) -> dict:
             patch_hf(model)
         with torch.no_grad():
             tokens = model.generate(ids, **kw)
-            ms = timeit(lambda: model.generate(ids, **kw), repeats)
+            ms = timeit(lambda: model.generate(ids, **kw), repeats, what=f"generate {label}")
         out[label] = {"ms": ms, "tokens_per_s": new_tokens / ms * 1e3, "ids": tokens[0].tolist()}
     out["speedup"] = out["HF"]["ms"] / out["HF + patch_hf"]["ms"]
     out["same_tokens"] = out["HF"]["ids"] == out["HF + patch_hf"]["ids"]
@@ -364,6 +388,7 @@ def run(args):
             raise Gpt2ffnError(f"the FFN bench runs fp32 or bf16, got {', '.join(ffn_dtypes)}")
     result = {"machine": machine(), "device": device, "repeats": repeats, "quick": args.quick}
     print(f"machine: {result['machine']}")
+    SPREAD.clear()
     if any(parts.values()):
         if device != "cpu" and (args.kernels or args.accuracy):
             raise Gpt2ffnError("--kernels and --accuracy measure the CPU kernels and formats: use --device cpu")
@@ -378,7 +403,10 @@ def run(args):
                 result[part] = bench_accuracy(args.weights, precisions)
             size = "" if part != "model" or args.weights == "random:gpt2" else "-" + args.weights.split(":")[1]
             file = out_dir / ("accuracy.json" if part == "accuracy" else f"bench-{part}{size}.json")
-            file.write_text(json.dumps({"machine": result["machine"], part: result[part]}, indent=1) + "\n")
+            spread = noise() if part != "accuracy" else {}
+            SPREAD.clear()
+            file.write_text(json.dumps({"machine": result["machine"], part: result[part],
+                                        **({"noise": spread} if spread else {})}, indent=1) + "\n")
             print(f"wrote {file}")
         return result
     result["forward"] = bench_forward(dims, tokens, repeats, device, dtypes=ffn_dtypes)
@@ -391,6 +419,7 @@ def run(args):
         result["backward"] = bench_backward(bwd_dims, bwd_tokens, repeats, device)
     if args.generate:
         result["generate"] = bench_generate(repeats=3 if args.quick else 5)
+    result["noise"] = noise()
     tag = f"{device}{'-quick' if args.quick else ''}"
     (out_dir / f"bench-{tag}.json").write_text(json.dumps(result, indent=1) + "\n")
     try:
@@ -497,8 +526,8 @@ def bench_model(precisions=("fp32",), prompt_tokens=128, new_tokens=64, repeats=
             runs[f"gpt2ffn {precision}"] = (
                 lambda m=model: m(ids, KVCache(cfg, 1, m.kv_dtype, max_len=prompt_tokens + new_tokens), last_only=True),
                 lambda m=model: decode_seconds(m, ids, new_tokens))
-        prefill = rounds({k: v[0] for k, v in runs.items()}, repeats)
-        steps = rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2), self_timed=True)
+        prefill = rounds({k: v[0] for k, v in runs.items()}, repeats, what="prefill")
+        steps = rounds({k: v[1] for k, v in runs.items()}, max(3, repeats // 2), self_timed=True, what="decode")
         overhead = step_overhead(precisions, repeats=max(repeats, 50))
     dram = read_bandwidth()
     out["dram_read_gb_s"] = dram
@@ -613,14 +642,14 @@ def step_overhead(precisions, repeats=50) -> dict:
         def step(model=model, cache=cache, nxt=nxt):
             cache.length = 3
             model(nxt, cache, last_only=True)
-        out[precision] = 1e3 * timeit(step, repeats)
+        out[precision] = 1e3 * timeit(step, repeats, what=f"step overhead {precision}")
     return out
 
 
 def read_bandwidth(gib: float = 1.0, repeats: int = 7) -> float:
     """DRAM read GB/s with torch's threads: the median time to sum a float32 tensor far larger than the L3."""
     t = torch.ones(int(gib * 2**30) // 4)
-    ms = timeit(lambda: t.sum(), repeats)
+    ms = timeit(lambda: t.sum(), repeats, what="read bandwidth")
     return t.nbytes / ms / 1e6
 
 
@@ -702,7 +731,7 @@ def bench_kernels(layers: int = 12, repeats: int = 15, log=print) -> dict:
                 lambda f=ffns[0], ref=ref, x1=x1: rel_err(f(x1), torch.from_numpy(ref(x1.double().numpy()))))
     errors = {name: check() for name, check in checks.items()}
     with torch.no_grad():
-        ms = rounds(chains, repeats)
+        ms = rounds(chains, repeats, what="kernels")
     dram = read_bandwidth()
     out = {"layers": layers, "fp32_mb": fp32_bytes / 1e6, "dram_read_gb_s": dram, "kernels": {}}
     log(f"one-token GEMV chain over {layers} GPT-2 layers ({fp32_bytes / 1e6:.0f} MB fp32), {torch.get_num_threads()} "
