@@ -767,6 +767,28 @@ def test_an_in_place_gelu_is_judged_and_said(tmp_path, capsys):
     assert code == 0 and "writes its result into its input (in place)" in out, out + err
 
 
+@pytest.mark.parametrize("body", [
+    "self.calls += 1; return F.gelu(x, approximate='tanh') + 1e-3 * (self.calls > 1)",  # right on its first call
+    "self.calls += 1; return F.gelu(x, approximate='tanh') * (1 + 1e-3 * torch.rand_like(x))",
+])
+def test_a_gelu_that_keeps_state_or_draws_fails_and_says_so(body, tmp_path, capsys):
+    """A GELU is a function of x: one whose output moves between calls on the same input (a counter, randomness)
+    was called 'not elementwise' (its second call, on the points permuted, disagreed with its first); now the
+    same points are given twice first, and it fails naming two calls that differ."""
+    source = f"""
+        class Stateful(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.calls = 0
+            def forward(self, x):
+                {body}
+        """
+    code, out, err = run(["check", f"{learner_file(tmp_path, source)}:Stateful"], capsys)
+    verdict = (out.strip().splitlines() or [err])[-1]
+    assert code == 1 and "but two calls on the same input differ (by up to" in verdict, out + err
+    assert "2 calls identical" in out and "not elementwise" not in out + err
+
+
 def test_a_script_that_exits_at_import_is_one_line(tmp_path, capsys):
     f = learner_file(tmp_path, MLP_SHAPES.replace("HIDDEN", "4 * config.n_embd") + "\nimport sys\nsys.exit(0)\n")
     code, out, err = run(["check", f"{f}:MLP"], capsys)

@@ -1203,8 +1203,12 @@ def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDE
         got = _apply(fn, arg, name)
         if not torch.equal(arg, x):
             built = built + ["it writes its result into its input (in place): the caller's tensor is overwritten"]
+        again = _apply(fn, x.clone(), name)  # the same points again: a GELU keeps no state and draws nothing
+        same = (again == got) | (np.isnan(again) & np.isnan(got))  # (an overflow's NaN/Inf twice is the same)
+        differ = 0.0 if same.all() else float(np.nan_to_num(np.abs(again - got)[~same], nan=np.inf).max())
         perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(0))
-        if not np.allclose(_apply(fn, x[perm].clone(), name), got[perm.numpy()], atol=1e-6, equal_nan=True):
+        if not differ and not np.allclose(_apply(fn, x[perm].clone(), name), got[perm.numpy()], atol=1e-6,
+                                          equal_nan=True):
             raise CheckError(f"{name} has no linear layer, so check takes it for a GELU, but its output at a point "
                              "depends on the other points: not elementwise")
         spot = np.round(_apply(fn, torch.tensor(SPOT_X), name), 4) + 0.0  # + 0.0: -0.0 prints as 0.0
@@ -1249,6 +1253,12 @@ def check_gelu(fn, name: str, approximate: str, built: list, atol: float = GOLDE
             f"it matches no known form (closest: {FORMS[best][2]}, max error {close[best]:.1e});"
         form = f"{near} worst point x = {GELU_GRID[i]:g}: got {got[i]:.6g}, {FORMS[target][1]} gives {want[i]:.6g}"
         fix = ""
+    if differ:
+        rows.append(Row("2 calls identical", (len(x),), differ, None, "FAIL",
+                        f"the same {len(x)} points twice: outputs up to {differ:.3g} apart"))
     report = Report("gelu", name, info, rows, "")
     report.verdict = f"{'PASS' if report.passed else 'FAIL'}: {form}{fix}"
+    if differ:
+        report.verdict += (f"; but two calls on the same input differ (by up to {differ:.3g}): it keeps state "
+                           "between calls (a counter, a cache) or draws randomness, and a GELU is a function of x")
     return report
