@@ -33,6 +33,28 @@ def round_to(w, precision, group):
     return w
 
 
+@pytest.mark.parametrize("precision", ["int8", "int4"])
+@pytest.mark.parametrize("K, N", [(1600, 6400), (96, 200), (2048, 50)], ids=lambda v: str(v))
+def test_weights_quantize_in_chunks_to_the_whole_tensors_bits(precision, K, N):
+    """quantize_groups runs a few groups' rows at a time through one buffer (GPT-2 xl's int8 load 22.7-24.8 ->
+    16.2-17.0 s on an AMD EPYC Zen 3): its q and scales equal the whole-tensor operations bit for bit, one row of
+    groups per chunk (N = 6400), many (N = 200) and a last chunk shorter than the rest (N = 50), with an all-zero
+    group and a subnormal one."""
+    w = torch.randn(K, N, generator=torch.Generator().manual_seed(K + N)) * 0.02
+    w[:32, :3] = 0
+    w[32:64, 3] = 1e-40
+    wg = w.view(K // 32, 32, N)
+    if precision == "int8":
+        scale = (wg.abs().amax(dim=1) / 127).half().float()
+        q = torch.round(wg / torch.where(scale == 0, 1.0, scale)[:, None]).clamp_(-127, 127)
+    else:
+        scale = (wg.gather(1, wg.abs().argmax(dim=1, keepdim=True))[:, 0] / -8).half().float()
+        q = torch.round(wg / torch.where(scale == 0, 1.0, scale)[:, None] + 8).clamp_(0, 15)
+    got_q, got_scale = quantize_groups(w, precision, 32)
+    assert got_q.dtype == torch.int8 and got_scale.dtype == torch.float32
+    assert torch.equal(got_q, q.view(K, N).to(torch.int8)) and torch.equal(got_scale, scale)
+
+
 def rounded(ffn, q, precision):
     """numpy float64 state dict of the weights `precision` computes with: fp32 `ffn`'s, rounded as `q` packs."""
     out = {}

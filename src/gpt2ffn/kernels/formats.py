@@ -108,14 +108,26 @@ def quantize_groups(w, precision: str, group: int):
     if K % group:
         raise ConfigError(f"{precision} group size {group} does not divide the layer's {K} inputs")
     wg = w.detach().float().view(K // group, group, N)
-    if precision == "int8":
-        scale = (wg.abs().amax(dim=1) / 127).half().float()  # fp16 scales; q is rounded against them
-        q = torch.round(wg / torch.where(scale == 0, 1.0, scale)[:, None]).clamp_(-127, 127)
-    else:
-        idx = wg.abs().argmax(dim=1, keepdim=True)
-        scale = (wg.gather(1, idx)[:, 0] / -8).half().float()
-        q = torch.round(wg / torch.where(scale == 0, 1.0, scale)[:, None] + 8).clamp_(0, 15)
-    return q.view(K, N).to(torch.int8), scale
+    q = torch.empty(K // group, group, N, dtype=torch.int8)
+    scale = torch.empty(K // group, N)
+    # A few groups' rows at a time through one float buffer, written in place: each pass then finds its data in the
+    # cache, and no pass takes fresh memory (first-touch page faults were most of the time: GPT-2 xl's int8 packing
+    # ~20 s). The same operations on every element as whole-tensor ones, so the same bits.
+    step = max(1, (1 << 18) // (group * N))
+    buf = torch.empty(min(step, K // group), group, N)
+    for g0 in range(0, K // group, step):
+        part = wg[g0:g0 + step]
+        b = buf[:part.shape[0]]
+        torch.abs(part, out=b)
+        if precision == "int8":
+            s = (b.amax(dim=1) / 127).half().float()  # fp16 scales; q is rounded against them
+            torch.div(part, torch.where(s == 0, 1.0, s)[:, None], out=b).round_().clamp_(-127, 127)
+        else:
+            s = (part.gather(1, b.argmax(dim=1, keepdim=True))[:, 0] / -8).half().float()
+            torch.div(part, torch.where(s == 0, 1.0, s)[:, None], out=b).add_(8).round_().clamp_(0, 15)
+        q[g0:g0 + step] = b
+        scale[g0:g0 + step] = s
+    return q.view(K, N), scale
 
 
 def quantize_activations(x, group: int):
