@@ -5,6 +5,7 @@ so a state dict moves between the two unchanged. The FFN of each block is gpt2ff
 caches a forward pass writes into (serving/kv_cache.py) are passed in: the model holds no cache of its own.
 """
 
+import contextlib
 import dataclasses
 import json
 import math
@@ -924,13 +925,10 @@ def random_hf_model(cfg: Config, seed: int, attn_implementation: str | None = No
     try:
         from transformers.initialization import no_init_weights  # transformers 5
     except ImportError:
-        no_init_weights = None
-    if no_init_weights is None:
+        no_init_weights = contextlib.nullcontext
+    with no_init_weights():
         model = transformers.GPT2LMHeadModel(hf_cfg)
-    else:
-        with no_init_weights():
-            model = transformers.GPT2LMHeadModel(hf_cfg)
-        model.tie_weights()  # (left untied inside no_init_weights)
+    model.tie_weights()  # (left untied inside no_init_weights; already tied without it)
     if cfg.tie_word_embeddings and model.lm_head.weight is not model.transformer.wte.weight:
         raise RuntimeError("HF's GPT2LMHeadModel came out with its lm_head untied from wte")
     return random_weights_(model, seed).eval()
