@@ -92,14 +92,19 @@ def group_for(K: int, precision: str, group: int | None = None, activations: str
                       f"this layer has {K} (n_embd or n_inner): {other}")
 
 
-def _blocks(w, fill=0):
-    """(K, N) -> (nsuper, K, 64): N padded with `fill` to a multiple of 64, each super-block of 64 outputs
-    row by row over K (gpt2ffn/csrc/linear.h)."""
+def _blocks(w, fill=0, dtype=None, place=False):
+    """(K, N) -> (nsuper, K, 64) in `dtype` (default w's; a float conversion rounds as .to() does): N padded with
+    `fill` to a multiple of 64, each super-block of 64 outputs row by row over K (gpt2ffn/csrc/linear.h). place:
+    written straight where on_huge_pages would copy it (a layer's final tensor), not in fresh memory first."""
     K, N = w.shape
-    pad = -N % SUPER
-    if pad:
-        w = torch.cat([w, w.new_full((K, pad), fill)], dim=1)
-    return w.view(K, -1, SUPER).permute(1, 0, 2).contiguous()
+    full, rest = divmod(N, SUPER)
+    shape, dtype = (full + (rest > 0), K, SUPER), dtype or w.dtype
+    out = empty_on_huge_pages(shape, dtype) if place else torch.empty(shape, dtype=dtype)
+    out[:full].copy_(w[:, :full * SUPER].view(K, full, SUPER).permute(1, 0, 2))
+    if rest:
+        out[full, :, :rest].copy_(w[:, full * SUPER:])
+        out[full, :, rest:].fill_(fill)
+    return out
 
 
 def quantize_groups(w, precision: str, group: int):
@@ -187,22 +192,19 @@ class Packed:
         w = weight.detach().float()
         self.scale = None
         if precision == "fp32":
-            self.w = _blocks(w)
+            self.w = _blocks(w, place=True)
         elif precision == "bf16":
-            self.w = _blocks(w.to(torch.bfloat16).view(torch.int16))
+            self.w = _blocks(w, dtype=torch.bfloat16, place=True).view(torch.int16)
         else:
             q, s = quantize_groups(w, precision, self.group)
-            self.scale = _blocks(s.half(), fill=0.0)
+            self.scale = _blocks(s, fill=0.0, dtype=torch.float16, place=True)
             if activations == "int8":
                 self.w = _words(q, precision)
             elif precision == "int8":
-                self.w = _blocks(q)
+                self.w = _blocks(q, place=True)
             else:
                 qb = _blocks(q, fill=8).view(-1, K // 2, 2, SUPER).to(torch.uint8)
-                self.w = (qb[:, :, 0] | (qb[:, :, 1] << 4)).contiguous()
-        self.w = on_huge_pages(self.w)
-        if self.scale is not None:
-            self.scale = on_huge_pages(self.scale)
+                self.w = on_huge_pages(qb[:, :, 0] | (qb[:, :, 1] << 4))
         self._route = {"decode": "torch", "prefill": "torch"}  # set by quantize()'s probe
         self.bias = None
         if bias is not None:
@@ -304,33 +306,46 @@ def packing_arena():
             _ARENA.chunk = None  # the regions now belong to the tensors in them
 
 
+def _placed(nbytes: int):
+    """uint8 memory of nbytes where on_huge_pages puts a tensor of that size (see there), or None: it stays
+    where it is."""
+    if getattr(_ARENA, "depth", 0):
+        if _ARENA.off:  # no huge pages here: ordinary tensors for the rest of the arena
+            return None
+        start = (_ARENA.used + 63) // 64 * 64
+        if _ARENA.chunk is None or start + nbytes > _ARENA.chunk.numel():
+            _ARENA.chunk, start = _advised(max(CHUNK, nbytes)), 0
+            if _ARENA.chunk is None:
+                _ARENA.off = True
+                return None
+        _ARENA.used = start + nbytes
+        return _ARENA.chunk[start:start + nbytes]
+    return _advised(nbytes) if nbytes >= HUGE_PAGE else None
+
+
 def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """t (a CPU tensor) copied into memory Linux may back with 2 MiB pages (transparent huge pages, asked for
-    with madvise: the common "madvise" setting gives them to no one who does not ask), else t as it is.
-    A decode step streams every weight from DRAM; with 4 KiB pages each 4 KiB costs a TLB miss and a page
-    walk. Measured on AMD EPYC Zen 4 (2 threads, GPT-2 124M, decode tokens/s, same process, interleaved): fp32
-    1.37x, bf16 1.27x; llama.cpp gets the same from the page cache of its mmapped GGUF. Inside
+    """t (a CPU tensor, any strides) copied into memory Linux may back with 2 MiB pages (transparent huge pages,
+    asked for with madvise: the common "madvise" setting gives them to no one who does not ask), else t made
+    contiguous. A decode step streams every weight from DRAM; with 4 KiB pages each 4 KiB costs a TLB miss and a
+    page walk. Measured on AMD EPYC Zen 4 (2 threads, GPT-2 124M, decode tokens/s, same process, interleaved):
+    fp32 1.37x, bf16 1.27x; llama.cpp gets the same from the page cache of its mmapped GGUF. Inside
     packing_arena() tensors share regions; outside, a tensor under 2 MiB stays where it is, and of a larger
     one only the whole 2 MiB blocks are advised, so no page past its end becomes resident."""
     n = t.nbytes
-    if t.device.type != "cpu" or n == 0:
-        return t
-    if getattr(_ARENA, "depth", 0):
-        if _ARENA.off:  # no huge pages here: ordinary tensors for the rest of the arena
-            return t
-        start = (_ARENA.used + 63) // 64 * 64
-        if _ARENA.chunk is None or start + n > _ARENA.chunk.numel():
-            _ARENA.chunk, start = _advised(max(CHUNK, n)), 0
-            if _ARENA.chunk is None:
-                _ARENA.off = True
-                return t
-        _ARENA.used = start + n
-        out = _ARENA.chunk[start:start + n]
-    elif n < HUGE_PAGE or (out := _advised(n)) is None:
-        return t
+    out = _placed(n) if t.device.type == "cpu" and n else None
+    if out is None:
+        return t.contiguous()
     out = out.view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def empty_on_huge_pages(shape, dtype) -> torch.Tensor:
+    """An uninitialized CPU tensor where on_huge_pages would have copied one of this shape and dtype: a layer's
+    packed weights are written there once, with no copy in fresh memory first."""
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    out = _placed(n) if n else None
+    return torch.empty(shape, dtype=dtype) if out is None else out.view(dtype).view(shape)
 
 
 def huge_zeros(shape, dtype=torch.float32, device="cpu") -> torch.Tensor:
@@ -377,14 +392,22 @@ def release_freed_memory():
 def _words(q, precision: str):
     """int8 (K, N) quantized weights -> the int8-activation layout (linear.h's I8A8 / I4A8): per super-block,
     4-byte words of consecutive k per lane, as vpdpbusd reads them. int8: q + 128 (unsigned bytes); int4: q's
-    nibbles, k 8j + i low and 8j + 4 + i high in byte i of word j."""
-    K = q.shape[0]
-    if precision == "int8":
-        u = _blocks((q.to(torch.int16) + 128).to(torch.uint8), fill=128)       # (nsuper, K, 64)
-        return u.view(-1, K // 4, 4, SUPER).transpose(2, 3).contiguous()        # (nsuper, K/4, 64, 4)
-    u = _blocks(q.to(torch.uint8), fill=8).view(-1, K // 8, 2, 4, SUPER)        # k = 8j + 4h + i
-    b = u[:, :, 0] | (u[:, :, 1] << 4)                                          # (nsuper, K/8, 4, 64)
-    return b.transpose(2, 3).contiguous()                                       # (nsuper, K/8, 64, 4)
+    nibbles, k 8j + i low and 8j + 4 + i high in byte i of word j. Written once, where it will live (q, this
+    packing's own, is overwritten), from q's rows: through _blocks and whole-tensor steps each in fresh memory
+    GPT-2 xl's int8 layers took ~5 s of its load."""
+    K, N = q.shape
+    if precision == "int8":  # q ^ 0x80 is q + 128 as an unsigned byte
+        u, fill = q.view(torch.uint8).bitwise_xor_(0x80).view(K // 4, 4, N), 128  # (K/4 words, byte i, N)
+    else:
+        v = q.view(torch.uint8).view(K // 8, 2, 4, N)                             # k = 8j + 4h + i
+        u, fill = v[:, 0] | (v[:, 1] << 4), 8 | 8 << 4                             # (K/8 words, byte i, N)
+    full, rest = divmod(N, SUPER)
+    out = empty_on_huge_pages((full + (rest > 0), u.shape[0], SUPER, 4), torch.uint8)  # (nsuper, words, 64, 4)
+    out[:full].copy_(u[..., :full * SUPER].view(u.shape[0], 4, full, SUPER).permute(2, 0, 3, 1))
+    if rest:
+        out[full, :, :rest].copy_(u[..., full * SUPER:].permute(0, 2, 1))
+        out[full, :, rest:] = fill
+    return out
 
 
 def _stamp(weight, bias):
