@@ -775,3 +775,26 @@ def test_held_weights_second_review_round(tmp_path):
     c_fc.weight.data = 2 * sd["transformer.h.0.mlp.c_fc.weight"]
     assert torch.equal(m.state_dict()["transformer.h.0.mlp.c_fc.weight"], 2 * sd["transformer.h.0.mlp.c_fc.weight"])
 
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_a_strided_input_computes_as_its_contiguous_copy(precision):
+    """The native kernels read each row's K values side by side; a packed FFN, Conv1D or lm_head given a view whose
+    rows are not (x.T, a (B, C, T) tensor transposed) raised "x must have unit stride along K" from C++ (an outside
+    tester; the unpacked modules computed it). Now each gives its contiguous copy's output, bit for bit, with
+    autograd on or off, and the input's gradient through a packed fp32 layer too."""
+    model = GPT2(SMALL).eval()
+    quantize(model, precision)
+    block = model.transformer.h[0]
+    d = SMALL.n_embd
+    for x in (torch.randn(d, 5).t(), torch.randn(1, d, 5).transpose(1, 2), torch.randn(2, d, 3).transpose(1, 2)):
+        for module in (block.mlp, block.mlp.c_fc, block.attn.c_attn, model.lm_head):
+            for grad in (False, True):
+                with torch.set_grad_enabled(grad):
+                    got, want = module(x), module(x.contiguous())
+                assert torch.equal(got, want), (precision, type(module).__name__, x.stride(), grad)
+    if precision == "fp32":  # through PackedMatmul's backward
+        x = torch.randn(1, d, 5).transpose(1, 2).requires_grad_()
+        block.mlp(x).sum().backward()
+        xc = x.detach().contiguous().requires_grad_()
+        block.mlp(xc).sum().backward()
+        assert torch.equal(x.grad, xc.grad)

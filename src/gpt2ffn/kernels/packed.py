@@ -133,15 +133,21 @@ def top_p_(x, top_p: list) -> bool:
     return _C.top_p_(x, torch.tensor(top_p, dtype=torch.float64))
 
 
+def unit_k(x2):
+    """x2 (M, K) as the native kernels read it, each row's K values side by side: a view whose rows are not (a
+    transposed input, (B, C, T).transpose(1, 2)) copied, as torch's matmul would."""
+    return x2 if x2.stride(-1) == 1 or x2.shape[-1] == 1 else x2.contiguous()
+
+
 def ffn(x2, p1: Packed, p2: Packed, act: str):
     """c_proj(act(c_fc(x2))) in one native call: no Python between the two layers."""
-    return _C.ffn(x2, *native_args((p1, p2)), act)
+    return _C.ffn(unit_k(x2), *native_args((p1, p2)), act)
 
 
 def linear(x2, p: Packed, weight, bias, route: str, gelu: str | None = None):
     """(M, K) fp32 -> (M, N): x2 @ W + b through `route`; with gelu ('tanh' or 'none'), GELU applied too."""
     if route == "native":  # GELU inside the kernels (tanh form) or right after them (exact)
-        return _C.linear(x2, p.w, p.scale, p.bias, p.format, p.N, p.group, gelu or "")
+        return _C.linear(unit_k(x2), p.w, p.scale, p.bias, p.format, p.N, p.group, gelu or "")
     if route == "onednn":
         post = "gelu" if gelu else "none"
         wp, b = _onednn(p, weight, bias, 1 if x2.shape[0] <= DECODE_TOKENS else 128, post)
