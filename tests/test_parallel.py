@@ -1,5 +1,6 @@
-"""Tensor parallelism (gpt2ffn.parallel, serving/tp.py) on CPU with gloo: spawned processes, world size 2 and
-4, tiny configs, each compared with one process's fp32 forward, gradients and greedy tokens."""
+"""Tensor parallelism (gpt2ffn.parallel, serving/tp.py) on CPU with gloo: processes forked from a forkserver (a fresh
+interpreter, as spawn gives), world size 2 and 4, tiny configs, each compared with one process's fp32 forward,
+gradients and greedy tokens."""
 
 import copy
 import glob
@@ -145,7 +146,11 @@ def worker(rank, world, store, queue, cfg=CFG):
 
 
 def spawn(world):
-    ctx = mp.get_context("spawn")
+    # Ranks forked from a forkserver that imported torch and gpt2ffn once: spawned, each rank imported them itself,
+    # and 4 ranks on 2 cores took ~20 s to start. (This module cannot be preloaded: the server has not the tests'
+    # sys.path; a rank imports it, cheaply, to find `worker`.)
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch.distributed", "gpt2ffn.generate", "gpt2ffn.loading", "gpt2ffn.parallel"])
     queue = ctx.Queue()
     store = tempfile.mktemp(prefix="gpt2ffn-tp-")
     procs = [ctx.Process(target=worker, args=(r, world, store, queue)) for r in range(world)]
