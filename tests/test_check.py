@@ -456,6 +456,20 @@ def test_tanh_where_the_config_says_exact(tmp_path, capsys):
                 super().__init__()
                 self.c_fc = nn.Linear(cfg["width"], cfg["d_ff"])
         """, "Wants", "Wants(cfg) raised KeyError: 'width': it reads a key cfg does not have (vocab_size, "),
+    ("""
+        from dataclasses import dataclass
+
+        @dataclass
+        class Cfg:
+            n_embd: int
+            n_hidden: int
+
+        class Needs(nn.Module):
+            def __init__(self, config: Cfg):
+                super().__init__()
+                self.c_fc = nn.Linear(config.n_embd, config.n_hidden)
+        """, "Needs", "missing 1 required positional argument: 'n_hidden': n_hidden is not a GPT-2 field check knows; "
+     "give it with --config '{\"n_hidden\": VALUE}' (check(obj, config={...}) in Python)"),
     ("x = 1\n", "Missing", "has no 'Missing'; its modules: none"),
     ("import nope_not_a_module\n", "X", "failed (line 6): ModuleNotFoundError: No module named 'nope_not_a_module'"),
 ])
@@ -464,6 +478,38 @@ def test_what_cannot_run_is_one_line(source, target, message, golden, tmp_path, 
     code, out, err = run(["check", f"{path}:{target}", "--golden", golden], capsys)
     assert code == 2 and out == "" and err.count("\n") == 1, err
     assert message in err, err
+
+
+def test_a_config_class_without_a_known_width_is_named(golden, tmp_path, capsys):
+    """A llama-style ModelArgs (dim, n_layers, ...): built with the both-styles object, and the report says why,
+    where it said the file had no config class (an outside tester)."""
+    path = learner_file(tmp_path, """
+        from dataclasses import dataclass
+
+        @dataclass
+        class ModelArgs:
+            dim: int = 4096
+            n_layers: int = 32
+
+        class FeedForward(nn.Module):
+            def __init__(self, args: ModelArgs):
+                super().__init__()
+                self.w1, self.w2 = nn.Linear(args.dim, 4 * args.dim), nn.Linear(4 * args.dim, args.dim)
+
+            def forward(self, x):
+                return self.w2(F.gelu(self.w1(x), approximate="tanh"))
+        """)
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden], capsys)
+    assert code == 0, out
+    assert ("as check builds a config class only when it names the width n_embd, emb_dim, d_model or hidden_size "
+            "(ModelArgs names none)") in out
+
+
+def test_a_layer_out_of_range_is_named_for_python_and_the_cli():
+    """check(..., layer=7) from Python named the CLI's flag alone (an outside tester)."""
+    learner = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU("tanh"), torch.nn.Linear(256, 64))
+    with pytest.raises(CheckError, match=r"^layer=7 \(--layer\) is out of range: random:tiny:0 has layers 0..1$"):
+        check(learner, preset="tiny", layer=7)
 
 
 def test_python_api_takes_classes_instances_and_functions(golden):

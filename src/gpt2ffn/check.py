@@ -186,7 +186,7 @@ def random_case(source: str, layer: int) -> FFNCase:
     from .golden import capture, load_reference
     model, cfg, info = load_reference(source)
     if not 0 <= layer < cfg.n_layer:
-        raise CheckError(f"--layer {layer} is out of range: {source} has layers 0..{cfg.n_layer - 1}")
+        raise CheckError(f"layer={layer} (--layer) is out of range: {source} has layers 0..{cfg.n_layer - 1}")
     ids = [i % cfg.vocab_size for i in TOKEN_IDS]
     t = capture(model, cfg, ids, [layer])
     return FFNCase(source=info["source"], layer=layer, approximate=cfg.gelu_approximate,

@@ -173,19 +173,35 @@ def _fields(cls) -> list:
     return [k for k, v in vars(cls).items() if not k.startswith("_") and not callable(v)]
 
 
+def _annotated_class(cls):
+    """The class cls's constructor's first parameter is annotated with (def __init__(self, args: ModelArgs)), or
+    None."""
+    params = list(inspect.signature(cls.__init__).parameters.values())[1:2]
+    ann = params[0].annotation if params else inspect.Parameter.empty
+    if isinstance(ann, str):
+        ann = getattr(sys.modules.get(cls.__module__), ann, None)
+    return ann if inspect.isclass(ann) and ann is not inspect.Parameter.empty else None
+
+
 def config_class(cls):
     """The config class cls's constructor takes: its parameter's annotation, else the one class in cls's file
     (not a module) whose fields name the width (n_embd, emb_dim, d_model, hidden_size). None if there is none."""
     mod = sys.modules.get(cls.__module__)
-    params = list(inspect.signature(cls.__init__).parameters.values())[1:2]
-    ann = params[0].annotation if params else inspect.Parameter.empty
-    if isinstance(ann, str) and mod is not None:
-        ann = getattr(mod, ann, None)
-    candidates = [ann] if inspect.isclass(ann) else []
+    ann = _annotated_class(cls)
+    candidates = [ann] if ann is not None else []
     if mod is not None:
         candidates += [v for v in vars(mod).values() if inspect.isclass(v) and v.__module__ == mod.__name__
                        and not issubclass(v, nn.Module)]
     return next((c for c in candidates if set(_fields(c)) & set(WIDTH_NAMES)), None)
+
+
+def _required(cfg_cls) -> list:
+    """The parameters of cfg_cls's constructor that have no default (a dataclass's fields without one)."""
+    try:
+        params = list(inspect.signature(cfg_cls).parameters.values())
+    except (TypeError, ValueError):
+        return []
+    return [p.name for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
 
 
 def make_config(cfg_cls, cfg: Config, raw: dict | None = None) -> tuple:
@@ -201,8 +217,13 @@ def make_config(cfg_cls, cfg: Config, raw: dict | None = None) -> tuple:
             for n, v in kw.items():
                 setattr(obj, n, v)
     except Exception as e:
+        unset = [n for n in _required(cfg_cls) if n not in kw]
+        example = json.dumps({n: "VALUE" for n in unset}).replace('"VALUE"', "VALUE")
+        hint = (f": {', '.join(unset)} {'is' if len(unset) == 1 else 'are'} not a GPT-2 field check knows; give "
+                f"{'it' if len(unset) == 1 else 'them'} with --config '{example}' (check(obj, config={{...}}) in "
+                "Python)" if unset and isinstance(e, TypeError) else "")
         raise CheckError(f"{cfg_cls.__name__}({', '.join(f'{n}=...' for n in names)}) raised "
-                         f"{type(e).__name__}: {e}".splitlines()[0]) from None
+                         f"{type(e).__name__}: {e}".splitlines()[0] + hint) from None
     return obj, f"{cfg_cls.__name__}({', '.join(f'{n}={v!r}' for n, v in kw.items())})"
 
 
@@ -312,6 +333,9 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     except Exception:
         _call(cls, [book], f"{cls.__name__}({label})", label, book)
     both = BothStyles({**gpt2_values(values), **book})
+    ann = _annotated_class(cls)
+    why = (f"check builds a config class only when it names the width {', '.join(WIDTH_NAMES[:-1])} or "
+           f"{WIDTH_NAMES[-1]} ({ann.__name__} names none)" if ann else "its file has no config class")
     return (_call(cls, [both], f"{cls.__name__}(config)", "config"),
             f"{cls.__name__}(config), an object with both naming styles (config.n_embd = config['emb_dim'] = "
-            f"{both['emb_dim']}), as its file has no config class")
+            f"{both['emb_dim']}), as {why}")
