@@ -201,6 +201,28 @@ def test_two_x_expansion_checkpoint_raises(tmp_path):
         FeedForward.from_pretrained(tmp_path / "d")
 
 
+@pytest.mark.parametrize("drop, error, message", [
+    (("n_head", "n_layer"), "ConfigError",
+     "must divide by n_head=12: attention splits n_embd into n_head heads (CONFIG has no n_layer, n_head: GPT-2's 12, "
+     "12 taken, as transformers does)"),
+    (("n_embd",), "ShapeError", "CONFIG has no n_embd: GPT-2's 768 taken, as transformers does)"),
+])
+def test_a_config_without_its_sizes_says_which_defaults_it_took(hf_dir, tmp_path, drop, error, message):
+    """A config.json lacking sizes takes GPT-2 small's, as HF's GPT2Config does; the error those cause (n_embd % n_head,
+    a tensor's shape) says so, where it named only the side effect (an outside tester). A whole config says nothing."""
+    import shutil
+
+    from gpt2ffn import GPT2
+    d = tmp_path / "ck"
+    shutil.copytree(hf_dir, d)
+    assert Config.defaults_note(d / "config.json") == ""
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({k: v for k, v in cfg.items() if k not in drop}))
+    with pytest.raises(Gpt2ffnError) as e:
+        GPT2.from_pretrained(d)
+    assert type(e.value).__name__ == error and message.replace("CONFIG", str(d / "config.json")) in str(e.value)
+
+
 def test_bad_shard_index(tmp_path):
     (tmp_path / "model.safetensors.index.json").write_text(
         json.dumps({"weight_map": {"h.0.mlp.c_fc.weight": "a.safetensors"}}))

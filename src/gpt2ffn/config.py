@@ -43,6 +43,8 @@ HF_ALIASES = {
     "num_hidden_layers": "n_layer",
     "max_position_embeddings": "n_positions",
 }
+# The sizes a GPT-2 config.json gives (HF's GPT2Config takes GPT-2 small's for any it lacks, and so does Config)
+SIZES = ("n_embd", "n_layer", "n_head", "n_positions", "vocab_size")
 
 
 @dataclass(frozen=True)
@@ -172,6 +174,24 @@ class Config:
         if d.get("model_type", "gpt2") != "gpt2":
             raise ConfigError(f"{file} has model_type={d['model_type']!r}; gpt2ffn reads GPT-2 (model_type='gpt2')")
         return cls.from_dict({**d, **generation_ids(file.parent / "generation_config.json")}, ignore_unknown=True)
+
+    @classmethod
+    def defaults_note(cls, file) -> str:
+        """'' or, for a config.json without some of GPT-2's sizes, ' (FILE has no n_head, n_layer: GPT-2's 12, 12
+        taken, as transformers does)': what an error its sizes cause (a shape, n_embd % n_head) goes on to say."""
+        try:
+            d = json.loads(Path(file).read_text())
+        except (OSError, ValueError):
+            return ""
+        if not isinstance(d, dict):
+            return ""
+        aliases = {k: {k} | {a for a, t in HF_ALIASES.items() if t == k} for k in SIZES}
+        absent = [k for k in SIZES if not aliases[k] & set(d)]
+        if not absent:
+            return ""
+        default = cls()
+        return (f" ({file} has no {', '.join(absent)}: GPT-2's {', '.join(str(getattr(default, k)) for k in absent)} "
+                f"taken, as transformers does)")
 
     @classmethod
     def coerce(cls, cfg) -> "Config":

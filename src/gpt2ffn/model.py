@@ -736,7 +736,10 @@ class GPT2(TrainChecked):
         ckpt = Checkpoint(path)
         directory = ckpt.path if ckpt.path.is_dir() else ckpt.path.parent
         with uninitialized():  # every weight is read next (load_tensors refuses a checkpoint that lacks one)
-            model = cls(Config.from_pretrained(directory))
+            try:
+                model = cls(Config.from_pretrained(directory))
+            except ConfigError as e:  # n_embd % n_head, say, from sizes config.json left to GPT-2's
+                raise ConfigError(f"{e}{Config.defaults_note(directory / 'config.json')}") from None
         # HF's keys without "transformer."; lm_head.weight is wte's (tied), whether the file has it or not
         own = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         load_tensors(own, ckpt, "GPT-2", directory / "config.json", optional=("lm_head.weight",),

@@ -179,7 +179,7 @@ def load_tensors(own: dict, ckpt: Checkpoint, what: str, config_file, optional=(
             t = ckpt.get(name)
             if tuple(t.shape) != tuple(target.shape):
                 raise ShapeError(f"{name} has shape {tuple(t.shape)}; the config from {config_file} "
-                                 f"expects {tuple(target.shape)}")
+                                 f"expects {tuple(target.shape)}{Config.defaults_note(config_file)}")
             target.copy_(t)
 
 
