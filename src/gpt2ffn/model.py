@@ -25,7 +25,7 @@ from .ffn import FeedForward
 from .kernels import add_layer_norm
 from .kernels.packed import DecodePlan, causal_attention, runs_causal_attention
 from .linear import Conv1D, PackedLayer, TrainChecked, building_uninitialized, check_trainable, raw, uninitialized
-from .precision import quantize
+from .precision import check_precision, holds_once, quantize
 from .weights import IGNORED, Checkpoint, cached_snapshot, hub_cache, load_tensors, resolve_checkpoint
 
 # HF forward arguments that change nothing here when left at these values (what HF's own callers pass)
@@ -742,13 +742,21 @@ class GPT2(TrainChecked):
                 raise ConfigError(f"{e}{Config.defaults_note(directory / 'config.json')}") from None
         # HF's keys without "transformer."; lm_head.weight is wte's (tied), whether the file has it or not
         own = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+        # The blocks' linear weights, packed and let go next (held once), are packed from the file's own tensors
+        # (safetensors' memory map) rather than copied into the model first
+        mapped = [(name.removeprefix("transformer."), m) for name, m in model.named_modules() if isinstance(m, Conv1D)]
+        if precision is None or dtype != torch.float32 or device != "cpu" or not holds_once(check_precision(precision)):
+            mapped = []
         load_tensors(own, ckpt, "GPT-2", directory / "config.json", optional=("lm_head.weight",),
-                     size=f" ({model.config.n_layer} layers)")
+                     size=f" ({model.config.n_layer} layers)", alias={f"{n}.weight": m.weight for n, m in mapped})
         if not model.config.tie_word_embeddings:
             untied_head(ckpt, directory, own["wte.weight"])
         model = model.to(dtype).eval()
         if precision is not None and dtype == torch.float32:
             quantize(model, precision, activations=activations)
+        for _, m in mapped:  # each was let go; one that was not would get memory of its own (and re-pack)
+            if not m.dropped:
+                m.weight.data = m.weight.data.clone()
         return model.to(device) if device != "cpu" else model
 
     def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):

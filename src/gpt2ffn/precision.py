@@ -68,6 +68,12 @@ def pack_layer(m, precision: str, group, activations: str, once: bool, auto: boo
     m.pack(fmt, g, head_act)
 
 
+def holds_once(precision: str, device="cpu", keep_fp32: bool = False) -> bool:
+    """Whether quantize(module on `device`, precision, keep_fp32=keep_fp32) lets each layer's fp32 weight go as
+    it packs it: the native kernels run there (a route that reads only the packed copy)."""
+    return not keep_fp32 and any(r in PACKED_ROUTES for r in routes(precision, device))
+
+
 def quantize(module, precision: str, group: int | None = None, keep_fp32: bool = False,
              activations: str | None = None):
     """Give every linear layer of `module` (a FeedForward, a GPT2, a Block, ...) packed weights at
@@ -111,7 +117,7 @@ def quantize(module, precision: str, group: int | None = None, keep_fp32: bool =
             raise ConfigError(f"precision {precision!r} packs fp32 Parameters; {type(m).__name__} weight is "
                               f"{m.weight.dtype} (load with dtype=torch.float32)")
     device = layers[0].weight.device
-    once = not keep_fp32 and any(r in PACKED_ROUTES for r in routes(precision, device))
+    once = holds_once(precision, device, keep_fp32)
     module.eval()  # as the docstring says, with both copies kept too
     with packing_arena():  # the packed weights side by side on huge pages (kernels/formats.py: on_huge_pages)
         for m in layers:

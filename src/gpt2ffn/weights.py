@@ -163,10 +163,13 @@ class Checkpoint:
         return f"it has {span}; e.g. {', '.join(sample[:12])}"
 
 
-def load_tensors(own: dict, ckpt: Checkpoint, what: str, config_file, optional=(), size: str = ""):
+def load_tensors(own: dict, ckpt: Checkpoint, what: str, config_file, optional=(), size: str = "", alias=None):
     """Copy every tensor of `own` (checkpoint name -> a model's tensor) from `ckpt`: each present, of the
     shape the config gives, and no tensor in the file that `what` (of `size`) does not have, other than
-    `optional`."""
+    `optional`. alias (checkpoint name -> Parameter): those Parameters take the file's tensor itself where its
+    dtype is theirs (safetensors' memory map: no copy), for weights packed and let go at once; the caller sees
+    that none is left holding it."""
+    alias = alias or {}
     missing = [k for k in own if k not in ckpt]
     if missing:
         raise CheckpointError(f"checkpoint {ckpt.path} lacks {len(missing)} tensors {what} needs, e.g. "
@@ -180,7 +183,11 @@ def load_tensors(own: dict, ckpt: Checkpoint, what: str, config_file, optional=(
             if tuple(t.shape) != tuple(target.shape):
                 raise ShapeError(f"{name} has shape {tuple(t.shape)}; the config from {config_file} "
                                  f"expects {tuple(target.shape)}{Config.defaults_note(config_file)}")
-            target.copy_(t)
+            p = alias.get(name)
+            if p is not None and t.dtype == p.dtype and t.is_contiguous():
+                p.data = t
+            else:
+                target.copy_(t)
 
 
 def _span(layers: list) -> str:
