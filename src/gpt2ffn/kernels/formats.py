@@ -123,29 +123,29 @@ def quantize_groups(w, precision: str, group: int):
     for g0 in range(0, K // group, step):
         part = wg[g0:g0 + step]
         b = buf[:part.shape[0]]
-        torch.abs(part, out=b)
         if precision == "int8":
-            s = (b.amax(dim=1) / 127).half().float()  # fp16 scales; q is rounded against them
+            s = (torch.abs(part, out=b).amax(dim=1) / 127).half().float()  # fp16 scales; q is rounded against them
             torch.div(part, torch.where(s == 0, 1.0, s)[:, None], out=b).round_().clamp_(-127, 127)
         else:
-            s = (_first_of_largest_magnitude(part, b) / -8).half().float()
+            s = (_first_of_largest_magnitude(part) / -8).half().float()
             torch.div(part, torch.where(s == 0, 1.0, s)[:, None], out=b).add_(8).round_().clamp_(0, 15)
         q[g0:g0 + step] = b
         scale[g0:g0 + step] = s
     return q.view(K, N), scale
 
 
-def _first_of_largest_magnitude(part, mag):
+def _first_of_largest_magnitude(part):
     """Per group (dim 1) and column: the value of largest |w|, the first such where +m and -m both occur (as
-    part.gather(1, mag.argmax(1)), whose strided argmax took two thirds of int4 packing): m = max |w| is +m or -m
-    when only one of them is in the group; a tie, a group of zeros (+0 and -0) or a NaN takes the argmax.
-    mag: |part|."""
-    m = mag.amax(dim=1)
-    pos, neg = (part == m[:, None]).any(dim=1), (part == -m[:, None]).any(dim=1)
+    part.gather(1, part.abs().argmax(1)), whose strided argmax took two thirds of int4 packing): from the group's
+    max and min, m = max(max, -min) is +m or -m when only one of them is in the group (max == m,
+    or min == -m, not both); a tie, a group of zeros (+0 and -0) or a NaN takes the argmax."""
+    mx, mn = part.amax(dim=1), part.amin(dim=1)  # (aminmax over this strided dim: ~2.5x the time of the two)
+    m = torch.maximum(mx, -mn)
+    pos, neg = mx == m, mn == -m
     value = torch.where(pos, m, -m)
     either = pos ^ neg
     if not bool(either.all()):
-        first = part.gather(1, mag.argmax(dim=1, keepdim=True))[:, 0]
+        first = part.gather(1, part.abs().argmax(dim=1, keepdim=True))[:, 0]
         value = torch.where(either, value, first)
     return value
 
