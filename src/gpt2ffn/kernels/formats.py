@@ -139,7 +139,7 @@ def _first_of_largest_magnitude(part):
     part.gather(1, part.abs().argmax(1)), whose strided argmax took two thirds of int4 packing): from the group's
     max and min, m = max(max, -min) is +m or -m when only one of them is in the group (max == m,
     or min == -m, not both); a tie, a group of zeros (+0 and -0) or a NaN takes the argmax."""
-    mx, mn = part.amax(dim=1), part.amin(dim=1)  # (aminmax over this strided dim: ~2.5x the time of the two)
+    mx, mn = part.amax(dim=1), part.amin(dim=1)  # (torch.aminmax over this dim: 2.7x int8's abs + amax, here)
     m = torch.maximum(mx, -mn)
     pos, neg = mx == m, mn == -m
     value = torch.where(pos, m, -m)
