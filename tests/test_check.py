@@ -505,6 +505,39 @@ def test_a_config_class_without_a_known_width_is_named(golden, tmp_path, capsys)
             "(ModelArgs names none)") in out
 
 
+def test_a_config_key_no_one_reads_is_named(golden, tmp_path, capsys):
+    """--config's keys went to the learner's config as given, so a typo ("drop_rte") passed unseen (an outside
+    tester): one that names no GPT-2 field and that the class did not read is named in the built-as line; one the
+    class reads (its own "hidden"), or a GPT-2 field, is not; a config class without such a field says it was left
+    out."""
+    path = learner_file(tmp_path, SEED_002)
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden, "--config", '{"drop_rte": 0.0}'], capsys)
+    assert code == 0 and "; --config's 'drop_rte' is no GPT-2 field and FeedForward did not read it" in out, out
+    code, out, _ = run(["check", f"{path}:FeedForward", "--golden", golden, "--config", '{"drop_rate": 0.0}'], capsys)
+    assert code == 0 and "--config's" not in out, out
+    own = learner_file(tmp_path, SEED_002.replace('4 * cfg["emb_dim"]', 'cfg["hidden"]'), name="own.py")
+    code, out, _ = run(["check", f"{own}:FeedForward", "--golden", golden, "--config", '{"hidden": 256}'], capsys)
+    assert code == 0 and "--config's" not in out, out
+    dc = learner_file(tmp_path, """
+        from dataclasses import dataclass
+
+        @dataclass
+        class Cfg:
+            n_embd: int = 768
+
+        class MLP(nn.Module):
+            def __init__(self, config: Cfg):
+                super().__init__()
+                self.c_fc, self.c_proj = nn.Linear(config.n_embd, 4 * config.n_embd), nn.Linear(4 * config.n_embd,
+                                                                                                 config.n_embd)
+
+            def forward(self, x):
+                return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        """, name="dc.py")
+    code, out, _ = run(["check", f"{dc}:MLP", "--golden", golden, "--config", '{"n_hiden": 256}'], capsys)
+    assert code == 0 and "; --config's 'n_hiden' is no GPT-2 field and Cfg has no such field: left out" in out, out
+
+
 def test_a_layer_out_of_range_is_named_for_python_and_the_cli():
     """check(..., layer=7) from Python named the CLI's flag alone (an outside tester)."""
     learner = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU("tanh"), torch.nn.Linear(256, 64))

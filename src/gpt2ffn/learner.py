@@ -42,6 +42,10 @@ FIELD_NAMES = {
 }
 
 
+# Every name a GPT-2 config field goes by, in any style (a --config key outside these is the learner's own, or a typo)
+GPT2_NAMES = ({n for names in FIELD_NAMES.values() for n in names} | {f.name for f in dataclasses.fields(Config)}
+              | set(GPT_CONFIG_124M))
+
 # Argument names the keyword path of build() leaves alone: they mean different widths in different code.
 AMBIGUOUS_ARGS = ("hidden_size", "dim", "eps")
 
@@ -227,7 +231,56 @@ def make_config(cfg_cls, cfg: Config, raw: dict | None = None) -> tuple:
     return obj, f"{cfg_cls.__name__}({', '.join(f'{n}={v!r}' for n, v in kw.items())})"
 
 
-class BothStyles(dict):
+class ReadKeys(dict):
+    """A config dict that remembers which keys its reader asked for (a read of the whole dict counts as all), so a
+    --config key no one read (a typo: "drop_rte") can be named."""
+
+    def _mark(self, *keys):
+        self.__dict__.setdefault("read", set()).update(keys or super().keys())
+
+    def __getitem__(self, key):
+        self._mark(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self._mark(key)
+        return super().get(key, default)
+
+    def __contains__(self, key):
+        self._mark(key)
+        return super().__contains__(key)
+
+    def __iter__(self):
+        self._mark()
+        return super().__iter__()
+
+    def keys(self):
+        self._mark()
+        return super().keys()
+
+    def items(self):
+        self._mark()
+        return super().items()
+
+    def values(self):
+        self._mark()
+        return super().values()
+
+    def copy(self):
+        self._mark()
+        return dict(super().items())
+
+    def unread(self, raw) -> list:
+        """raw's keys (--config's) that name no GPT-2 field in any style and that no one read."""
+        return [k for k in raw or () if k not in GPT2_NAMES and k not in self.__dict__.get("read", ())]
+
+
+def _unread_note(keys: list, who: str) -> str:
+    return (f"; --config's {', '.join(repr(k) for k in keys)} {'is' if len(keys) == 1 else 'are'} no GPT-2 field "
+            f"and {who}" if keys else "")
+
+
+class BothStyles(ReadKeys):
     """A config answering both naming styles: cfg["emb_dim"] (the book's dict) and cfg.n_embd (nanoGPT, HF)."""
 
     def __getattr__(self, name):
@@ -310,7 +363,9 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     cfg_cls = config_class(cls)
     if cfg_cls is not None:
         obj, label = make_config(cfg_cls, values, raw)
-        return _call(cls, [obj], f"{cls.__name__}({label})", label), f"{cls.__name__}({label})"
+        foreign = [k for k in raw or () if k not in GPT2_NAMES and k not in _fields(cfg_cls)]
+        return _call(cls, [obj], f"{cls.__name__}({label})", label), f"{cls.__name__}({label})" + _unread_note(
+            foreign, f"{cfg_cls.__name__} has no such field: left out")
     if config is not None:  # the fields --config names, over the reference's book dict
         book, label = {**values.to_book_dict(), **(raw or {})}, "cfg"
     elif (ref.n_embd, ref.hidden) == (768, 3072):
@@ -321,10 +376,11 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
         book = {**book, "qkv_bias": True}
         label += " with qkv_bias=True (GPT-2's c_attn has biases)"
     how = f"{cls.__name__}({label})" + (f", cfg = {json.dumps(book)}" if label == "cfg" else "")
+    book = ReadKeys(book)
     try:
-        return cls(book), how
+        return (built := cls(book)), how + _unread_note(book.unread(raw), f"{cls.__name__} did not read it")
     except AttributeError as e:
-        if "'dict' object has no attribute" not in str(e):
+        if "'ReadKeys' object has no attribute" not in str(e):
             _call(cls, [book], f"{cls.__name__}({label})", label, book)  # re-raise it as a CheckError
     except KeyError as e:  # the dict read with another style's keys (cfg["n_embd"]): both styles answer below
         key = e.args[0] if e.args else None
@@ -336,6 +392,7 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     ann = _annotated_class(cls)
     why = (f"check builds a config class only when it names the width {', '.join(WIDTH_NAMES[:-1])} or "
            f"{WIDTH_NAMES[-1]} ({ann.__name__} names none)" if ann else "its file has no config class")
-    return (_call(cls, [both], f"{cls.__name__}(config)", "config"),
-            f"{cls.__name__}(config), an object with both naming styles (config.n_embd = config['emb_dim'] = "
-            f"{both['emb_dim']}), as {why}")
+    built = _call(cls, [both], f"{cls.__name__}(config)", "config")
+    return built, (f"{cls.__name__}(config), an object with both naming styles (config.n_embd = config['emb_dim'] = "
+                   f"{both.get('emb_dim')}), as {why}"
+                   + _unread_note(both.unread(raw), f"{cls.__name__} did not read it"))
