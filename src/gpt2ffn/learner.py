@@ -250,25 +250,14 @@ class ReadKeys(dict):
         self._mark(key)
         return super().__contains__(key)
 
-    def __iter__(self):
-        self._mark()
-        return super().__iter__()
+    def _whole(name):  # a read of every key
+        def read_all(self):
+            self._mark()
+            return getattr(dict, name)(self)
+        return read_all
 
-    def keys(self):
-        self._mark()
-        return super().keys()
-
-    def items(self):
-        self._mark()
-        return super().items()
-
-    def values(self):
-        self._mark()
-        return super().values()
-
-    def copy(self):
-        self._mark()
-        return dict(super().items())
+    __iter__, keys, items, values = _whole("__iter__"), _whole("keys"), _whole("items"), _whole("values")
+    copy = _whole("copy")
 
     def unread(self, raw) -> list:
         """raw's keys (--config's) that name no GPT-2 field in any style and that no one read."""
