@@ -51,7 +51,8 @@ def test_gelu_plot(tmp_path, capsys):
     (["bench", "--repeats", "5"], "argument --repeats: an int >= 10, got '5'"),
     (["generate", "--model", "random:tiny", "--ids", "1,2", "--stop", ""], "--stop takes non-empty strings"),
     (["generate", "--model", "", "x"], "--model is empty"),
-    (["generate", "--model", "random:tiny", "--ids", "1,2", "--top-k", "-1"], "--top-k must be >= 0 (0 = off, as HF"),
+    (["generate", "--model", "random:tiny", "--ids", "1,2", "--top-k", "-2"],
+     "--top-k must be >= 1, or 0 or -1 for off (HF's 0, vLLM's -1), got -2"),
     (["generate", "--model", "random:tiny", "--ids", "-1,2"], "token ids must be in [0, "),  # not argparse's
     (["generate", "--model", "random:tiny", "--id", "-1,2"], "token ids must be in [0, "),  # its abbreviation too
     (["serve", "--model", ""], "--model is empty"),
@@ -398,3 +399,13 @@ def test_a_prompt_that_fills_the_context_is_named_as_such(capsys):
     model, _, _ = load("random:tiny")
     with pytest.raises(Gpt2ffnError, match=r"generate was given no prompts: give a list of token-id lists"):
         generate(model, [], max_new_tokens=3)
+
+
+def test_generate_top_k_minus_one_is_off_as_zero(capsys):
+    """--top-k -1 (vLLM's off) was refused by the CLI though Sampling and the README take it (an outside tester)."""
+    out = []
+    for k in ("-1", "0"):
+        assert main(["generate", "--model", "random:tiny", "--ids", "1,2", "--top-k", k, "--seed", "3",
+                     "--temperature", "1", "--max-new-tokens", "6"]) == 0
+        out.append(capsys.readouterr().out)
+    assert out[0] == out[1] and out[0]

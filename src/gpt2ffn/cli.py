@@ -361,8 +361,9 @@ def cmd_generate(args):
     if (args.prompt is None) == (args.ids is None):
         raise UsageError("gpt2ffn generate: give a prompt or --ids (token ids, e.g. --ids 15496,11,616)"
                          + (", not both" if args.prompt is not None else ""))
-    if args.top_k is not None and args.top_k < 0:
-        raise UsageError(f"gpt2ffn generate: --top-k must be >= 0 (0 = off, as HF's), got {args.top_k}")
+    if args.top_k is not None and args.top_k < -1:
+        raise UsageError(f"gpt2ffn generate: --top-k must be >= 1, or 0 or -1 for off (HF's 0, vLLM's -1), "
+                         f"got {args.top_k}")
     model, tok, name = load(args.model, _dtype(args.dtype), precision=args.precision, device=args.device, tp=args.tp,
                             activations=_activations(args.activations), kv_dtype=_dtype(args.kv_cache_dtype),
                             need_tokenizer=args.ids is None)
@@ -554,7 +555,7 @@ def build_parser() -> Parser:
                    "openai-community/gpt2 from the local HF cache")
     p.add_argument("--max-new-tokens", type=int, help="default 50, or the room the context has left")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens; 0 = off (default)")
+    p.add_argument("--top-k", type=int, help="sample from the k likeliest tokens; 0 or -1 = off (default)")
     p.add_argument("--top-p", type=float,
                    help="sample from the likeliest tokens whose probabilities sum to p (0 < p <= 1); default: off")
     p.add_argument("--seed", type=int, help="seed of the sampling: the same seed, the same tokens")
@@ -634,8 +635,9 @@ def build_parser() -> Parser:
     p.add_argument("--backward", action="store_true", help="also time forward+backward and saved activations")
     p.add_argument("--generate", action="store_true", help="also time HF generate with and without patch_hf")
     p.add_argument("--model", nargs="?", const=True, default=False, metavar="SPEC",
-                   help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF; SPEC, as serve and generate take "
-                        "it (random:<preset>[:seed]), is --weights")
+                   help="instead: the whole gpt2 (prefill, decode tokens/s) vs HF on seeded random weights: SPEC is "
+                        "random:<preset>[:seed] (default: --weights); a checkpoint's accuracy: --accuracy "
+                        "--weights DIR")
     p.add_argument("--batch", type=int, action="append", help="with --model --device cuda: a batch size to time "
                    "(repeatable; default 1, 32 and 256)")
     p.add_argument("--precision", choices=PRECISIONS, action="append",
