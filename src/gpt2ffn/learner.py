@@ -367,7 +367,7 @@ def build(cls, ref: Config, config=None, qkv_bias: bool = False) -> tuple:
     how = f"{cls.__name__}({label})" + (f", cfg = {json.dumps(book)}" if label == "cfg" else "")
     book = ReadKeys(book)
     try:
-        return (built := cls(book)), how + _unread_note(book.unread(raw), f"{cls.__name__} did not read it")
+        return cls(book), how + _unread_note(book.unread(raw), f"{cls.__name__} did not read it")
     except AttributeError as e:
         if "'ReadKeys' object has no attribute" not in str(e):
             _call(cls, [book], f"{cls.__name__}({label})", label, book)  # re-raise it as a CheckError

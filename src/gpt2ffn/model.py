@@ -744,9 +744,10 @@ class GPT2(TrainChecked):
         own = {k.removeprefix("transformer."): v for k, v in model.state_dict().items() if k != "lm_head.weight"}
         # The blocks' linear weights, packed and let go next (held once), are packed from the file's own tensors
         # (safetensors' memory map) rather than copied into the model first
-        mapped = [(name.removeprefix("transformer."), m) for name, m in model.named_modules() if isinstance(m, Conv1D)]
-        if precision is None or dtype != torch.float32 or device != "cpu" or not holds_once(check_precision(precision)):
-            mapped = []
+        held = precision is not None and dtype == torch.float32 and device == "cpu" and holds_once(
+            check_precision(precision))
+        mapped = [(name.removeprefix("transformer."), m) for name, m in model.named_modules()
+                  if held and isinstance(m, Conv1D)]
         load_tensors(own, ckpt, "GPT-2", directory / "config.json", optional=("lm_head.weight",),
                      size=f" ({model.config.n_layer} layers)", alias={f"{n}.weight": m.weight for n, m in mapped})
         if not model.config.tie_word_embeddings:
